@@ -1,0 +1,671 @@
+"""The replay buffer: producers move groups through their lifecycle, the trainer samples.
+
+Everything that changes state is synchronous (the ``*_nowait`` methods and the
+evaluation inside ``sample``), so on one event loop each call is atomic. ``sample``
+is the only call that waits: it parks on a per-call ``anyio.Event`` that a producer
+sets only when the head waiter of that partition might now get its batch (or has
+eviction work to do). A woken waiter re-checks everything itself; nothing is handed
+to it before it runs, so a cancelled waiter can lose nothing, and when it leaves the
+queue it passes the wake-up on to the next waiter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any, TypeVar
+
+import anyio
+
+from . import staleness
+from ._checks import (
+    check_batch_size,
+    check_index,
+    check_partition,
+    check_step,
+    check_tags,
+    check_timeout,
+    check_uid,
+)
+from .config import SamplerConfig
+from .custom_sampler import load_custom_sampler
+from .errors import (
+    BufferClosedError,
+    ConfigError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+    StalebufError,
+    UnknownGroupError,
+)
+from .metrics import SampleMetrics
+from .partition import OpenGroup, PartitionIndex, Waiter
+from .records import Batch, EvictionEvent, Group, Status, Trajectory
+from .stats import BufferStats, PartitionStats
+
+__all__ = ["ReplayBuffer"]
+
+logger = logging.getLogger("stalebuf")
+
+_Self = TypeVar("_Self", bound="ReplayBuffer")
+EvictCallback = Callable[[EvictionEvent], object]
+
+
+class ReplayBuffer:
+    """A staleness-aware buffer of trajectory groups for asynchronous RL.
+
+    Construction is synchronous and needs no running event loop; the buffer binds to
+    the loop that first awaits it. It is not thread-safe: use it from one event loop.
+
+    Args:
+        config: the sampler config; None means ``SamplerConfig()``.
+        on_evict: called synchronously with one :class:`EvictionEvent` per reason per
+            eviction round, inside ``sample``, after the buffer state is consistent. It may
+            call the ``*_nowait`` producer methods (e.g. to refill prompts).
+        status_log_interval: a ``sample`` blocked this many seconds logs one INFO line on
+            the "stalebuf" logger, and again every interval after; None disables it.
+
+    Raises:
+        ConfigError: if ``config`` is not a SamplerConfig, ``on_evict`` is not callable, or
+            ``status_log_interval`` is not None or a positive number.
+    """
+
+    def __init__(
+        self,
+        config: SamplerConfig | None = None,
+        *,
+        on_evict: EvictCallback | None = None,
+        status_log_interval: float | None = 60.0,
+    ) -> None:
+        if config is None:
+            config = SamplerConfig()
+        elif not isinstance(config, SamplerConfig):
+            raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
+        if on_evict is not None and not callable(on_evict):
+            raise ConfigError(f"on_evict must be callable or None, got {on_evict!r}")
+        if status_log_interval is not None and (
+            isinstance(status_log_interval, bool)
+            or not isinstance(status_log_interval, (int, float))
+            or not status_log_interval > 0
+        ):
+            raise ConfigError(
+                f"status_log_interval must be None or a number of seconds > 0, got {status_log_interval!r}"
+            )
+        self._config = config
+        self._threshold = config.max_off_policy_threshold
+        self._sync_step = config.parameter_sync_step
+        self._drop = config.max_off_policy_strategy == "drop"
+        self._on_evict = on_evict
+        self._status_log_interval = None if status_log_interval is None else float(status_log_interval)
+        self._groups: dict[str, OpenGroup | Group] = {}
+        self._partitions: dict[str, PartitionIndex] = {}
+        self._next_seq = 0
+        self._closed = False
+        # The default selection pops the heap's front in O(B log N); an override of
+        # _select sees every candidate, which costs O(N).
+        self._default_select = type(self)._select is ReplayBuffer._select
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SamplerConfig | Mapping[str, Any],
+        *,
+        on_evict: EvictCallback | None = None,
+        status_log_interval: float | None = 60.0,
+    ) -> ReplayBuffer:
+        """Build a buffer from a config or verl-style mapping, honouring ``custom_sampler``.
+
+        The class built is the one ``config.custom_sampler`` names (a ``ReplayBuffer``
+        subclass) or else ``cls``; ``config.sampler_kwargs`` become extra keyword arguments.
+
+        Raises:
+            ConfigError: for an invalid config, a custom sampler that cannot be loaded or is
+                not a ReplayBuffer subclass, or sampler_kwargs its constructor rejects.
+        """
+        if isinstance(config, Mapping):
+            config = SamplerConfig.from_mapping(config)
+        elif not isinstance(config, SamplerConfig):
+            raise ConfigError(f"config must be a SamplerConfig or a mapping, got {type(config).__name__}")
+        target: type[ReplayBuffer] = cls
+        if config.custom_sampler is not None:
+            loaded = load_custom_sampler(config.custom_sampler)
+            if not (isinstance(loaded, type) and issubclass(loaded, ReplayBuffer)):
+                raise ConfigError(
+                    f"custom_sampler {config.custom_sampler!r} must name a subclass of "
+                    f"stalebuf.ReplayBuffer, got {loaded!r}"
+                )
+            target = loaded
+        try:
+            return target(
+                config,
+                on_evict=on_evict,
+                status_log_interval=status_log_interval,
+                **config.sampler_kwargs,
+            )
+        except TypeError as exc:
+            raise ConfigError(
+                f"{target.__qualname__} rejected sampler_kwargs {dict(config.sampler_kwargs)!r}: {exc}"
+            ) from exc
+
+    @property
+    def config(self) -> SamplerConfig:
+        """The sampler config this buffer was built with."""
+        return self._config
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    # -- producers --------------------------------------------------------------------
+
+    def add_prompt_nowait(
+        self,
+        uid: str,
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new group ``uid`` dispatched at trainer step ``global_steps``, as PENDING.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
+            DuplicateGroupError: a group with this uid is in the buffer.
+        """
+        self._check_open()
+        check_uid(uid)
+        check_step(global_steps)
+        check_partition(partition)
+        frozen_tags = check_tags(tags)
+        if uid in self._groups:
+            raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
+        part = self._partitions.get(partition) or self._partition(partition)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._groups[uid] = OpenGroup(uid, part, global_steps, seq, frozen_tags)
+        part.admit(global_steps)
+
+    async def add_prompt(
+        self,
+        uid: str,
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new PENDING group; the async twin of :meth:`add_prompt_nowait` (never waits).
+
+        Raises:
+            The same errors as :meth:`add_prompt_nowait`.
+        """
+        self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+
+    def mark_running_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING to RUNNING.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is not PENDING.
+        """
+        self._check_open()
+        group = self._open_group(uid, "mark running")
+        if group.status is not Status.PENDING:
+            raise InvalidTransitionError(f"cannot mark group {uid!r} running: it is already running")
+        group.status = Status.RUNNING
+        group.partition.start()
+
+    async def mark_running(self, uid: str) -> None:
+        """Move a group from PENDING to RUNNING; the async twin of :meth:`mark_running_nowait`.
+
+        Raises:
+            The same errors as :meth:`mark_running_nowait`.
+        """
+        self.mark_running_nowait(uid)
+
+    def put_nowait(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory to the PENDING or RUNNING group ``uid``; return its key.
+
+        The key is ``f"{uid}_{session_id}_{index}"``.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, or ``tags`` is
+                not a mapping.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is terminal (a late write).
+            DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
+        """
+        self._check_open()
+        check_index(session_id, "session_id")
+        check_index(index, "index")
+        frozen_tags = check_tags(tags)
+        group = self._open_group(uid, "put into")
+        key = f"{uid}_{session_id}_{index}"
+        trajectories = group.trajectories
+        if key in trajectories:
+            raise DuplicateTrajectoryError(
+                f"group {uid!r} already holds session_id={session_id}, index={index} ({key!r})"
+            )
+        trajectories[key] = Trajectory(key, session_id, index, frozen_tags, payload)
+        group.partition.add_trajectory()
+        return key
+
+    async def put(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory and return its key; the async twin of :meth:`put_nowait`.
+
+        Raises:
+            The same errors as :meth:`put_nowait`.
+        """
+        return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
+
+    def mark_finished_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is already terminal.
+        """
+        self._terminate(uid, Status.FINISHED)
+
+    async def mark_finished(self, uid: str) -> None:
+        """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait`.
+
+        Raises:
+            The same errors as :meth:`mark_finished_nowait`.
+        """
+        self._terminate(uid, Status.FINISHED)
+
+    def mark_failed_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING or RUNNING to FAILURE.
+
+        Under ``failure_strategy="sample"`` (or in an exempt partition) it becomes
+        sampleable; under "evict" the next ``sample`` of its partition evicts it.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is already terminal.
+        """
+        self._terminate(uid, Status.FAILURE)
+
+    async def mark_failed(self, uid: str) -> None:
+        """Mark a group FAILURE; the async twin of :meth:`mark_failed_nowait`.
+
+        Raises:
+            The same errors as :meth:`mark_failed_nowait`.
+        """
+        self._terminate(uid, Status.FAILURE)
+
+    # -- consumer ---------------------------------------------------------------------
+
+    async def sample(
+        self,
+        global_steps: int,
+        batch_size: int,
+        *,
+        partition: str = "train",
+        timeout: float | None = None,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Wait for, remove and return exactly ``batch_size`` whole groups, oldest first.
+
+        Before selecting, evicts what the config says to evict (stale groups under "drop",
+        failed groups under ``failure_strategy="evict"``), reporting them to ``on_evict``.
+        Returns once ``batch_size`` groups are sampleable and, under "wait", no in-flight
+        group of the partition has staleness >= threshold. Calls on one partition are served
+        in arrival order. It evaluates once before waiting, so ``timeout=0`` checks once.
+
+        Returns:
+            The batch and its metrics (see the README for the metric names).
+
+        Raises:
+            TypeError, ValueError: ``global_steps`` is not an int >= 0, ``batch_size`` not an
+                int >= 1, ``partition`` not a non-empty str, or ``timeout`` not None or >= 0.
+            TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
+            BufferClosedError: the buffer is or gets closed.
+            Exception: whatever ``on_evict`` raised, after the buffer state is consistent.
+        """
+        check_step(global_steps)
+        check_batch_size(batch_size)
+        check_partition(partition)
+        timeout = check_timeout(timeout)
+        self._check_open()
+        part = self._partitions.get(partition) or self._partition(partition)
+        accumulated = SampleMetrics()
+        if not part.waiters:
+            groups = self._evaluate(part, global_steps, batch_size, accumulated)
+            if groups is not None:
+                return self._result(part, global_steps, groups, accumulated, 0.0)
+        if timeout == 0:
+            raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r}")
+        waiter = Waiter(global_steps, batch_size, anyio.Event())
+        part.waiters.append(waiter)
+        started = anyio.current_time()
+        try:
+            with anyio.fail_after(timeout):
+                groups = await self._wait_for_batch(part, waiter, accumulated, started)
+        finally:
+            waiters = part.waiters
+            if waiters[0] is waiter:
+                waiters.popleft()
+                self._wake_head(part)  # pass the turn on, whether we succeeded or not
+            else:
+                waiters.remove(waiter)
+        wait_seconds = anyio.current_time() - started
+        return self._result(part, global_steps, groups, accumulated, wait_seconds)
+
+    def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
+        """Return how many groups ``sample`` could select from right now; changes nothing.
+
+        Counts ready groups after the drop and failure rules at ``global_steps``; ignores the
+        wait gate and the batch size.
+
+        Raises:
+            TypeError, ValueError: ``global_steps`` is not an int >= 0 or ``partition`` is not
+                a non-empty str.
+        """
+        check_step(global_steps)
+        check_partition(partition)
+        part = self._partitions.get(partition)
+        if part is None:
+            return 0
+        count = len(part.ready)
+        if self._drop and not part.exempt:
+            name = part.name
+            count -= part.count_ready_while(lambda p: self._is_stale(global_steps, p, name))
+        return count
+
+    def stats(self) -> BufferStats:
+        """Return an immutable snapshot of per-partition and total counts (works after close)."""
+        partitions = {name: part.stats() for name, part in sorted(self._partitions.items())}
+        total = PartitionStats()
+        for item in partitions.values():
+            total = total + item
+        return BufferStats(closed=self._closed, partitions=MappingProxyType(partitions), total=total)
+
+    # -- closing ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the buffer: blocked and later ``sample`` calls and producers raise
+        BufferClosedError. Groups already present stay (visible in ``stats()``). Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for part in self._partitions.values():
+            for waiter in part.waiters:
+                waiter.event.set()
+
+    async def aclose(self) -> None:
+        """Close the buffer (see :meth:`close`) and yield once to the scheduler."""
+        self.close()
+        await anyio.lowlevel.checkpoint()
+
+    async def __aenter__(self: _Self) -> _Self:
+        """Return the buffer; ``async with`` closes it on exit."""
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the buffer."""
+        await self.aclose()
+
+    # -- hooks for custom samplers ----------------------------------------------------
+
+    def _is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Decide whether a terminal group dispatched at ``dispatch_step`` is dropped at
+        ``global_steps`` (drop strategy only; never called for exempt partitions).
+
+        Override to change the eviction decision. It must be monotone: if a group is stale,
+        every group dispatched earlier must be stale too, because the buffer asks about the
+        oldest groups first and stops at the first fresh one. Default: ``s > threshold``.
+        """
+        return staleness.exceeds_drop(global_steps, dispatch_step, self._threshold, self._sync_step)
+
+    def _must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Decide whether an in-flight group dispatched at ``dispatch_step`` must finish before
+        a sample at ``global_steps`` may return (wait strategy only; never for exempt partitions).
+
+        Override to change the wait gate. It must be monotone like :meth:`_is_stale`; only the
+        oldest in-flight group is asked. Default: ``s >= threshold``.
+        """
+        return staleness.blocks_wait(global_steps, dispatch_step, self._threshold, self._sync_step)
+
+    def _select(
+        self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
+    ) -> Sequence[Group]:
+        """Choose which ``batch_size`` groups to return from ``candidates``.
+
+        ``candidates`` yields the sampleable groups oldest first (ascending dispatch step,
+        ties in ``add_prompt`` order), lazily; there are at least ``batch_size`` of them.
+        Return exactly ``batch_size`` distinct groups taken from it, in the order the batch
+        should have. The default takes the first ``batch_size``. Overriding this hook costs
+        O(N) per sample (the buffer must then remove arbitrary groups).
+        """
+        selected: list[Group] = []
+        for group in candidates:
+            selected.append(group)
+            if len(selected) == batch_size:
+                break
+        return selected
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+
+    def _partition(self, name: str) -> PartitionIndex:
+        part = self._partitions.get(name)
+        if part is None:
+            part = PartitionIndex(
+                name,
+                exempt=name in self._config.exempt_partitions,
+                evict_failures=self._config.failure_strategy == "evict",
+            )
+            self._partitions[name] = part
+        return part
+
+    def _open_group(self, uid: str, action: str) -> OpenGroup:
+        """Return the in-flight group ``uid`` or raise the error a write to it deserves."""
+        if type(uid) is not str:
+            raise TypeError(f"uid must be a str, got {type(uid).__name__}")
+        group = self._groups.get(uid)
+        if type(group) is OpenGroup:
+            return group
+        if group is None:
+            raise UnknownGroupError(
+                f"no group {uid!r} in the buffer (never added, or already sampled or evicted)"
+            )
+        raise InvalidTransitionError(
+            f"cannot {action} group {uid!r}: it is already {group.status.value} (a late write)"
+        )
+
+    def _terminate(self, uid: str, status: Status) -> None:
+        self._check_open()
+        group = self._open_group(uid, f"mark {status.value}")
+        part = group.partition
+        record = Group(
+            uid, part.name, group.global_steps, status, group.tags, tuple(group.trajectories.values())
+        )
+        self._groups[uid] = record
+        part.terminate(group, record)
+        if part.waiters:
+            self._wake_head(part)
+
+    def _gate_open(self, part: PartitionIndex, global_steps: int) -> bool:
+        """The wait gate: no in-flight group the sample at ``global_steps`` must wait for."""
+        if self._drop or part.exempt:
+            return True
+        oldest = part.oldest_in_flight()
+        return oldest is None or not self._must_wait_for(global_steps, oldest, part.name)
+
+    def _has_work_for(self, part: PartitionIndex, waiter: Waiter) -> bool:
+        """Whether evaluating for ``waiter`` could return a batch or evict something.
+
+        A necessary condition only (eviction can still leave too few groups), but every
+        wake-up it allows either returns a batch or evicts at least one group.
+        """
+        ready = part.ready
+        if part.failed:
+            return True
+        if (
+            self._drop
+            and ready
+            and not part.exempt
+            and self._is_stale(waiter.global_steps, ready[0][0], part.name)
+        ):
+            return True
+        return len(ready) >= waiter.batch_size and self._gate_open(part, waiter.global_steps)
+
+    def _wake_head(self, part: PartitionIndex) -> None:
+        if part.waiters and not self._closed:
+            head = part.waiters[0]
+            if self._has_work_for(part, head):
+                head.event.set()
+
+    def _evaluate(
+        self, part: PartitionIndex, global_steps: int, batch_size: int, metrics: SampleMetrics
+    ) -> list[Group] | None:
+        """Evict what must go, then take a batch if one may be returned; else None."""
+        events: list[EvictionEvent] = []
+        if part.failed:
+            failed = part.take_failed()
+            metrics.failed_groups += len(failed)
+            events.append(self._forget(part, "failure", failed, global_steps))
+        if self._drop and not part.exempt and part.ready:
+            name = part.name
+            stale = part.take_stale(lambda p: self._is_stale(global_steps, p, name))
+            if stale:
+                metrics.add_dropped(stale, global_steps)
+                events.append(self._forget(part, "stale", stale, global_steps))
+        if events:
+            self._emit(events)
+            self._check_open()  # on_evict may have closed the buffer
+        if len(part.ready) < batch_size or not self._gate_open(part, global_steps):
+            return None
+        if self._default_select:
+            groups = part.take_oldest(batch_size)
+        else:
+            groups = self._custom_selection(part, global_steps, batch_size)
+        groups_by_uid = self._groups
+        for group in groups:
+            del groups_by_uid[group.uid]
+        return groups
+
+    def _custom_selection(self, part: PartitionIndex, global_steps: int, batch_size: int) -> list[Group]:
+        chosen = list(self._select(part.iter_ready(), batch_size, global_steps, part.name))
+        ready = {id(entry[2]) for entry in part.ready}
+        if (
+            len(chosen) != batch_size
+            or len({id(group) for group in chosen}) != batch_size
+            or not all(id(group) in ready for group in chosen)
+        ):
+            raise StalebufError(
+                f"{type(self).__qualname__}._select must return {batch_size} distinct groups "
+                f"taken from its candidates, got {len(chosen)}"
+            )
+        part.take(chosen)
+        return chosen
+
+    def _forget(
+        self, part: PartitionIndex, reason: str, groups: list[Group], global_steps: int
+    ) -> EvictionEvent:
+        groups_by_uid = self._groups
+        for group in groups:
+            del groups_by_uid[group.uid]
+        return EvictionEvent(part.name, reason, tuple(groups), global_steps)  # type: ignore[arg-type]
+
+    def _emit(self, events: list[EvictionEvent]) -> None:
+        """Call ``on_evict`` for every event; re-raise the first error after all were called."""
+        callback = self._on_evict
+        if callback is None:
+            return
+        error: Exception | None = None
+        for event in events:
+            try:
+                callback(event)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+                else:
+                    logger.exception("on_evict raised again while reporting %s", event.reason)
+        if error is not None:
+            raise error
+
+    async def _wait_for_batch(
+        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics, started: float
+    ) -> list[Group]:
+        """Park until woken, then re-check; repeat until this waiter gets its batch."""
+        interval = self._status_log_interval
+        next_log = None if interval is None else started + interval
+        while True:
+            if next_log is None:
+                await waiter.event.wait()
+            else:
+                with anyio.CancelScope(deadline=next_log):
+                    await waiter.event.wait()
+                if not waiter.event.is_set():
+                    self._log_waiting(part, waiter, next_log - started)
+                    next_log += interval  # type: ignore[operator]
+                    continue
+            self._check_open()
+            if part.waiters[0] is waiter:
+                groups = self._evaluate(part, waiter.global_steps, waiter.batch_size, metrics)
+                if groups is not None:
+                    return groups
+            waiter.event = anyio.Event()
+
+    def _log_waiting(self, part: PartitionIndex, waiter: Waiter, waited: float) -> None:
+        logger.info(
+            "sample(global_steps=%d, batch_size=%d) on partition %r has waited %.0f s: "
+            "pending=%d running=%d finished=%d failure=%d ready=%d oldest_in_flight_step=%s",
+            waiter.global_steps,
+            waiter.batch_size,
+            part.name,
+            waited,
+            part.pending,
+            part.running,
+            part.finished,
+            part.failure,
+            len(part.ready),
+            part.oldest_in_flight(),
+        )
+
+    def _result(
+        self,
+        part: PartitionIndex,
+        global_steps: int,
+        groups: list[Group],
+        metrics: SampleMetrics,
+        wait_seconds: float,
+    ) -> tuple[Batch, dict[str, float]]:
+        batch = Batch(part.name, global_steps, tuple(groups), self._sync_step)
+        return batch, metrics.render(part.name, batch.staleness, self._sync_step, wait_seconds)

@@ -1,0 +1,171 @@
+"""Sampler configuration: validated on construction, loadable from a verl-style mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
+
+import attrs
+
+from .errors import ConfigError
+
+__all__ = ["FAILURE_STRATEGIES", "STRATEGIES", "SamplerConfig"]
+
+#: Accepted values of ``max_off_policy_strategy``.
+STRATEGIES: tuple[str, ...] = ("drop", "wait")
+#: Accepted values of ``failure_strategy``.
+FAILURE_STRATEGIES: tuple[str, ...] = ("sample", "evict")
+
+Strategy = Literal["drop", "wait"]
+FailureStrategy = Literal["sample", "evict"]
+
+
+def _positive_int(label: str) -> Any:
+    def check(_instance: object, _attribute: attrs.Attribute[int], value: object) -> None:
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{label} must be an int >= 1, got {value!r}")
+
+    return check
+
+
+def _one_of(label: str, choices: tuple[str, ...]) -> Any:
+    def check(_instance: object, _attribute: attrs.Attribute[str], value: object) -> None:
+        if value not in choices:
+            raise ConfigError(f"{label} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+    return check
+
+
+def _to_partitions(value: object) -> frozenset[str]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ConfigError(f"exempt_partitions must be a collection of partition names, got {value!r}")
+    names = frozenset(value)
+    for name in names:
+        if type(name) is not str or not name:
+            raise ConfigError(f"exempt_partitions must hold non-empty strings, got {name!r}")
+    return names
+
+
+def _to_kwargs(value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"sampler_kwargs must be a mapping, got {value!r}")
+    for key in value:
+        if type(key) is not str or not key.isidentifier():
+            raise ConfigError(f"sampler_kwargs keys must be identifiers, got {key!r}")
+    return MappingProxyType(dict(value))
+
+
+def _check_custom_sampler(_instance: object, _attribute: attrs.Attribute[str | None], value: object) -> None:
+    if value is None:
+        return
+    if type(value) is not str:
+        raise ConfigError(
+            f"custom_sampler must be None or 'module:ClassName' or 'path/to/file.py:ClassName', got {value!r}"
+        )
+    target, sep, name = value.rpartition(":")
+    if not sep or not target or target in ("pkg", "file") or not name.isidentifier():
+        raise ConfigError(
+            "custom_sampler must look like 'package.module:ClassName' or "
+            f"'path/to/file.py:ClassName', got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class SamplerConfig:
+    """How ``sample`` treats stale and failed groups.
+
+    Attributes:
+        max_off_policy_threshold: the staleness threshold ``T`` (int >= 1).
+        max_off_policy_strategy: "drop" evicts terminal groups with ``s > T`` before selecting;
+            "wait" never drops and waits while an in-flight group has ``s >= T``.
+        parameter_sync_step: ``S``, the trainer steps between weight syncs (int >= 1);
+            staleness is ``(g - p + 1) / S``.
+        failure_strategy: "sample" treats failed groups as sampleable; "evict" evicts them
+            (reason "failure") when a ``sample`` call evaluates their partition.
+        exempt_partitions: partitions where nothing is evicted and no wait gate applies.
+        custom_sampler: None, or the ``ReplayBuffer`` subclass that ``ReplayBuffer.from_config``
+            builds: ``"package.module:ClassName"``, ``"path/to/file.py:ClassName"``,
+            ``"pkg://package.module:ClassName"`` or ``"file://path/to/file.py:ClassName"``.
+        sampler_kwargs: extra keyword arguments for the custom sampler's constructor.
+
+    Raises:
+        ConfigError: on construction, for any invalid value (the message names the field).
+    """
+
+    max_off_policy_threshold: int = attrs.field(
+        default=8, validator=_positive_int("max off policy threshold")
+    )
+    max_off_policy_strategy: Strategy = attrs.field(
+        default="drop", validator=_one_of("max off policy strategy", STRATEGIES)
+    )
+    parameter_sync_step: int = attrs.field(default=1, validator=_positive_int("parameter_sync_step"))
+    failure_strategy: FailureStrategy = attrs.field(
+        default="sample", validator=_one_of("failure_strategy", FAILURE_STRATEGIES)
+    )
+    exempt_partitions: frozenset[str] = attrs.field(default=frozenset({"val"}), converter=_to_partitions)
+    custom_sampler: str | None = attrs.field(default=None, validator=_check_custom_sampler)
+    sampler_kwargs: Mapping[str, Any] = attrs.field(
+        factory=lambda: MappingProxyType({}), converter=_to_kwargs
+    )
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> SamplerConfig:
+        """Build a config from a dict or any Mapping shaped like verl's ``trainer.v1.sampler``.
+
+        ``custom_sampler`` may be a string (see the class docs) or verl's ``{path, name}``
+        mapping, where ``path`` is a file path, ``file://...`` or ``pkg://dotted.module``,
+        and both null means no custom sampler. Missing keys take their defaults; nested
+        omegaconf containers are converted to plain ones.
+
+        Raises:
+            ConfigError: if ``mapping`` is not a mapping, has an unknown key, or holds an
+                invalid value.
+        """
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"sampler config must be a mapping, got {type(mapping).__name__}")
+        known = {field.name for field in attrs.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in mapping.items():
+            if key not in known:
+                raise ConfigError(
+                    f"unknown sampler config key {key!r}; known keys: {', '.join(sorted(known))}"
+                )
+            values[key] = _plain(value)
+        if "custom_sampler" in values:
+            values["custom_sampler"] = _custom_sampler_spec(values["custom_sampler"])
+        for key in ("sampler_kwargs", "exempt_partitions"):
+            if key in values and values[key] is None:
+                del values[key]
+        return cls(**values)
+
+
+def _custom_sampler_spec(value: object) -> str | None:
+    """Turn verl's ``{path, name}`` block (or a string) into this library's string form."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"custom_sampler must be a mapping with 'path' and 'name', got {value!r}")
+    unknown = set(value) - {"path", "name"}
+    if unknown:
+        raise ConfigError(f"unknown custom_sampler key(s) {sorted(unknown)!r}; expected 'path' and 'name'")
+    path, name = value.get("path"), value.get("name")
+    if path is None and name is None:
+        return None
+    if not isinstance(path, str) or not path or not isinstance(name, str) or not name:
+        raise ConfigError(
+            "custom_sampler needs both 'path' and 'name' as non-empty strings, "
+            f"got path={path!r}, name={name!r}"
+        )
+    if path.startswith(("pkg://", "file://")):
+        return f"{path}:{name}"
+    return f"file://{path}:{name}"  # verl reads a bare path as a file path
+
+
+def _plain(value: Any) -> Any:
+    """Copy nested mappings and sequences (omegaconf containers included) into dicts and lists."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
+        return [_plain(item) for item in value]
+    return value

@@ -1,0 +1,73 @@
+"""Loading the class named by ``SamplerConfig.custom_sampler``.
+
+Accepted forms (``ClassName`` is looked up as an attribute of the loaded module):
+
+- ``"package.module:ClassName"`` or ``"pkg://package.module:ClassName"``: imported by name;
+- ``"path/to/file.py:ClassName"`` or ``"file://path/to/file.py:ClassName"``: executed from
+  the file (a bare target is read as a file when it ends in ``.py`` or contains a path
+  separator).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+from .errors import ConfigError
+
+__all__ = ["load_custom_sampler"]
+
+
+def load_custom_sampler(spec: str) -> object:
+    """Import and return the object named by ``spec``.
+
+    Raises:
+        ConfigError: if the module or file cannot be loaded or has no such attribute.
+    """
+    target, _, name = spec.rpartition(":")
+    if target.startswith("pkg://"):
+        module = _import_module(target.removeprefix("pkg://"), spec)
+    elif target.startswith("file://"):
+        module = _import_file(target.removeprefix("file://"), spec)
+    elif target.endswith(".py") or "/" in target or os.sep in target:
+        module = _import_file(target, spec)
+    else:
+        module = _import_module(target, spec)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ConfigError(f"custom_sampler {spec!r}: {module.__name__!r} has no attribute {name!r}") from None
+
+
+def _import_module(dotted: str, spec: str) -> ModuleType:
+    try:
+        return importlib.import_module(dotted)
+    except Exception as exc:
+        raise ConfigError(f"custom_sampler {spec!r}: cannot import module {dotted!r}: {exc}") from exc
+
+
+def _import_file(path: str, spec: str) -> ModuleType:
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise ConfigError(f"custom_sampler {spec!r}: no such file {path!r}")
+    # A stable, path-derived module name: loading the same file twice yields one module,
+    # and two files with the same basename do not shadow each other.
+    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+    module_name = f"_stalebuf_custom_sampler_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ConfigError(f"custom_sampler {spec!r}: {path!r} is not a loadable Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module  # dataclass/attrs machinery looks modules up by name
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ConfigError(f"custom_sampler {spec!r}: executing {path!r} failed: {exc}") from exc
+    return module

@@ -1,0 +1,50 @@
+"""Typed errors raised by :mod:`stalebuf`.
+
+Every error is raised *before* the buffer changes state, so a failed call leaves
+the buffer exactly as it was. All classes derive from :class:`StalebufError`;
+each also derives from the built-in exception a caller would naturally catch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BufferClosedError",
+    "ConfigError",
+    "DuplicateGroupError",
+    "DuplicateTrajectoryError",
+    "InvalidTransitionError",
+    "StalebufError",
+    "UnknownGroupError",
+]
+
+
+class StalebufError(Exception):
+    """Base class of every error raised by stalebuf."""
+
+
+class ConfigError(StalebufError, ValueError):
+    """A configuration value (or a custom sampler it names) is invalid."""
+
+
+class UnknownGroupError(StalebufError, KeyError):
+    """The uid names no group in the buffer (never added, or already sampled or evicted)."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ repr()s its argument; a sentence reads better unquoted.
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateGroupError(StalebufError, ValueError):
+    """``add_prompt`` was given a uid that a group in the buffer already has."""
+
+
+class DuplicateTrajectoryError(StalebufError, ValueError):
+    """``put`` was given a ``(session_id, index)`` that the group already holds."""
+
+
+class InvalidTransitionError(StalebufError, ValueError):
+    """The call is not allowed in the group's current status (e.g. a late write to a terminal group)."""
+
+
+class BufferClosedError(StalebufError):
+    """The buffer was closed; producers and samplers can no longer use it."""

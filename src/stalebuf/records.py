@@ -1,0 +1,154 @@
+"""Immutable value records handed to users: statuses, trajectories, groups, batches, evictions."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["EMPTY_TAGS", "Batch", "EvictionEvent", "Group", "Status", "Trajectory"]
+
+#: The tags of a record created without tags: one shared, read-only empty mapping,
+#: so that a million untagged trajectories cost no million empty dicts.
+EMPTY_TAGS: Mapping[str, Any] = MappingProxyType({})
+
+
+class Status(enum.Enum):
+    """The lifecycle of a group: PENDING -> RUNNING -> FINISHED or FAILURE."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILURE = "failure"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True for FINISHED and FAILURE: the group takes no more writes."""
+        return self is Status.FINISHED or self is Status.FAILURE
+
+
+# Records that carry payloads compare by identity (eq=False): comparing payloads such as
+# numpy arrays field by field is ambiguous, and identity is what "the same group" means.
+
+
+@attrs.frozen(eq=False, weakref_slot=False)
+class Trajectory:
+    """One rollout session's output: a payload plus its key and tags.
+
+    Attributes:
+        key: ``f"{uid}_{session_id}_{index}"``, unique in the buffer.
+        session_id: the rollout session (one of the group's n samples).
+        index: the position of this piece within the session (multi-turn rollouts).
+        tags: read-only metadata given to ``put`` (empty when none was given).
+        payload: whatever the producer stored; the buffer never looks at it.
+    """
+
+    key: str
+    session_id: int
+    index: int
+    tags: Mapping[str, Any]
+    payload: Any
+
+
+@attrs.frozen(eq=False, weakref_slot=False)
+class Group:
+    """A terminal group as the buffer hands it out: one prompt and its trajectories.
+
+    Attributes:
+        uid: the group's id, unique among groups in the buffer.
+        partition: the partition it was added to (e.g. "train", "val").
+        global_steps: the trainer step at which the prompt was dispatched.
+        status: FINISHED or FAILURE.
+        tags: read-only metadata given to ``add_prompt``.
+        trajectories: the group's trajectories, in ``put`` order.
+    """
+
+    uid: str
+    partition: str
+    global_steps: int
+    status: Status
+    tags: Mapping[str, Any]
+    trajectories: tuple[Trajectory, ...]
+
+
+@attrs.frozen(eq=False, weakref_slot=False)
+class Batch:
+    """What one ``sample`` call returns: whole groups, oldest first.
+
+    Attributes:
+        partition: the partition sampled.
+        global_steps: the trainer step passed to ``sample``.
+        groups: the selected groups, in selection order.
+        parameter_sync_step: the config's sync step, used by :attr:`staleness`.
+    """
+
+    partition: str
+    global_steps: int
+    groups: tuple[Group, ...]
+    parameter_sync_step: int = 1
+
+    def __len__(self) -> int:
+        """Return the number of groups."""
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[Group]:
+        """Iterate over the groups in selection order."""
+        return iter(self.groups)
+
+    @property
+    def uids(self) -> list[str]:
+        """The group uids, in selection order."""
+        return [group.uid for group in self.groups]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        """All trajectories, flattened in group order."""
+        return [t for group in self.groups for t in group.trajectories]
+
+    @property
+    def keys(self) -> list[str]:
+        """All trajectory keys, flattened in group order."""
+        return [t.key for group in self.groups for t in group.trajectories]
+
+    @property
+    def tags(self) -> list[Mapping[str, Any]]:
+        """All trajectory tags, flattened in group order."""
+        return [t.tags for group in self.groups for t in group.trajectories]
+
+    @property
+    def payloads(self) -> list[Any]:
+        """All trajectory payloads, flattened in group order."""
+        return [t.payload for group in self.groups for t in group.trajectories]
+
+    @property
+    def staleness(self) -> npt.NDArray[np.float64]:
+        """Staleness ``(g - p + 1) / parameter_sync_step`` of each group, as float64."""
+        dispatch = np.fromiter(
+            (group.global_steps for group in self.groups), dtype=np.float64, count=len(self.groups)
+        )
+        return (self.global_steps + 1 - dispatch) / self.parameter_sync_step
+
+
+EvictionReason = Literal["stale", "failure"]
+
+
+@attrs.frozen(eq=False, weakref_slot=False)
+class EvictionEvent:
+    """Groups evicted together for one reason during one ``sample`` evaluation.
+
+    Attributes:
+        partition: the partition they were evicted from.
+        reason: "stale" (drop strategy) or "failure" (``failure_strategy="evict"``).
+        groups: the evicted groups, oldest first.
+        global_steps: the trainer step of the ``sample`` call that evicted them.
+    """
+
+    partition: str
+    reason: EvictionReason
+    groups: tuple[Group, ...]
+    global_steps: int

@@ -1,0 +1,37 @@
+"""The staleness rules, in exact integer arithmetic.
+
+A group dispatched at trainer step ``p`` and trained at step ``g`` has staleness
+``s = (g - p + 1) / parameter_sync_step``; ``s == 1`` is on-policy. With threshold
+``T`` and sync step ``S`` the rules compare the integer *age* ``g - p + 1`` with
+``T * S`` so that no float rounding can move a boundary:
+
+- drop: a terminal group is evicted when ``s > T``, i.e. ``age > T * S``;
+- wait: sampling waits while an in-flight group has ``s >= T``, i.e. ``age >= T * S``.
+
+Both predicates are monotone in ``p``: if a group is stale, every group dispatched
+earlier is stale too. The buffer relies on that to look only at the oldest groups.
+"""
+
+from __future__ import annotations
+
+__all__ = ["age", "blocks_wait", "exceeds_drop", "staleness"]
+
+
+def age(global_steps: int, dispatch_step: int) -> int:
+    """Return ``global_steps - dispatch_step + 1``: how many trainer steps the group spans."""
+    return global_steps - dispatch_step + 1
+
+
+def staleness(global_steps: int, dispatch_step: int, parameter_sync_step: int) -> float:
+    """Return the staleness ``(g - p + 1) / parameter_sync_step`` as a float (for reporting)."""
+    return (global_steps - dispatch_step + 1) / parameter_sync_step
+
+
+def exceeds_drop(global_steps: int, dispatch_step: int, threshold: int, sync_step: int) -> bool:
+    """Return True when a terminal group must be dropped: ``s > threshold``."""
+    return global_steps - dispatch_step + 1 > threshold * sync_step
+
+
+def blocks_wait(global_steps: int, dispatch_step: int, threshold: int, sync_step: int) -> bool:
+    """Return True when an in-flight group must finish before sampling: ``s >= threshold``."""
+    return global_steps - dispatch_step + 1 >= threshold * sync_step

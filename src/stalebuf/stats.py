@@ -1,0 +1,77 @@
+"""Frozen statistics snapshots returned by ``ReplayBuffer.stats()``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+__all__ = ["BufferStats", "PartitionStats"]
+
+
+@attrs.frozen(kw_only=True)
+class PartitionStats:
+    """Counts for one partition (or, in ``BufferStats.total``, for all of them).
+
+    Resident groups by status:
+        pending, running, finished, failure.
+    Attributes:
+        trajectories: trajectories held by resident groups.
+        waiting_samplers: ``sample`` calls currently blocked.
+        admitted_groups, admitted_trajectories: cumulative ``add_prompt`` / ``put`` calls
+            that succeeded.
+        sampled_groups, sampled_trajectories: cumulative, returned by ``sample``.
+        evicted_stale_groups, evicted_stale_trajectories: cumulative, dropped as stale.
+        evicted_failure_groups, evicted_failure_trajectories: cumulative, evicted as failed.
+
+    Conservation, for groups and for trajectories alike:
+    ``admitted == resident + sampled + evicted_stale + evicted_failure``.
+    """
+
+    pending: int = 0
+    running: int = 0
+    finished: int = 0
+    failure: int = 0
+    trajectories: int = 0
+    waiting_samplers: int = 0
+    admitted_groups: int = 0
+    admitted_trajectories: int = 0
+    sampled_groups: int = 0
+    sampled_trajectories: int = 0
+    evicted_stale_groups: int = 0
+    evicted_stale_trajectories: int = 0
+    evicted_failure_groups: int = 0
+    evicted_failure_trajectories: int = 0
+
+    @property
+    def groups(self) -> int:
+        """Resident groups in any status."""
+        return self.pending + self.running + self.finished + self.failure
+
+    @property
+    def in_flight(self) -> int:
+        """Resident groups still PENDING or RUNNING."""
+        return self.pending + self.running
+
+    def __add__(self, other: PartitionStats) -> PartitionStats:
+        """Return the field-wise sum (used to build totals)."""
+        if not isinstance(other, PartitionStats):
+            return NotImplemented
+        return PartitionStats(
+            **{name: getattr(self, name) + getattr(other, name) for name in attrs.fields_dict(PartitionStats)}
+        )
+
+
+@attrs.frozen(kw_only=True)
+class BufferStats:
+    """An immutable snapshot of the whole buffer; compares with ``==``.
+
+    Attributes:
+        closed: whether ``close()`` was called.
+        partitions: per-partition counts, keyed by partition name (read-only mapping).
+        total: the field-wise sum over all partitions.
+    """
+
+    closed: bool
+    partitions: Mapping[str, PartitionStats]
+    total: PartitionStats
