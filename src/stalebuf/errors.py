@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BufferClosedError",
+    "BufferUnavailableError",
     "ConfigError",
     "DuplicateGroupError",
     "DuplicateTrajectoryError",
@@ -48,3 +49,7 @@ class InvalidTransitionError(StalebufError, ValueError):
 
 class BufferClosedError(StalebufError):
     """The buffer was closed; producers and samplers can no longer use it."""
+
+
+class BufferUnavailableError(StalebufError):
+    """A remote buffer (``stalebuf.ray``) cannot be reached: its actor died or never started."""
