@@ -64,7 +64,8 @@ def _check_custom_sampler(_instance: object, _attribute: attrs.Attribute[str | N
             f"custom_sampler must be None or 'module:ClassName' or 'path/to/file.py:ClassName', got {value!r}"
         )
     target, sep, name = value.rpartition(":")
-    if not sep or not target or target in ("pkg", "file") or not name.isidentifier():
+    location = target.removeprefix("pkg://").removeprefix("file://")
+    if not sep or not location or not name.isidentifier():
         raise ConfigError(
             "custom_sampler must look like 'package.module:ClassName' or "
             f"'path/to/file.py:ClassName', got {value!r}"

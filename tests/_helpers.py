@@ -1,0 +1,49 @@
+"""Small builders shared by the core tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stalebuf import ReplayBuffer, Status
+
+
+def add_group(
+    buf: ReplayBuffer,
+    uid: str,
+    step: int,
+    *,
+    n: int = 2,
+    status: Status = Status.FINISHED,
+    partition: str = "train",
+) -> list[str]:
+    """Add a group dispatched at ``step`` with ``n`` trajectories and bring it to ``status``."""
+    buf.add_prompt_nowait(uid, global_steps=step, partition=partition)
+    if status is Status.PENDING:
+        keys = [buf.put_nowait(uid, i, session_id=i) for i in range(n)]
+        return keys
+    buf.mark_running_nowait(uid)
+    keys = [buf.put_nowait(uid, i, session_id=i) for i in range(n)]
+    if status is Status.FINISHED:
+        buf.mark_finished_nowait(uid)
+    elif status is Status.FAILURE:
+        buf.mark_failed_nowait(uid)
+    return keys
+
+
+def snapshot(buf: ReplayBuffer) -> Any:
+    """Everything observable about the buffer: stats plus every group's full contents."""
+    groups = {}
+    for uid, group in buf._groups.items():
+        groups[uid] = (
+            group.status,
+            group.global_steps,
+            dict(group.tags),
+            [(t.key, t.session_id, t.index, dict(t.tags), t.payload) for t in _trajectories(group)],
+        )
+    ready = {name: sorted((p, s, g.uid) for p, s, g in part.ready) for name, part in buf._partitions.items()}
+    return buf.stats(), groups, ready
+
+
+def _trajectories(group: Any) -> list[Any]:
+    trajectories = group.trajectories
+    return list(trajectories.values()) if isinstance(trajectories, dict) else list(trajectories)

@@ -1,0 +1,132 @@
+"""Loading custom samplers and the protected hooks they override."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+
+import samplers
+from _helpers import add_group, snapshot
+from stalebuf import ReplayBuffer, SamplerConfig
+from stalebuf.errors import ConfigError, StalebufError
+
+
+def sample_now(buf: ReplayBuffer, g: int, b: int) -> list[str]:
+    async def run() -> list[str]:
+        batch, _ = await buf.sample(g, b, timeout=0)
+        return batch.uids
+
+    return anyio.run(run)
+
+
+def test_from_config_without_custom_sampler_builds_the_class_itself() -> None:
+    buf = ReplayBuffer.from_config({"max_off_policy_threshold": 3})
+    assert type(buf) is ReplayBuffer
+    assert buf.config.max_off_policy_threshold == 3
+    assert type(samplers.NewestFirst.from_config(SamplerConfig())) is samplers.NewestFirst
+
+
+def test_from_config_rejects_other_types() -> None:
+    with pytest.raises(ConfigError):
+        ReplayBuffer.from_config(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", ["samplers:NewestFirst", "pkg://samplers:NewestFirst"])
+def test_load_by_module(spec: str) -> None:
+    buf = ReplayBuffer.from_config(SamplerConfig(custom_sampler=spec))
+    assert type(buf) is samplers.NewestFirst
+    for i in range(4):
+        add_group(buf, f"g{i}", i)
+    assert sample_now(buf, 3, 2) == ["g3", "g2"]
+    assert sorted(buf._groups) == ["g0", "g1"]
+    assert buf.stats().total.sampled_groups == 2
+
+
+def test_load_from_verl_block_with_kwargs_and_hook() -> None:
+    buf = ReplayBuffer.from_config(
+        {
+            "max_off_policy_threshold": 100,
+            "custom_sampler": {"path": "pkg://samplers", "name": "AgeCapped"},
+            "sampler_kwargs": {"max_age": 2},
+        },
+        status_log_interval=None,
+    )
+    assert isinstance(buf, samplers.AgeCapped)
+    assert buf.max_age == 2
+    add_group(buf, "old", 0)
+    add_group(buf, "ok", 1)
+    assert buf.sampleable_count(3) == 1
+    assert sample_now(buf, 3, 1) == ["ok"]
+    assert buf.stats().total.evicted_stale_groups == 1
+
+
+SAMPLER_FILE = """
+from stalebuf import ReplayBuffer
+
+class FromFile(ReplayBuffer):
+    def __init__(self, *args, label="none", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.label = label
+"""
+
+
+@pytest.mark.parametrize("form", ["plain", "file-url", "verl-plain", "verl-file-url"])
+def test_load_from_file(tmp_path: Path, form: str) -> None:
+    path = tmp_path / "my_sampler.py"
+    path.write_text(textwrap.dedent(SAMPLER_FILE))
+    config: SamplerConfig | dict[str, object]
+    if form == "plain":
+        config = SamplerConfig(custom_sampler=f"{path}:FromFile", sampler_kwargs={"label": "x"})
+    elif form == "file-url":
+        config = SamplerConfig(custom_sampler=f"file://{path}:FromFile", sampler_kwargs={"label": "x"})
+    elif form == "verl-plain":
+        config = {"custom_sampler": {"path": str(path), "name": "FromFile"}, "sampler_kwargs": {"label": "x"}}
+    else:
+        config = {
+            "custom_sampler": {"path": f"file://{path}", "name": "FromFile"},
+            "sampler_kwargs": {"label": "x"},
+        }
+    buf = ReplayBuffer.from_config(config)
+    assert type(buf).__name__ == "FromFile"
+    assert isinstance(buf, ReplayBuffer)
+    assert buf.label == "x"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("samplers:Unrelated", "subclass of stalebuf.ReplayBuffer"),
+        ("samplers:NOT_A_SAMPLER", "subclass"),
+        ("samplers:Missing", "has no attribute 'Missing'"),
+        ("no_such_module_xyz:Cls", "cannot import module"),
+        ("/no/such/file.py:Cls", "no such file"),
+    ],
+)
+def test_bad_custom_sampler(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ReplayBuffer.from_config(SamplerConfig(custom_sampler=spec))
+
+
+def test_broken_sampler_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.py"
+    path.write_text("this is not python\n")
+    with pytest.raises(ConfigError, match="failed"):
+        ReplayBuffer.from_config(SamplerConfig(custom_sampler=f"{path}:X"))
+
+
+def test_sampler_kwargs_rejected_by_constructor() -> None:
+    with pytest.raises(ConfigError, match="rejected sampler_kwargs"):
+        ReplayBuffer.from_config(SamplerConfig(sampler_kwargs={"nope": 1}))
+
+
+def test_a_select_hook_returning_the_wrong_groups_changes_nothing() -> None:
+    buf = ReplayBuffer.from_config(SamplerConfig(custom_sampler="samplers:ShortSelect"))
+    add_group(buf, "a", 0)
+    add_group(buf, "b", 0)
+    before = snapshot(buf)
+    with pytest.raises(StalebufError, match="_select must return 2"):
+        sample_now(buf, 0, 2)
+    assert snapshot(buf) == before
