@@ -40,7 +40,7 @@ def snapshot(buf: ReplayBuffer) -> Any:
             dict(group.tags),
             [(t.key, t.session_id, t.index, dict(t.tags), t.payload) for t in _trajectories(group)],
         )
-    ready = {name: sorted((p, s, g.uid) for p, s, g in part.ready) for name, part in buf._partitions.items()}
+    ready = {name: [g.uid for g in part.iter_ready()] for name, part in buf._partitions.items()}
     return buf.stats(), groups, ready
 
 

@@ -12,6 +12,7 @@ queue it passes the wake-up on to the next waiter.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
@@ -41,7 +42,7 @@ from .errors import (
 )
 from .metrics import SampleMetrics
 from .partition import OpenGroup, PartitionIndex, Waiter
-from .records import Batch, EvictionEvent, Group, Status, Trajectory
+from .records import EMPTY_TAGS, Batch, EvictionEvent, Group, Status, Trajectory
 from .stats import BufferStats, PartitionStats
 
 __all__ = ["ReplayBuffer"]
@@ -248,11 +249,17 @@ class ReplayBuffer:
             InvalidTransitionError: the group is terminal (a late write).
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
         """
-        self._check_open()
-        check_index(session_id, "session_id")
-        check_index(index, "index")
-        frozen_tags = check_tags(tags)
-        group = self._open_group(uid, "put into")
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+        # The hot path: each check is inlined, the slow helpers only build the error.
+        if type(session_id) is not int or session_id < 0:
+            check_index(session_id, "session_id")
+        if type(index) is not int or index < 0:
+            check_index(index, "index")
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            raise self._not_open(uid, group, "put into")
         key = f"{uid}_{session_id}_{index}"
         trajectories = group.trajectories
         if key in trajectories:
@@ -260,7 +267,9 @@ class ReplayBuffer:
                 f"group {uid!r} already holds session_id={session_id}, index={index} ({key!r})"
             )
         trajectories[key] = Trajectory(key, session_id, index, frozen_tags, payload)
-        group.partition.add_trajectory()
+        part = group.partition
+        part.trajectories += 1
+        part.admitted_trajectories += 1
         return key
 
     async def put(
@@ -365,8 +374,7 @@ class ReplayBuffer:
         part.waiters.append(waiter)
         started = anyio.current_time()
         try:
-            with anyio.fail_after(timeout):
-                groups = await self._wait_for_batch(part, waiter, accumulated, started)
+            groups = await self._wait_for_batch(part, waiter, accumulated, started, timeout)
         finally:
             waiters = part.waiters
             if waiters[0] is waiter:
@@ -392,7 +400,7 @@ class ReplayBuffer:
         part = self._partitions.get(partition)
         if part is None:
             return 0
-        count = len(part.ready)
+        count = part.ready_count
         if self._drop and not part.exempt:
             name = part.name
             count -= part.count_ready_while(lambda p: self._is_stale(global_steps, p, name))
@@ -495,16 +503,21 @@ class ReplayBuffer:
 
     def _open_group(self, uid: str, action: str) -> OpenGroup:
         """Return the in-flight group ``uid`` or raise the error a write to it deserves."""
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            raise self._not_open(uid, group, action)
+        return group
+
+    @staticmethod
+    def _not_open(uid: object, group: OpenGroup | Group | None, action: str) -> Exception:
+        """Build the error for a write to ``uid``, which is not an in-flight group."""
         if type(uid) is not str:
-            raise TypeError(f"uid must be a str, got {type(uid).__name__}")
-        group = self._groups.get(uid)
-        if type(group) is OpenGroup:
-            return group
+            return TypeError(f"uid must be a str, got {type(uid).__name__}")
         if group is None:
-            raise UnknownGroupError(
+            return UnknownGroupError(
                 f"no group {uid!r} in the buffer (never added, or already sampled or evicted)"
             )
-        raise InvalidTransitionError(
+        return InvalidTransitionError(
             f"cannot {action} group {uid!r}: it is already {group.status.value} (a late write)"
         )
 
@@ -533,17 +546,16 @@ class ReplayBuffer:
         A necessary condition only (eviction can still leave too few groups), but every
         wake-up it allows either returns a batch or evicts at least one group.
         """
-        ready = part.ready
         if part.failed:
             return True
         if (
             self._drop
-            and ready
+            and part.ready_count
             and not part.exempt
-            and self._is_stale(waiter.global_steps, ready[0][0], part.name)
+            and self._is_stale(waiter.global_steps, part.ready_steps[0], part.name)
         ):
             return True
-        return len(ready) >= waiter.batch_size and self._gate_open(part, waiter.global_steps)
+        return part.ready_count >= waiter.batch_size and self._gate_open(part, waiter.global_steps)
 
     def _wake_head(self, part: PartitionIndex) -> None:
         if part.waiters and not self._closed:
@@ -560,7 +572,7 @@ class ReplayBuffer:
             failed = part.take_failed()
             metrics.failed_groups += len(failed)
             events.append(self._forget(part, "failure", failed, global_steps))
-        if self._drop and not part.exempt and part.ready:
+        if self._drop and not part.exempt and part.ready_count:
             name = part.name
             stale = part.take_stale(lambda p: self._is_stale(global_steps, p, name))
             if stale:
@@ -569,7 +581,7 @@ class ReplayBuffer:
         if events:
             self._emit(events)
             self._check_open()  # on_evict may have closed the buffer
-        if len(part.ready) < batch_size or not self._gate_open(part, global_steps):
+        if part.ready_count < batch_size or not self._gate_open(part, global_steps):
             return None
         if self._default_select:
             groups = part.take_oldest(batch_size)
@@ -582,7 +594,7 @@ class ReplayBuffer:
 
     def _custom_selection(self, part: PartitionIndex, global_steps: int, batch_size: int) -> list[Group]:
         chosen = list(self._select(part.iter_ready(), batch_size, global_steps, part.name))
-        ready = {id(entry[2]) for entry in part.ready}
+        ready = {id(group) for group in part.iter_ready()}
         if (
             len(chosen) != batch_size
             or len({id(group) for group in chosen}) != batch_size
@@ -621,21 +633,40 @@ class ReplayBuffer:
             raise error
 
     async def _wait_for_batch(
-        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics, started: float
+        self,
+        part: PartitionIndex,
+        waiter: Waiter,
+        metrics: SampleMetrics,
+        started: float,
+        timeout: float | None,
+    ) -> list[Group]:
+        """Wait for ``waiter``'s batch; log every status interval; raise at the deadline.
+
+        One cancel scope covers a whole status-log interval, not each park, so a wake-up
+        costs no scope entry or exit when neither a timeout nor a status interval is set.
+        """
+        deadline = math.inf if timeout is None else started + timeout
+        interval = self._status_log_interval
+        next_log = math.inf if interval is None else started + interval
+        while True:
+            if deadline == math.inf and next_log == math.inf:
+                return await self._park_until_batch(part, waiter, metrics)
+            with anyio.CancelScope(deadline=min(deadline, next_log)):
+                return await self._park_until_batch(part, waiter, metrics)
+            # Only our own deadline can end the scope quietly; outside cancellation propagates.
+            if anyio.current_time() >= deadline:
+                raise TimeoutError(
+                    f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
+                )
+            self._log_waiting(part, waiter, next_log - started)
+            next_log += interval  # type: ignore[operator]
+
+    async def _park_until_batch(
+        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics
     ) -> list[Group]:
         """Park until woken, then re-check; repeat until this waiter gets its batch."""
-        interval = self._status_log_interval
-        next_log = None if interval is None else started + interval
         while True:
-            if next_log is None:
-                await waiter.event.wait()
-            else:
-                with anyio.CancelScope(deadline=next_log):
-                    await waiter.event.wait()
-                if not waiter.event.is_set():
-                    self._log_waiting(part, waiter, next_log - started)
-                    next_log += interval  # type: ignore[operator]
-                    continue
+            await waiter.event.wait()
             self._check_open()
             if part.waiters[0] is waiter:
                 groups = self._evaluate(part, waiter.global_steps, waiter.batch_size, metrics)
@@ -655,7 +686,7 @@ class ReplayBuffer:
             part.running,
             part.finished,
             part.failure,
-            len(part.ready),
+            part.ready_count,
             part.oldest_in_flight(),
         )
 
@@ -668,4 +699,4 @@ class ReplayBuffer:
         wait_seconds: float,
     ) -> tuple[Batch, dict[str, float]]:
         batch = Batch(part.name, global_steps, tuple(groups), self._sync_step)
-        return batch, metrics.render(part.name, batch.staleness, self._sync_step, wait_seconds)
+        return batch, metrics.render(part.name, groups, global_steps, self._sync_step, wait_seconds)

@@ -1,9 +1,12 @@
 """The per-partition index: what the buffer knows about one partition, kept so that every
 question ``sample`` asks costs O(1) or O(log N) instead of a scan.
 
-- ``ready``: a min-heap of sampleable terminal groups keyed by ``(dispatch step, admission
-  seq)``, i.e. oldest first with FIFO ties. Both drop eviction (stale groups are a prefix of
-  that order) and selection (oldest first) pop from its front.
+- ``ready``: sampleable terminal groups in per-dispatch-step buckets, each sorted by admission
+  order, plus the sorted list of those steps. Iterating steps then buckets yields the groups
+  oldest first with FIFO ties. Drop eviction removes whole buckets from the front (stale groups
+  are a prefix of that order) and selection slices groups off the front: O(k) for k groups,
+  whatever the number resident. (A heap did the same in O(k log N), but its cache misses made
+  a 1e6-group sample 3-5x slower than a 1e3-group one.)
 - ``failed``: failed groups waiting for eviction under ``failure_strategy="evict"``.
 - ``in_flight``: a count of PENDING/RUNNING groups per dispatch step, plus a lazily
   cleaned min-heap of those steps, so the wait gate reads the oldest in-flight step in
@@ -13,6 +16,7 @@ question ``sample`` asks costs O(1) or O(log N) instead of a scan.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -26,9 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["OpenGroup", "PartitionIndex", "Waiter"]
 
-# (dispatch step, admission seq, group): tuples order by step, then FIFO; seq is unique,
-# so comparison never reaches the group.
-ReadyEntry = tuple[int, int, Group]
+# (admission seq, group): seq is unique, so comparing entries never reaches the group.
+Entry = tuple[int, Group]
 
 
 class OpenGroup:
@@ -80,6 +83,8 @@ class PartitionIndex:
         "name",
         "pending",
         "ready",
+        "ready_count",
+        "ready_steps",
         "running",
         "sampled_groups",
         "sampled_trajectories",
@@ -91,8 +96,10 @@ class PartitionIndex:
         self.name = name
         self.exempt = exempt
         self.evict_failures = evict_failures and not exempt
-        self.ready: list[ReadyEntry] = []
-        self.failed: list[ReadyEntry] = []
+        self.ready: dict[int, list[Entry]] = {}
+        self.ready_steps: list[int] = []
+        self.ready_count = 0
+        self.failed: list[tuple[int, int, Group]] = []
         self.in_flight: dict[int, int] = {}
         self.in_flight_steps: list[int] = []
         self.waiters: deque[Waiter] = deque()
@@ -121,11 +128,6 @@ class PartitionIndex:
         self.pending -= 1
         self.running += 1
 
-    def add_trajectory(self) -> None:
-        """Record one more trajectory held by an in-flight group."""
-        self.trajectories += 1
-        self.admitted_trajectories += 1
-
     def oldest_in_flight(self) -> int | None:
         """Return the smallest dispatch step among PENDING/RUNNING groups, or None."""
         steps = self.in_flight_steps
@@ -145,27 +147,47 @@ class PartitionIndex:
             self.in_flight[step] = count
         else:
             del self.in_flight[step]  # its heap entry is dropped lazily
-        entry = (step, group.seq, record)
         if record.status is Status.FINISHED:
             self.finished += 1
-            heapq.heappush(self.ready, entry)
         else:
             self.failure += 1
             if self.evict_failures:
-                self.failed.append(entry)
-            else:
-                heapq.heappush(self.ready, entry)
+                self.failed.append((step, group.seq, record))
+                return
+        self._push_ready(step, group.seq, record)
 
     # -- terminal groups --------------------------------------------------------------
 
-    def _forget(self, group: Group) -> int:
-        if group.status is Status.FINISHED:
-            self.finished -= 1
+    def _push_ready(self, step: int, seq: int, group: Group) -> None:
+        bucket = self.ready.get(step)
+        if bucket is None:
+            self.ready[step] = [(seq, group)]
+            steps = self.ready_steps
+            if not steps or step > steps[-1]:
+                steps.append(step)
+            else:
+                bisect.insort(steps, step)
+        elif seq > bucket[-1][0]:
+            bucket.append((seq, group))  # the common case: finishing in admission order
         else:
-            self.failure -= 1
-        n = len(group.trajectories)
-        self.trajectories -= n
-        return n
+            bisect.insort(bucket, (seq, group))
+        self.ready_count += 1
+
+    def oldest_ready_step(self) -> int | None:
+        """Return the dispatch step of the oldest sampleable group, or None."""
+        return self.ready_steps[0] if self.ready_steps else None
+
+    def _forget(self, groups: list[Group]) -> int:
+        """Drop ``groups`` from the resident counts; return their trajectory count."""
+        trajectories = failures = 0
+        for group in groups:
+            trajectories += len(group.trajectories)
+            if group.status is Status.FAILURE:
+                failures += 1
+        self.finished -= len(groups) - failures
+        self.failure -= failures
+        self.trajectories -= trajectories
+        return trajectories
 
     def take_failed(self) -> list[Group]:
         """Evict and return every failed group awaiting eviction, oldest first."""
@@ -173,66 +195,71 @@ class PartitionIndex:
         entries.sort()
         self.failed = []
         groups = [entry[2] for entry in entries]
-        for group in groups:
-            self.evicted_failure_trajectories += self._forget(group)
+        self.evicted_failure_trajectories += self._forget(groups)
         self.evicted_failure_groups += len(groups)
         return groups
 
     def take_stale(self, is_stale: Callable[[int], bool]) -> list[Group]:
         """Evict and return the oldest ready groups while ``is_stale(dispatch_step)`` holds."""
-        ready = self.ready
+        steps, ready = self.ready_steps, self.ready
         groups: list[Group] = []
-        while ready and is_stale(ready[0][0]):
-            group = heapq.heappop(ready)[2]
-            self.evicted_stale_trajectories += self._forget(group)
-            groups.append(group)
-        self.evicted_stale_groups += len(groups)
+        while steps and is_stale(steps[0]):
+            groups.extend([entry[1] for entry in ready.pop(steps.pop(0))])
+        if groups:
+            self.ready_count -= len(groups)
+            self.evicted_stale_trajectories += self._forget(groups)
+            self.evicted_stale_groups += len(groups)
         return groups
 
     def take_oldest(self, count: int) -> list[Group]:
         """Remove and return the ``count`` oldest ready groups (the caller checked there are)."""
-        ready = self.ready
-        pop = heapq.heappop
-        groups = [pop(ready)[2] for _ in range(count)]
+        steps, ready = self.ready_steps, self.ready
+        groups: list[Group] = []
+        need = count
+        while need:
+            bucket = ready[steps[0]]
+            if len(bucket) <= need:
+                del ready[steps.pop(0)]
+                need -= len(bucket)
+                groups.extend([entry[1] for entry in bucket])
+            else:
+                groups.extend([entry[1] for entry in bucket[:need]])
+                del bucket[:need]
+                need = 0
         self._count_sampled(groups)
         return groups
 
     def take(self, chosen: list[Group]) -> None:
-        """Remove the given ready groups (any subset, any order); O(N) rebuild of the heap."""
+        """Remove the given ready groups (any subset, any order); O(N)."""
         ids = {id(group) for group in chosen}
-        self.ready = [entry for entry in self.ready if id(entry[2]) not in ids]
-        heapq.heapify(self.ready)
+        for step in list(self.ready_steps):
+            kept = [entry for entry in self.ready[step] if id(entry[1]) not in ids]
+            if kept:
+                self.ready[step] = kept
+            else:
+                del self.ready[step]
+                self.ready_steps.remove(step)
         self._count_sampled(chosen)
 
     def _count_sampled(self, groups: list[Group]) -> None:
-        for group in groups:
-            self.sampled_trajectories += self._forget(group)
+        self.ready_count -= len(groups)
+        self.sampled_trajectories += self._forget(groups)
         self.sampled_groups += len(groups)
 
     def iter_ready(self) -> Iterator[Group]:
-        """Yield ready groups oldest first, lazily: O(k log k) for the first k.
-
-        The heap must not change while the iterator is in use.
-        """
-        heap = self.ready
-        if not heap:
-            return
-        size = len(heap)
-        frontier: list[tuple[ReadyEntry, int]] = [(heap[0], 0)]
-        while frontier:
-            entry, i = heapq.heappop(frontier)
-            yield entry[2]
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < size:
-                    heapq.heappush(frontier, (heap[child], child))
+        """Yield ready groups oldest first, lazily. The index must not change meanwhile."""
+        ready = self.ready
+        for step in self.ready_steps:
+            for entry in ready[step]:
+                yield entry[1]
 
     def count_ready_while(self, is_stale: Callable[[int], bool]) -> int:
-        """Return how many ready groups, oldest first, satisfy ``is_stale`` before one does not."""
+        """Return how many ready groups, oldest first, have a step satisfying ``is_stale``."""
         count = 0
-        for group in self.iter_ready():
-            if not is_stale(group.global_steps):
+        for step in self.ready_steps:
+            if not is_stale(step):
                 break
-            count += 1
+            count += len(self.ready[step])
         return count
 
     def stats(self) -> PartitionStats:
