@@ -317,3 +317,14 @@ def test_batch_views_of_empty_payloads() -> None:
     assert batch.keys == []
     assert batch.payloads == []
     assert batch.staleness.dtype == np.float64
+
+
+def test_in_flight_step_heap_stays_bounded_below_a_stuck_group() -> None:
+    buf = make(max_off_policy_strategy="wait")
+    add_group(buf, "stuck", 0, status=Status.RUNNING)
+    for i in range(500):  # each step enters and leaves flight below the stuck group
+        add_group(buf, f"g{i}", 1 + i % 3, status=Status.PENDING)
+        buf.mark_failed_nowait(f"g{i}")
+    part = buf._partitions["train"]
+    assert part.oldest_in_flight() == 0
+    assert len(part.in_flight_steps) <= 2 * len(part.in_flight) + 9

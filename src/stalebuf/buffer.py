@@ -345,7 +345,9 @@ class ReplayBuffer:
         failed groups under ``failure_strategy="evict"``), reporting them to ``on_evict``.
         Returns once ``batch_size`` groups are sampleable and, under "wait", no in-flight
         group of the partition has staleness >= threshold. Calls on one partition are served
-        in arrival order. It evaluates once before waiting, so ``timeout=0`` checks once.
+        in arrival order: while an earlier call on the partition waits, a new call neither
+        evicts nor takes anything and queues behind it. Otherwise it evaluates once before
+        waiting, so ``timeout=0`` means "check once, don't wait".
 
         Returns:
             The batch and its metrics (see the README for the metric names).

@@ -119,7 +119,14 @@ class PartitionIndex:
         count = self.in_flight.get(step)
         if count is None:
             self.in_flight[step] = 1
-            heapq.heappush(self.in_flight_steps, step)
+            steps = self.in_flight_steps
+            if len(steps) > 2 * len(self.in_flight) + 8:
+                # Ended steps are dropped lazily only from the top; when an old group stays in
+                # flight they pile up below it. Rebuilding here keeps the heap O(live steps).
+                steps[:] = self.in_flight
+                heapq.heapify(steps)
+            else:
+                heapq.heappush(steps, step)
         else:
             self.in_flight[step] = count + 1
 
