@@ -1,0 +1,338 @@
+"""The simulator and the ``stalebuf simulate`` command line.
+
+Runs use small settings so that the whole module takes a few seconds; one test runs the
+real ``python -m stalebuf simulate`` in a subprocess, the others call ``main`` in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stalebuf.cli import main
+from stalebuf.errors import ConfigError
+from stalebuf.simulate import Latency, MissingDependencyError, SimulationConfig, simulate
+
+SMALL = ["--steps", "30", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
+# Tight enough that drop evicts something and wait has to wait.
+TIGHT = [*SMALL, "--threshold", "1", "--latency", "lognormal:2.3,1.0", "--train-step-seconds", "5"]
+
+
+def run_json(tmp_path: Path, *args: str, name: str = "out.json") -> dict[str, Any]:
+    """Run ``stalebuf simulate`` in-process with ``args`` and return its JSON document."""
+    path = tmp_path / name
+    assert main(["simulate", *args, "--json", str(path)]) == 0
+    document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return document
+
+
+# -- end to end -----------------------------------------------------------------------
+
+
+def test_python_dash_m_runs_end_to_end(tmp_path: Path) -> None:
+    path = tmp_path / "sim.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalebuf", "simulate", *SMALL, "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no progress bar when stderr is not a TTY
+    assert "trained groups per simulated hour" in proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("drop"))
+    assert header.split() == ["drop", "wait"]
+    document = json.loads(path.read_text(encoding="utf-8"))
+    assert set(document["results"]) == {"drop", "wait"}
+
+
+def test_single_strategy_prints_one_column(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--strategy", "wait"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split() == ["wait"] for line in out.splitlines())
+    assert not any(line.split() == ["drop", "wait"] for line in out.splitlines())
+    assert "as many groups per hour" not in out  # the comparison needs both
+
+
+def test_report_lists_every_number(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TIGHT]) == 0
+    out = capsys.readouterr().out
+    for label in (
+        "trained groups per simulated hour",
+        "trainer idle fraction",
+        "rollouts dropped as stale",
+        "mean wait per step",
+        "staleness of trained groups: mean",
+        "p50",
+        "p95",
+        "max",
+        "long prompts",
+    ):
+        assert label in out
+
+
+# -- sanity laws ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--threshold", "2", "--parameter-sync-step", "2"],
+        ["--failure-rate", "0.3", "--failure-strategy", "sample"],
+        ["--failure-rate", "0.3", "--workers", "2", "--dispatch-ahead", "2"],
+    ],
+)
+def test_numbers_obey_the_sanity_laws(tmp_path: Path, extra: list[str]) -> None:
+    results = run_json(tmp_path, *TIGHT, *extra)["results"]
+    drop, wait = results["drop"], results["wait"]
+    threshold = drop["config"]["threshold"]
+    assert wait["dropped_groups"] == 0
+    assert wait["dropped_fraction"] == 0.0
+    assert wait["wasted_generation_fraction"] == 0.0
+    assert drop["staleness"]["max"] <= threshold
+    assert all(item["staleness"] <= threshold for item in drop["staleness"]["histogram"])
+    for result in (drop, wait):
+        config = result["config"]
+        assert 0.0 <= result["trainer_idle_fraction"] <= 1.0
+        assert 0.0 <= result["worker_utilization"] <= 1.0
+        assert result["trained_groups"] == config["steps"] * config["batch_size"]
+        assert sum(item["groups"] for item in result["staleness"]["histogram"]) == result["trained_groups"]
+        assert result["resolved_groups"] <= result["dispatched_groups"]
+        assert result["trained_groups"] + result["dropped_groups"] <= result["resolved_groups"]
+        staleness = result["staleness"]
+        assert 1 / config["parameter_sync_step"] <= staleness["p50"] <= staleness["p95"] <= staleness["max"]
+        steps = result["steps"]
+        assert steps["step"] == list(range(config["steps"]))
+        assert steps["train_end"][-1] == pytest.approx(result["simulated_seconds"])
+        idle = sum(e - s for s, e in zip(steps["sample_start"], steps["train_start"], strict=True))
+        assert idle / result["simulated_seconds"] == pytest.approx(result["trainer_idle_fraction"])
+        assert idle / config["steps"] == pytest.approx(result["mean_wait_seconds"])
+        assert result["trained_groups_per_hour"] == pytest.approx(
+            result["trained_groups"] * 3600 / result["simulated_seconds"]
+        )
+
+
+def test_the_tradeoff_shows_up() -> None:
+    """With a tight threshold, drop evicts (mostly long prompts) and wait idles more."""
+    settings: dict[str, Any] = {
+        "threshold": 1,
+        "steps": 40,
+        "batch_size": 4,
+        "workers": 8,
+        "latency": Latency.parse("lognormal:2.3,1.0"),
+        "train_step_seconds": 5.0,
+    }
+    drop = simulate(SimulationConfig(strategy="drop", **settings))
+    wait = simulate(SimulationConfig(strategy="wait", **settings))
+    assert drop.dropped_groups > 0
+    assert 0.0 < drop.dropped_fraction < 1.0
+    assert drop.wasted_generation_fraction > drop.dropped_fraction  # dropped groups are the long ones
+    assert drop.length_bias.ratio < 1.0
+    assert drop.length_bias.mean_seconds_trained < drop.length_bias.mean_seconds_dispatched
+    assert wait.length_bias.ratio == pytest.approx(1.0, abs=0.25)
+    assert wait.trainer_idle_fraction > drop.trainer_idle_fraction
+
+
+def test_timeline_is_contiguous() -> None:
+    config = SimulationConfig(steps=10, batch_size=2, workers=4, train_step_seconds=7.0)
+    result = simulate(config)
+    previous_end = 0.0
+    for record in result.steps:
+        assert record.sample_start == pytest.approx(previous_end)
+        assert record.sample_start <= record.train_start
+        assert record.train_end - record.train_start == pytest.approx(7.0)
+        assert record.wait_seconds >= 0.0
+        previous_end = record.train_end
+
+
+def test_progress_is_reported_every_step() -> None:
+    calls: list[tuple[int, int]] = []
+    simulate(SimulationConfig(steps=5, batch_size=2, workers=2), progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(i, 5) for i in range(1, 6)]
+
+
+# -- reproducibility ---------------------------------------------------------------------
+
+
+def test_same_seed_same_json(tmp_path: Path) -> None:
+    first = run_json(tmp_path, *TIGHT, "--seed", "3", name="a.json")
+    second = run_json(tmp_path, *TIGHT, "--seed", "3", name="b.json")
+    other = run_json(tmp_path, *TIGHT, "--seed", "4", name="c.json")
+    assert first == second
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert first != other
+
+
+@pytest.mark.parametrize("latency", ["fixed:10", "fixed:5", "exponential:10"])
+def test_simultaneous_events_do_not_break_reproducibility(latency: str) -> None:
+    """Fixed latencies make many tasks wake at the same virtual instant; trio runs those in
+    a random order, which must not change the result. Reseed trio's scheduler RNG (a private
+    detail, used only if present) to force different orders."""
+    trio_run = pytest.importorskip("trio._core._run")
+    rng = getattr(trio_run, "_r", None)
+    config = SimulationConfig(
+        strategy="drop",
+        threshold=1,
+        steps=25,
+        batch_size=4,
+        workers=3,
+        latency=Latency.parse(latency),
+        train_step_seconds=10.0,
+        failure_rate=0.3,
+    )
+    outcomes = []
+    for seed in range(3):
+        if rng is not None:
+            rng.seed(seed)
+        outcomes.append(simulate(config).to_dict())
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+
+
+# -- the plot ------------------------------------------------------------------------------
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sim.png"
+    assert main(["simulate", *SMALL, "--steps", "10", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {path}" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["simulate", *SMALL, "--plot", str(tmp_path / "sim.png")]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert "pip install 'stalebuf[plot]'" in captured.err
+    assert captured.out == ""  # it fails before simulating
+    assert not (tmp_path / "sim.png").exists()
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["simulate", "--strategy", "sometimes"], "--strategy"),
+        (["simulate", "--threshold", "0"], "--threshold"),
+        (["simulate", "--threshold", "two"], "--threshold"),
+        (["simulate", "--parameter-sync-step", "-1"], "--parameter-sync-step"),
+        (["simulate", "--steps", "0"], "--steps"),
+        (["simulate", "--batch-size", "1.5"], "--batch-size"),
+        (["simulate", "--group-size", "0"], "--group-size"),
+        (["simulate", "--workers", "0"], "--workers"),
+        (["simulate", "--dispatch-ahead", "-0.5"], "--dispatch-ahead"),
+        (["simulate", "--latency", "lognormal:3"], "--latency"),
+        (["simulate", "--latency", "gamma:1,2"], "--latency"),
+        (["simulate", "--latency", "lognormal:a,b"], "--latency"),
+        (["simulate", "--latency", "lognormal:3,-1"], "--latency"),
+        (["simulate", "--latency", "fixed:0"], "--latency"),
+        (["simulate", "--train-step-seconds", "0"], "--train-step-seconds"),
+        (["simulate", "--train-step-seconds", "nan"], "--train-step-seconds"),
+        (["simulate", "--failure-rate", "1"], "--failure-rate"),
+        (["simulate", "--failure-rate", "-0.1"], "--failure-rate"),
+        (["simulate", "--failure-strategy", "retry"], "--failure-strategy"),
+        (["simulate", "--seed", "-1"], "--seed"),
+        (["simulate", "--no-such-option"], "unrecognized"),
+        (["simulate", "--json", "/no/such/dir/out.json"], "--json"),
+        (["simulate", "--plot", "/no/such/dir/out.png"], "--plot"),
+        (["frobnicate"], "invalid choice"),
+        ([], "missing command"),
+    ],
+)
+def test_bad_options_give_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    assert needle in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_json_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_help_and_version_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--help"]) == 0
+    assert "--latency" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("stalebuf ")
+
+
+def test_missing_trio_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "trio", None)
+    monkeypatch.setitem(sys.modules, "trio.testing", None)
+    assert main(["simulate", *SMALL]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert "pip install 'stalebuf[sim]'" in captured.err
+    with pytest.raises(MissingDependencyError):
+        simulate(SimulationConfig(steps=1))
+
+
+def test_simulate_module_imports_without_trio() -> None:
+    code = (
+        "import sys; sys.modules['trio'] = None\n"
+        "import stalebuf.simulate, stalebuf.cli\n"
+        "assert stalebuf.simulate.SimulationConfig().strategy == 'drop'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+# -- the API -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"strategy": "sometimes"},
+        {"threshold": 0},
+        {"threshold": True},
+        {"steps": 2.0},
+        {"batch_size": 0},
+        {"dispatch_ahead": -1.0},
+        {"train_step_seconds": float("inf")},
+        {"failure_rate": 1.0},
+        {"failure_strategy": "retry"},
+        {"latency": "lognormal:3,1"},
+        {"seed": -1},
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        SimulationConfig(**kwargs)
+
+
+def test_latency_parse_and_str_round_trip() -> None:
+    for spec in ("lognormal:3.4,1", "exponential:40", "fixed:12.5"):
+        assert str(Latency.parse(spec)) == spec
+    lognormal = Latency.parse("lognormal:3.4,1")
+    assert lognormal.quantile(0.5) == pytest.approx(30.0, rel=0.01)
+    assert lognormal.mean > lognormal.quantile(0.5)
+    with pytest.raises(ConfigError):
+        Latency("lognormal", ("a", 1))
+
+
+def test_simulate_rejects_a_non_config() -> None:
+    with pytest.raises(ConfigError):
+        simulate({"strategy": "drop"})  # type: ignore[arg-type]
