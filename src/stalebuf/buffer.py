@@ -18,6 +18,8 @@ from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
+from anyio.abc import AsyncBackend
 
 from . import staleness
 from ._checks import (
@@ -56,8 +58,10 @@ EvictCallback = Callable[[EvictionEvent], object]
 class ReplayBuffer:
     """A staleness-aware buffer of trajectory groups for asynchronous RL.
 
-    Construction is synchronous and needs no running event loop; the buffer binds to
-    the loop that first awaits it. It is not thread-safe: use it from one event loop.
+    Construction is synchronous and needs no running event loop; the buffer binds to the
+    async backend (asyncio or trio) of the first ``sample`` that waits, and must then be
+    awaited only under that backend (any number of successive event loops of it is fine).
+    It is not thread-safe: use it from one thread.
 
     Args:
         config: the sampler config; None means ``SamplerConfig()``.
@@ -103,6 +107,9 @@ class ReplayBuffer:
         self._partitions: dict[str, PartitionIndex] = {}
         self._next_seq = 0
         self._closed = False
+        # Bound on the first wait (see the class docs): resolving anyio's backend costs more
+        # than the whole wake-up path otherwise, so it is done once, not per event or clock read.
+        self._backend: type[AsyncBackend] | None = None
         # The default selection pops the heap's front in O(B log N); an override of
         # _select sees every candidate, which costs O(N).
         self._default_select = type(self)._select is ReplayBuffer._select
@@ -359,12 +366,19 @@ class ReplayBuffer:
             BufferClosedError: the buffer is or gets closed.
             Exception: whatever ``on_evict`` raised, after the buffer state is consistent.
         """
-        check_step(global_steps)
-        check_batch_size(batch_size)
-        check_partition(partition)
-        timeout = check_timeout(timeout)
+        # Inlined fast checks; the helpers run (and raise) only when a value looks wrong.
+        if type(global_steps) is not int or global_steps < 0:
+            check_step(global_steps)
+        if type(batch_size) is not int or batch_size < 1:
+            check_batch_size(batch_size)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        part = self._partitions.get(partition) if type(partition) is str else None
+        if part is None:
+            check_partition(partition)
         self._check_open()
-        part = self._partitions.get(partition) or self._partition(partition)
+        if part is None:
+            part = self._partition(partition)
         accumulated = SampleMetrics()
         if not part.waiters:
             groups = self._evaluate(part, global_steps, batch_size, accumulated)
@@ -372,11 +386,14 @@ class ReplayBuffer:
                 return self._result(part, global_steps, groups, accumulated, 0.0)
         if timeout == 0:
             raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r}")
-        waiter = Waiter(global_steps, batch_size, anyio.Event())
+        backend = self._backend
+        if backend is None:
+            backend = self._backend = anyio.lowlevel.current_token().backend_class
+        waiter = Waiter(global_steps, batch_size, backend.create_event())
         part.waiters.append(waiter)
-        started = anyio.current_time()
+        started = backend.current_time()
         try:
-            groups = await self._wait_for_batch(part, waiter, accumulated, started, timeout)
+            groups = await self._wait_for_batch(part, waiter, accumulated, started, timeout, backend)
         finally:
             waiters = part.waiters
             if waiters[0] is waiter:
@@ -384,7 +401,7 @@ class ReplayBuffer:
                 self._wake_head(part)  # pass the turn on, whether we succeeded or not
             else:
                 waiters.remove(waiter)
-        wait_seconds = anyio.current_time() - started
+        wait_seconds = backend.current_time() - started
         return self._result(part, global_steps, groups, accumulated, wait_seconds)
 
     def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
@@ -524,8 +541,11 @@ class ReplayBuffer:
         )
 
     def _terminate(self, uid: str, status: Status) -> None:
-        self._check_open()
-        group = self._open_group(uid, f"mark {status.value}")
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            raise self._not_open(uid, group, "mark finished" if status is Status.FINISHED else "mark failed")
         part = group.partition
         record = Group(
             uid, part.name, group.global_steps, status, group.tags, tuple(group.trajectories.values())
@@ -641,6 +661,7 @@ class ReplayBuffer:
         metrics: SampleMetrics,
         started: float,
         timeout: float | None,
+        backend: type[AsyncBackend],
     ) -> list[Group]:
         """Wait for ``waiter``'s batch; log every status interval; raise at the deadline.
 
@@ -652,11 +673,11 @@ class ReplayBuffer:
         next_log = math.inf if interval is None else started + interval
         while True:
             if deadline == math.inf and next_log == math.inf:
-                return await self._park_until_batch(part, waiter, metrics)
+                return await self._park_until_batch(part, waiter, metrics, backend)
             with anyio.CancelScope(deadline=min(deadline, next_log)):
-                return await self._park_until_batch(part, waiter, metrics)
+                return await self._park_until_batch(part, waiter, metrics, backend)
             # Only our own deadline can end the scope quietly; outside cancellation propagates.
-            if anyio.current_time() >= deadline:
+            if backend.current_time() >= deadline:
                 raise TimeoutError(
                     f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
                 )
@@ -664,7 +685,7 @@ class ReplayBuffer:
             next_log += interval  # type: ignore[operator]
 
     async def _park_until_batch(
-        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics
+        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics, backend: type[AsyncBackend]
     ) -> list[Group]:
         """Park until woken, then re-check; repeat until this waiter gets its batch."""
         while True:
@@ -674,7 +695,7 @@ class ReplayBuffer:
                 groups = self._evaluate(part, waiter.global_steps, waiter.batch_size, metrics)
                 if groups is not None:
                     return groups
-            waiter.event = anyio.Event()
+            waiter.event = backend.create_event()
 
     def _log_waiting(self, part: PartitionIndex, waiter: Waiter, waited: float) -> None:
         logger.info(
