@@ -1,0 +1,443 @@
+"""The Ray async actor that hosts a real :class:`~stalebuf.ReplayBuffer`.
+
+Ray runs each concurrency group of an async actor on its own thread and event loop. The
+buffer is not thread-safe, so it lives on one loop, its *home*: the default group's loop,
+where ``__init__`` runs and where ``sample`` calls run directly (parked samplers use only
+slots of the default group). Every other call runs in its own group (``producer``,
+``control``, ``events``) and hops onto the home loop with ``call_soon_threadsafe``: parked
+samplers can never take the slots producers need, and every buffer method still runs on
+the one loop, so each call stays atomic exactly as in the local buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import attrs
+import ray
+
+from .._checks import check_index, check_partition, check_step, check_tags, check_uid
+from ..buffer import ReplayBuffer
+from ..config import SamplerConfig
+from ..errors import ConfigError, DuplicateGroupError, DuplicateTrajectoryError, StalebufError
+from ..records import Batch, EvictionEvent, Group, Status, Trajectory
+from ..stats import BufferStats
+from ._payloads import PackedRun, pack_groups
+
+__all__ = ["CONCURRENCY_GROUPS", "BufferHost", "actor_class", "check_group_status", "pack_ops"]
+
+logger = logging.getLogger("stalebuf.ray")
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _method(group: str, **options: Any) -> Callable[[F], F]:
+    """``ray.method(concurrency_group=group, ...)``, typed as the identity it is for mypy."""
+    return cast("Callable[[F], F]", ray.method(concurrency_group=group, **options))
+
+
+#: Concurrency groups of the actor; ``sample`` runs in Ray's default group.
+PRODUCER_GROUP = "producer"
+CONTROL_GROUP = "control"
+EVENTS_GROUP = "events"
+#: Default slots per concurrency group (producer calls only hop onto the home loop, so few
+#: slots serve many clients; each eviction reader holds one ``events`` slot while it polls).
+CONCURRENCY_GROUPS: Mapping[str, int] = {PRODUCER_GROUP: 64, CONTROL_GROUP: 16, EVENTS_GROUP: 64}
+
+# One producer operation, as the client encodes it (see BufferHost._apply_one).
+Op = tuple[Any, ...]
+# (True, result) or (False, the exception the operation raised).
+Outcome = tuple[bool, Any]
+
+GROUP_STATUSES = ("finished", "failed")
+
+
+def check_group_status(status: object) -> str:
+    """Return ``status`` if it is "finished" or "failed"; raise ValueError otherwise."""
+    if status not in GROUP_STATUSES:
+        raise ValueError(f"status must be 'finished' or 'failed', got {status!r}")
+    return str(status)
+
+
+class BufferHost:
+    """The actor's state: a ReplayBuffer on the home loop, plus the eviction-event ring.
+
+    Not used directly: :func:`actor_class` wraps it with ``ray.remote`` and
+    :class:`~stalebuf.ray.RemoteReplayBuffer` is its client.
+    """
+
+    def __init__(
+        self,
+        config: SamplerConfig | Mapping[str, Any] | None,
+        use_factory: bool,
+        status_log_interval: float | None,
+        eviction_queue_size: int,
+        keep_evicted_payloads: bool,
+    ) -> None:
+        self._home = _home_loop()
+        self._keep_evicted_payloads = keep_evicted_payloads
+        self._events: collections.deque[EvictionEvent] = collections.deque(maxlen=eviction_queue_size)
+        self._events_end = 0  # sequence number of the next event
+        self._events_overflowed = 0
+        self._events_changed = asyncio.Event()  # binds to the home loop on first use
+        self._init_error: Exception | None = None
+        try:
+            if use_factory:
+                assert config is not None
+                self._buffer = ReplayBuffer.from_config(
+                    config, on_evict=self._record_eviction, status_log_interval=status_log_interval
+                )
+            else:
+                assert config is None or isinstance(config, SamplerConfig)
+                self._buffer = ReplayBuffer(
+                    config, on_evict=self._record_eviction, status_log_interval=status_log_interval
+                )
+        except Exception as exc:  # reported to every caller instead of killing the actor
+            self._init_error = exc
+            self._buffer = ReplayBuffer(status_log_interval=None)
+            self._buffer.close()
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if self._init_error is not None:
+            raise self._init_error.with_traceback(None)
+
+    async def _on_home(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the home loop and return its result (or raise its error)."""
+        if asyncio.get_running_loop() is self._home:
+            return fn()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # the caller was cancelled before we ran: do nothing
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._home.call_soon_threadsafe(run)
+        return await asyncio.wrap_future(future)
+
+    async def _await_on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
+
+    # -- default group: samplers ------------------------------------------------------
+
+    async def sample(
+        self, global_steps: int, batch_size: int, partition: str, timeout: float | None
+    ) -> tuple[Batch, dict[str, float]]:
+        """``ReplayBuffer.sample`` on the home loop (a ``ray.cancel`` cancels it safely)."""
+        self._check_ready()
+        sample = self._buffer.sample(global_steps, batch_size, partition=partition, timeout=timeout)
+        if asyncio.get_running_loop() is self._home:
+            return await sample
+        return await self._await_on_home(sample)  # only with a private home loop
+
+    # -- producer group ---------------------------------------------------------------
+
+    @_method(PRODUCER_GROUP, enable_task_events=False)
+    async def submit(self, ops: list[Op], upload: bool) -> list[Outcome]:
+        """Apply producer operations in order, atomically with respect to samplers.
+
+        With ``upload`` the payload values the ops carry are first stored in the object
+        store from this actor (one ``ray.put``), so the actor owns them.
+        """
+        self._check_ready()
+        if upload:
+            ops = pack_ops(ops)
+        return await self._on_home(lambda: [self._apply_one(op) for op in ops])
+
+    def _apply_one(self, op: Op) -> Outcome:
+        buffer = self._buffer
+        try:
+            code = op[0]
+            if code == "put":
+                _, uid, payload, session_id, index, tags = op
+                return True, buffer.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
+            if code == "group":
+                return True, self._put_group(*op[1:])
+            if code == "add":
+                _, uid, global_steps, partition, tags = op
+                buffer.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+            elif code == "run":
+                buffer.mark_running_nowait(op[1])
+            elif code == "fin":
+                buffer.mark_finished_nowait(op[1])
+            elif code == "fail":
+                buffer.mark_failed_nowait(op[1])
+            else:
+                raise StalebufError(
+                    f"unknown producer operation {code!r} (client and actor versions differ?)"
+                )
+            return True, None
+        except Exception as exc:
+            return False, exc
+
+    def _put_group(
+        self,
+        uid: str,
+        payloads: Sequence[Any] | PackedRun,
+        global_steps: int,
+        partition: str,
+        tags: Mapping[str, Any] | None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
+        session_ids: Sequence[int] | None,
+        indices: Sequence[int] | None,
+        status: str,
+    ) -> list[str]:
+        """Add (if absent), fill and terminate a group; validates everything first."""
+        buffer = self._buffer
+        buffer._check_open()
+        if isinstance(payloads, PackedRun):
+            payloads = payloads.expand()
+        check_uid(uid)
+        check_step(global_steps)
+        check_partition(partition)
+        check_tags(tags)
+        check_group_status(status)
+        n = len(payloads)
+        sessions = list(range(n)) if session_ids is None else list(session_ids)
+        positions = [0] * n if indices is None else list(indices)
+        all_tags = [None] * n if trajectory_tags is None else list(trajectory_tags)
+        for name, values in (
+            ("session_ids", sessions),
+            ("indices", positions),
+            ("trajectory_tags", all_tags),
+        ):
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} items for {n} payloads")
+        for session_id, index, item_tags in zip(sessions, positions, all_tags, strict=True):
+            check_index(session_id, "session_id")
+            check_index(index, "index")
+            check_tags(item_tags)
+        keys = [f"{uid}_{session_id}_{index}" for session_id, index in zip(sessions, positions, strict=True)]
+        if len(set(keys)) != n:
+            duplicate = next(key for key in keys if keys.count(key) > 1)
+            raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
+        present = uid in buffer._groups
+        if present:
+            group = buffer._open_group(uid, "put a group into")
+            if group.global_steps != global_steps or group.partition.name != partition:
+                raise DuplicateGroupError(
+                    f"group {uid!r} is already in the buffer with global_steps={group.global_steps}, "
+                    f"partition={group.partition.name!r}; put_group got global_steps={global_steps}, "
+                    f"partition={partition!r}"
+                )
+            for key in keys:
+                if key in group.trajectories:
+                    raise DuplicateTrajectoryError(f"group {uid!r} already holds trajectory {key!r}")
+        # Everything is valid: from here on nothing raises, so the group lands whole.
+        if not present:
+            buffer.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+        put = buffer.put_nowait
+        for payload, session_id, index, item_tags in zip(
+            payloads, sessions, positions, all_tags, strict=True
+        ):
+            put(uid, payload, session_id=session_id, index=index, tags=item_tags)
+        if status == "finished":
+            buffer.mark_finished_nowait(uid)
+        else:
+            buffer.mark_failed_nowait(uid)
+        return keys
+
+    # -- control group ----------------------------------------------------------------
+
+    @_method(CONTROL_GROUP)
+    async def sampleable_count(self, global_steps: int, partition: str) -> int:
+        """``ReplayBuffer.sampleable_count`` on the home loop."""
+        self._check_ready()
+        return await self._on_home(lambda: self._buffer.sampleable_count(global_steps, partition))
+
+    @_method(CONTROL_GROUP)
+    async def stats(self) -> BufferStats:
+        """``ReplayBuffer.stats`` on the home loop."""
+        self._check_ready()
+        return await self._on_home(self._buffer.stats)
+
+    @_method(CONTROL_GROUP)
+    async def close(self) -> None:
+        """Close the buffer (waking parked samplers and eviction pollers)."""
+        self._check_ready()
+
+        def close() -> None:
+            self._buffer.close()
+            self._notify_events()
+
+        await self._on_home(close)
+
+    @_method(CONTROL_GROUP)
+    async def requeue(self, batch: Batch) -> list[str]:
+        """Put back the groups of a batch whose ``sample`` call was cancelled after it took them.
+
+        Each group is admitted again with its dispatch step, tags, trajectories and status
+        (so the stats count it as admitted twice and sampled once). Returns the uids that
+        could not be put back (the uid was reused meanwhile, or the buffer is closed).
+        """
+        self._check_ready()
+        return await self._on_home(lambda: [group.uid for group in batch.groups if not self._readmit(group)])
+
+    def _readmit(self, group: Group) -> bool:
+        buffer = self._buffer
+        if buffer.closed or group.uid in buffer._groups:
+            return False
+        buffer.add_prompt_nowait(
+            group.uid, global_steps=group.global_steps, partition=group.partition, tags=group.tags
+        )
+        for t in group.trajectories:
+            buffer.put_nowait(group.uid, t.payload, session_id=t.session_id, index=t.index, tags=t.tags)
+        if group.status is Status.FINISHED:
+            buffer.mark_finished_nowait(group.uid)
+        else:
+            buffer.mark_failed_nowait(group.uid)
+        return True
+
+    @_method(CONTROL_GROUP)
+    async def info(self) -> dict[str, Any]:
+        """Facts about the actor: the config, whether closed, eviction-ring counters."""
+        self._check_ready()
+
+        def info() -> dict[str, Any]:
+            return {
+                "config": self._buffer.config,
+                "buffer_class": f"{type(self._buffer).__module__}.{type(self._buffer).__qualname__}",
+                "closed": self._buffer.closed,
+                "eviction_queue_size": self._events.maxlen,
+                "evictions_emitted": self._events_end,
+                "evictions_overflowed": self._events_overflowed,
+            }
+
+        return await self._on_home(info)
+
+    # -- events group -----------------------------------------------------------------
+
+    def _record_eviction(self, event: EvictionEvent) -> None:
+        """The buffer's on_evict (home loop, inside ``sample``): append to the ring, never block."""
+        if not self._keep_evicted_payloads:
+            event = _without_payloads(event)
+        events = self._events
+        if len(events) == events.maxlen:
+            self._events_overflowed += 1  # the oldest event falls off the ring
+        events.append(event)
+        self._events_end += 1
+        self._notify_events()
+
+    def _notify_events(self) -> None:
+        self._events_changed.set()
+        self._events_changed = asyncio.Event()
+
+    @_method(EVENTS_GROUP)
+    async def poll_evictions(
+        self, cursor: int | None, from_oldest: bool, limit: int, wait: float
+    ) -> tuple[int, list[EvictionEvent], int, bool]:
+        """Return ``(next_cursor, events, missed, closed)`` for events after ``cursor``.
+
+        Waits up to ``wait`` seconds for an event if none is there. ``cursor=None`` starts
+        at the newest end of the ring (or its oldest retained event with ``from_oldest``).
+        ``missed`` counts events that fell off the ring before this reader got them.
+        ``closed`` is True once the buffer is closed and the reader has every event.
+        """
+        self._check_ready()
+        return await self._await_on_home(self._poll(cursor, from_oldest, limit, wait))
+
+    async def _poll(
+        self, cursor: int | None, from_oldest: bool, limit: int, wait: float
+    ) -> tuple[int, list[EvictionEvent], int, bool]:
+        events = self._events
+        start = self._events_end - len(events)
+        if cursor is None:
+            cursor = start if from_oldest else self._events_end
+        cursor = min(cursor, self._events_end)  # a cursor from before an actor restart
+        missed = max(0, start - cursor)
+        cursor = max(cursor, start)
+        if cursor == self._events_end and not self._buffer.closed and wait > 0:
+            changed = self._events_changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), wait)
+            start = self._events_end - len(events)
+            missed += max(0, start - cursor)
+            cursor = max(cursor, start)
+        offset = cursor - start
+        taken = [events[i] for i in range(offset, min(len(events), offset + limit))]
+        cursor += len(taken)
+        closed = self._buffer.closed and cursor == self._events_end
+        return cursor, taken, missed, closed
+
+
+def _home_loop() -> asyncio.AbstractEventLoop:
+    """The loop ``__init__`` runs on (Ray's default group), else a private loop thread."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a Ray that runs async actors' __init__ outside their loop
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="stalebuf-home", daemon=True).start()
+        return loop
+
+
+def _without_payloads(event: EvictionEvent) -> EvictionEvent:
+    groups = tuple(
+        attrs.evolve(
+            group,
+            trajectories=tuple(
+                Trajectory(t.key, t.session_id, t.index, t.tags, None) for t in group.trajectories
+            ),
+        )
+        for group in event.groups
+    )
+    return EvictionEvent(event.partition, event.reason, groups, event.global_steps)
+
+
+def pack_ops(ops: list[Op]) -> list[Op]:
+    """Store all payload values of ``ops`` in one object (one ``ray.put``); return the ops with
+    references instead: a PayloadRef for ``put``, a PackedRun (or a list) for ``group``."""
+    groups: list[list[Any]] = []
+    for op in ops:
+        if op[0] == "put":
+            groups.append([op[2]])
+        elif op[0] == "group":
+            groups.append(op[2])
+    if not groups:
+        return ops
+    packed = iter(pack_groups(groups))
+    out: list[Op] = []
+    for op in ops:
+        if op[0] == "put":
+            run = next(packed)
+            payload = run.expand()[0] if isinstance(run, PackedRun) else run[0]
+            out.append((*op[:2], payload, *op[3:]))
+        elif op[0] == "group":
+            out.append((*op[:2], next(packed), *op[3:]))
+        else:
+            out.append(op)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _actor_class(groups: tuple[tuple[str, int], ...]) -> Any:
+    remote: Any = ray.remote  # its overloads do not list concurrency_groups
+    return remote(concurrency_groups=dict(groups))(BufferHost)
+
+
+def actor_class(concurrency_groups: Mapping[str, int]) -> Any:
+    """Return ``BufferHost`` as a Ray actor class with these concurrency groups (merged over
+    :data:`CONCURRENCY_GROUPS`); Ray accepts them only at ``ray.remote`` time, not in ``.options()``.
+
+    Raises:
+        ConfigError: a group that is not a str mapped to an int >= 1.
+    """
+    merged = dict(CONCURRENCY_GROUPS)
+    for name, slots in concurrency_groups.items():
+        if type(name) is not str or not name or type(slots) is not int or slots < 1:
+            raise ConfigError(f"concurrency_groups must map names to ints >= 1, got {name!r}: {slots!r}")
+        merged[name] = slots
+    return _actor_class(tuple(sorted(merged.items())))

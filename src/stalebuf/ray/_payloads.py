@@ -1,0 +1,169 @@
+"""Payloads in the Ray object store: the reference type the buffer keeps, and resolving a batch.
+
+Producers never send payload bytes through the buffer actor (except in ``payloads="inline"``
+mode): the client ``ray.put``\\ s them and the buffer only keeps references. One ``ray.put``
+carries all the payloads of one producer round trip (a group, or several groups sent
+together), so each trajectory's payload is a :class:`PayloadRef` naming its item in that
+stored list. A producer may also pass its own ``ray.ObjectRef`` as a payload; it is kept
+as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import anyio
+import attrs
+import ray
+
+from ..records import Batch, Group, Trajectory
+
+__all__ = ["PackedRun", "PayloadRef", "pack_groups", "resolve", "resolve_sync"]
+
+
+@attrs.frozen(weakref_slot=False)
+class PayloadRef:
+    """A trajectory payload stored in the Ray object store: item ``index`` of the list under ``ref``.
+
+    The buffer keeps these instead of payloads, so payload bytes never pass through the
+    buffer actor. Resolve a whole batch with :func:`resolve` (one call, one fetch per stored
+    object); a single reference with :meth:`get`. Holding a PayloadRef keeps the stored
+    object alive, and the object is freed when no reference to it is left anywhere.
+
+    Attributes:
+        ref: the object that holds a list of payloads.
+        index: the position of this payload in that list.
+    """
+
+    ref: ray.ObjectRef[Any]
+    index: int
+
+    def __reduce__(self) -> tuple[type[PayloadRef], tuple[ray.ObjectRef[Any], int]]:
+        """Pickle as ``PayloadRef(ref, index)`` (cheaper than attrs' slot state)."""
+        return (PayloadRef, (self.ref, self.index))
+
+    def get(self, *, timeout: float | None = None) -> Any:
+        """Fetch and return the payload, blocking (numpy arrays come back zero-copy, read-only).
+
+        Raises:
+            ray.exceptions.GetTimeoutError: ``timeout`` seconds passed first.
+            ray.exceptions.ObjectLostError: the object is gone, e.g. ``OwnerDiedError`` when the
+                process that stored it (see ``payloads=`` of RemoteReplayBuffer) exited.
+        """
+        return ray.get(self.ref, timeout=timeout)[self.index]
+
+
+def _is_stored(payload: object) -> bool:
+    return payload is None or isinstance(payload, (PayloadRef, ray.ObjectRef))
+
+
+class PackedRun(NamedTuple):
+    """Payloads stored as items ``start`` to ``stop - 1`` of the list under ``ref``: how a whole
+    group's payloads travel to the actor (one small object instead of a PayloadRef each)."""
+
+    ref: ray.ObjectRef[Any]
+    start: int
+    stop: int
+
+    def expand(self) -> list[PayloadRef]:
+        """Return the PayloadRefs this run stands for."""
+        ref = self.ref
+        return [PayloadRef(ref, i) for i in range(self.start, self.stop)]
+
+
+def pack_groups(groups: list[list[Any]]) -> list[list[Any] | PackedRun]:
+    """Store every payload in ``groups`` that is not None, an ObjectRef or a PayloadRef, all with
+    one ``ray.put``. Return each group as a PackedRun when all its payloads were stored now,
+    else as its list with the stored ones replaced by PayloadRefs."""
+    values: list[Any] = []
+    plans: list[tuple[int, list[int]]] = []
+    for payloads in groups:
+        todo = [i for i, value in enumerate(payloads) if not _is_stored(value)]
+        plans.append((len(values), todo))
+        values.extend(payloads[i] for i in todo)
+    if not values:
+        return list(groups)
+    ref = ray.put(values)
+    packed: list[list[Any] | PackedRun] = []
+    for payloads, (start, todo) in zip(groups, plans, strict=True):
+        if todo and len(todo) == len(payloads):
+            packed.append(PackedRun(ref, start, start + len(todo)))
+            continue
+        items = list(payloads)
+        for offset, i in enumerate(todo):
+            items[i] = PayloadRef(ref, start + offset)
+        packed.append(items)
+    return packed
+
+
+def _unique_refs(payloads: Iterable[Any]) -> list[ray.ObjectRef[Any]]:
+    seen: dict[ray.ObjectRef[Any], None] = {}
+    for payload in payloads:
+        if isinstance(payload, PayloadRef):
+            seen[payload.ref] = None
+        elif isinstance(payload, ray.ObjectRef):
+            seen[payload] = None
+    return list(seen)
+
+
+def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:
+    by_ref = dict(zip(refs, values, strict=True))
+
+    def value_of(payload: Any) -> Any:
+        if isinstance(payload, PayloadRef):
+            return by_ref[payload.ref][payload.index]
+        if isinstance(payload, ray.ObjectRef):
+            return by_ref[payload]
+        return payload
+
+    groups = tuple(
+        Group(
+            group.uid,
+            group.partition,
+            group.global_steps,
+            group.status,
+            group.tags,
+            tuple(
+                Trajectory(t.key, t.session_id, t.index, t.tags, value_of(t.payload))
+                for t in group.trajectories
+            ),
+        )
+        for group in batch.groups
+    )
+    return Batch(batch.partition, batch.global_steps, groups, batch.parameter_sync_step)
+
+
+async def resolve(batch: Batch, *, timeout: float | None = None) -> Batch:
+    """Return a copy of ``batch`` whose payloads are the stored values instead of references.
+
+    Every :class:`PayloadRef` and ``ray.ObjectRef`` payload is fetched, each distinct stored
+    object once, all concurrently; other payloads (None, or values kept inline) are left as
+    they are. numpy arrays come back zero-copy: read-only views of the object store's shared
+    memory on this node (``.copy()`` one to write to it). Needs a running asyncio loop.
+
+    Raises:
+        TimeoutError: ``timeout`` seconds passed first.
+        ray.exceptions.ObjectLostError: a stored object is gone, e.g. ``OwnerDiedError`` when the
+            producer process that stored it exited (see ``payloads=`` of RemoteReplayBuffer).
+    """
+    refs = _unique_refs(batch.payloads)
+    if not refs:
+        return batch
+    with anyio.fail_after(timeout):
+        values = await asyncio.gather(*refs)
+    return _substitute(batch, refs, values)
+
+
+def resolve_sync(batch: Batch, *, timeout: float | None = None) -> Batch:
+    """The blocking twin of :func:`resolve`, for code without an event loop (one ``ray.get``).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: ``timeout`` seconds passed first (a TimeoutError).
+        ray.exceptions.ObjectLostError: a stored object is gone (see :func:`resolve`).
+    """
+    refs = _unique_refs(batch.payloads)
+    if not refs:
+        return batch
+    return _substitute(batch, refs, ray.get(refs, timeout=timeout))

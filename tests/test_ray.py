@@ -1,0 +1,649 @@
+"""stalebuf.ray: the buffer hosted by a Ray actor, with producers in other processes.
+
+One local Ray instance (2 CPUs, no dashboard) serves the whole session. The shared
+scenarios of ``tests/scenarios.py`` run against the local and the remote buffer; the rest
+checks what only the remote buffer has: cross-process producers and conservation, the
+starvation case, payloads in the object store, put_group, eviction streams, errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+
+import ray
+import ray.cloudpickle
+
+from scenarios import SCENARIOS, Harness, LocalHarness, Scenario, expect
+from stalebuf import Batch, BufferStats, EvictionEvent, SamplerConfig
+from stalebuf.errors import (
+    BufferClosedError,
+    BufferUnavailableError,
+    ConfigError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+)
+from stalebuf.ray import PayloadRef, RemoteReplayBuffer, resolve, resolve_sync
+
+# Producers below run in Ray worker processes, which cannot import this test module.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STEP_TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_session() -> Iterator[None]:
+    """Start one local Ray instance for the session; shut it down at the end."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    if started:
+        ray.shutdown()
+
+
+class RemoteHarness(Harness):
+    """A RemoteReplayBuffer on a fresh actor; evictions come from ``evictions()``."""
+
+    kind = "remote"
+
+    def __init__(self, config: SamplerConfig) -> None:
+        super().__init__(RemoteReplayBuffer(config, status_log_interval=None))
+        self._stream = self.buffer.evictions(from_oldest=True, poll_seconds=1.0)
+
+    async def count(self, global_steps: int, partition: str = "train") -> int:
+        return int(await self.buffer.sampleable_count(global_steps, partition))
+
+    async def stats(self) -> BufferStats:
+        stats: BufferStats = await self.buffer.stats()
+        return stats
+
+    async def values(self, batch: Batch) -> list[Any]:
+        return (await resolve(batch)).payloads
+
+    async def next_eviction(self) -> EvictionEvent:
+        event: EvictionEvent = await self._stream.__anext__()
+        return event
+
+    async def dispose(self) -> None:
+        self.buffer.kill()
+
+
+def _harness(kind: str, config: SamplerConfig) -> Harness:
+    return LocalHarness(config) if kind == "local" else RemoteHarness(config)
+
+
+@pytest.mark.parametrize("kind", ["local", "remote"])
+@pytest.mark.parametrize("case", SCENARIOS, ids=[case.name for case in SCENARIOS])
+@pytest.mark.asyncio
+async def test_scenario(case: Scenario, kind: str) -> None:
+    with anyio.fail_after(STEP_TIMEOUT):
+        harness = _harness(kind, case.config)
+        try:
+            await case(harness)
+        finally:
+            await harness.dispose()
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _name() -> str:
+    return f"stalebuf-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def remote() -> Iterator[RemoteReplayBuffer]:
+    """A fresh remote buffer (default config), killed after the test."""
+    buffer = RemoteReplayBuffer(status_log_interval=None)
+    yield buffer
+    buffer.kill()
+
+
+async def _wait_parked(buffer: RemoteReplayBuffer, count: int) -> None:
+    while True:  # the parked calls live in the actor: poll its stats
+        if (await buffer.stats()).total.waiting_samplers == count:
+            return
+        await asyncio.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this machine) still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+async def _until_dead(pid: int) -> None:
+    """Return once process ``pid`` has exited."""
+    while True:  # another process: nothing to wait on but polling
+        if not _alive(pid):
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _resolve_repeatedly(batch: Batch) -> None:
+    for _ in range(100):
+        await resolve(batch, timeout=5)
+        await asyncio.sleep(0.1)
+
+
+# -- producers in other processes ---------------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+def produce(
+    target: RemoteReplayBuffer | str,
+    prefix: str,
+    groups: int,
+    group_size: int,
+    steps: list[int],
+    partitions: tuple[str, ...] = ("train",),
+) -> dict[str, Any]:
+    """A producer process: group ``i`` is dispatched at ``steps[i % len(steps)]`` into
+    ``partitions[i % len(partitions)]``; half go via put_group, half step by step; every 7th fails."""
+    buffer = target if isinstance(target, RemoteReplayBuffer) else RemoteReplayBuffer.connect(target)
+
+    async def main() -> dict[str, Any]:
+        failed = []
+        for i in range(groups):
+            uid = f"{prefix}g{i}"
+            step = steps[i % len(steps)]
+            partition = partitions[i % len(partitions)]
+            payloads = [np.full(4, i, dtype=np.int64) for _ in range(group_size)]
+            status = "failed" if i % 7 == 6 else "finished"
+            if status == "failed":
+                failed.append(uid)
+            if i % 2:
+                await buffer.put_group(uid, payloads, global_steps=step, partition=partition, status=status)
+            else:
+                await buffer.add_prompt(uid, global_steps=step, partition=partition)
+                await buffer.mark_running(uid)
+                for session, payload in enumerate(payloads):
+                    await buffer.put(uid, payload, session_id=session)
+                if status == "failed":
+                    await buffer.mark_failed(uid)
+                else:
+                    await buffer.mark_finished(uid)
+        return {"pid": os.getpid(), "failed": failed}
+
+    return asyncio.run(main())
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    """A long-lived producer process (a Ray actor) that owns the payloads it stores."""
+
+    def __init__(self, buffer: RemoteReplayBuffer) -> None:
+        self.buffer = buffer
+
+    async def put_group(self, uid: str, values: list[int], step: int) -> list[str]:
+        payloads = [np.full(1024, v, dtype=np.int64) for v in values]
+        return await self.buffer.put_group(uid, payloads, global_steps=step)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+# -- import hygiene ---------------------------------------------------------------------
+
+
+def test_import_stalebuf_does_not_import_ray() -> None:
+    code = "import stalebuf, sys; assert 'ray' not in sys.modules, 'stalebuf imported ray'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- across processes -------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_conservation_with_producers_in_other_processes() -> None:
+    """Four producer processes (two attach by name, two get the pickled client), the trainer
+    here: every admitted group ends up sampled once, evicted once or still resident."""
+    name = _name()
+    config = SamplerConfig(
+        max_off_policy_threshold=2, max_off_policy_strategy="drop", failure_strategy="evict"
+    )
+    buffer = RemoteReplayBuffer(config, name=name, status_log_interval=None)
+    try:
+        with anyio.fail_after(45):
+            stream = buffer.evictions(from_oldest=True, poll_seconds=0.5)
+            groups, group_size = 40, 3
+            tasks = [
+                produce.remote(name if p % 2 else buffer, f"p{p}x", groups, group_size, [0, 1, 2, 3, 4])
+                for p in range(4)
+            ]
+            reports = await asyncio.gather(*tasks)
+            assert len({report["pid"] for report in reports}) >= 2  # really other processes
+            assert os.getpid() not in {report["pid"] for report in reports}
+            sampled: list[str] = []
+            for step in range(2, 6):
+                batch, _ = await buffer.sample(step, 5, timeout=10)
+                assert len(batch) == 5
+                sampled += batch.uids
+                values = (await resolve(batch)).payloads
+                assert len(values) == 5 * group_size
+                for group, start in zip(batch.groups, range(0, len(values), group_size), strict=True):
+                    number = int(group.uid.rpartition("g")[2])
+                    assert all(int(v[0]) == number for v in values[start : start + group_size])
+            await buffer.aclose()
+            evicted = [group.uid for event in [e async for e in stream] for group in event.groups]
+            stats = await buffer.stats()
+        admitted = {f"p{p}xg{i}" for p in range(4) for i in range(groups)}
+        assert len(sampled) == len(set(sampled))
+        assert len(evicted) == len(set(evicted))
+        assert not set(sampled) & set(evicted)
+        assert stream.dropped == 0
+        total = stats.total
+        assert total.admitted_groups == len(admitted)
+        assert total.admitted_trajectories == len(admitted) * group_size
+        assert total.sampled_groups == len(sampled)
+        assert total.evicted_stale_groups + total.evicted_failure_groups == len(evicted)
+        assert total.admitted_groups == total.groups + total.sampled_groups + len(evicted)
+        assert (
+            total.admitted_trajectories
+            == total.trajectories
+            + total.sampled_trajectories
+            + total.evicted_stale_trajectories
+            + total.evicted_failure_trajectories
+        )
+        failed = {uid for report in reports for uid in report["failed"]}
+        assert not failed & set(sampled)  # failure_strategy="evict"
+        assert total.evicted_failure_groups > 0
+        assert total.evicted_stale_groups > 0
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_parked_samplers_never_starve_producers() -> None:
+    """20 samplers park on 20 partitions and fill every sampler slot; a 21st queues in Ray.
+    Producers in another process and control calls still get through, and all 21 finish."""
+    buffer = RemoteReplayBuffer(actor_options={"max_concurrency": 20}, status_log_interval=None)
+    try:
+        with anyio.fail_after(30):
+            samplers = [asyncio.ensure_future(buffer.sample(0, 1, partition=f"q{i}")) for i in range(21)]
+            await _wait_parked(buffer, 20)
+            await asyncio.sleep(0.2)
+            assert not any(s.done() for s in samplers)
+            assert (await buffer.stats()).total.waiting_samplers == 20  # control group answers
+            partitions = tuple(f"q{i}" for i in range(21))
+            report = await produce.remote(buffer, "q", 21, 2, [0], partitions)
+            assert report["pid"] != os.getpid()
+            batches = await asyncio.gather(*samplers)
+            assert sorted(batch.partition for batch, _ in batches) == sorted(f"q{i}" for i in range(21))
+            assert (await buffer.stats()).total.sampled_groups == 21
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_payload_owner_death_and_actor_owned_payloads() -> None:
+    """With payloads="producer" the objects die with the producer process; with "actor"
+    they survive it."""
+    name = _name()
+    buffer = RemoteReplayBuffer(name=name, status_log_interval=None)
+    try:
+        with anyio.fail_after(45):
+            for mode in ("producer", "actor"):
+                client = RemoteReplayBuffer.connect(name, payloads=mode)
+                producer = Producer.remote(client)
+                assert await producer.put_group.remote(f"{mode}x", [1, 2], 0) == [
+                    f"{mode}x_0_0",
+                    f"{mode}x_1_0",
+                ]
+                pid = await producer.pid.remote()
+                ray.kill(producer)
+                await _until_dead(pid)
+                batch, _ = await buffer.sample(0, 1)
+                if mode == "producer":  # Ray notices the owner's death within moments
+                    with pytest.raises(ray.exceptions.ObjectLostError):
+                        await _resolve_repeatedly(batch)
+                else:
+                    values = (await resolve(batch)).payloads
+                    assert [int(v[0]) for v in values] == [1, 2]
+    finally:
+        buffer.kill()
+
+
+# -- payloads -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_payloads_live_in_the_object_store_and_resolve_zero_copy(remote: RemoteReplayBuffer) -> None:
+    with anyio.fail_after(STEP_TIMEOUT):
+        arrays = [np.arange(512, dtype=np.int64) + i for i in range(8)]
+        keys = await remote.put_group("a", arrays, global_steps=0, tags={"k": 1})
+        assert keys == [f"a_{i}_0" for i in range(8)]
+        own = ray.put("mine")
+        await remote.put_group("b", [own, None], global_steps=0)
+        batch, _ = await remote.sample(0, 2)
+        refs = batch.payloads
+        assert all(isinstance(ref, PayloadRef) for ref in refs[:8])
+        assert len({ref.ref for ref in refs[:8]}) == 1  # one object for the whole group
+        assert refs[8] == own
+        assert refs[9] is None
+        resolved = await resolve(batch)
+        for got, want in zip(resolved.payloads[:8], arrays, strict=True):
+            assert np.array_equal(got, want)
+            assert not got.flags.writeable  # a read-only view of shared memory: zero-copy
+        assert resolved.payloads[8:] == ["mine", None]
+        assert resolved.uids == batch.uids
+        assert resolved.keys == batch.keys
+        assert resolve_sync(batch).payloads[8] == "mine"
+        assert np.array_equal(refs[3].get(), arrays[3])
+
+
+@pytest.mark.asyncio
+async def test_inline_payloads_travel_by_value() -> None:
+    buffer = RemoteReplayBuffer(payloads="inline", status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.put_group("a", [{"x": 1}, [2]], global_steps=0)
+            batch, _ = await buffer.sample(0, 1)
+            assert batch.payloads == [{"x": 1}, [2]]
+            assert await resolve(batch) is batch
+    finally:
+        buffer.kill()
+
+
+# -- put_group ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_put_group_is_atomic(remote: RemoteReplayBuffer) -> None:
+    with anyio.fail_after(STEP_TIMEOUT):
+        await remote.add_prompt("open", global_steps=3, partition="val")
+        await remote.put("open", 1, session_id=0)
+        await remote.put_group("done", [1], global_steps=0)
+        before = await remote.stats()
+        bad_calls = [
+            (DuplicateTrajectoryError, remote.put_group("new", [1, 2], global_steps=0, session_ids=[1, 1])),
+            (DuplicateTrajectoryError, remote.put_group("open", [1], global_steps=3, partition="val")),
+            (
+                DuplicateGroupError,
+                remote.put_group("open", [1], global_steps=4, partition="val", session_ids=[5]),
+            ),
+            (InvalidTransitionError, remote.put_group("done", [2], global_steps=0, session_ids=[3])),
+            (ValueError, remote.put_group("new", [1, 2], global_steps=0, session_ids=[0])),
+            (ValueError, remote.put_group("new", [1], global_steps=0, status="running")),  # type: ignore[arg-type]
+            (ValueError, remote.put_group("new", [1], global_steps=0, indices=[-1])),
+            (TypeError, remote.put_group("new", [1], global_steps=0, trajectory_tags=[5])),  # type: ignore[list-item]
+            (ValueError, remote.put_group("bad_uid", [1], global_steps=0)),
+            (TypeError, remote.put_group("new", 5, global_steps=0)),  # type: ignore[arg-type]
+        ]
+        for error, call in bad_calls:
+            await expect(error, call)
+        assert await remote.stats() == before
+        keys = await remote.put_group(
+            "open",
+            ["a", "b"],
+            global_steps=3,
+            partition="val",
+            session_ids=[1, 1],
+            indices=[0, 1],
+            trajectory_tags=[{"r": 1}, None],
+            status="failed",
+        )
+        assert keys == ["open_1_0", "open_1_1"]
+        batch, _ = await remote.sample(3, 1, partition="val")
+        assert batch.keys == ["open_0_0", "open_1_0", "open_1_1"]
+        assert batch.groups[0].status.value == "failure"
+        assert (await resolve(batch)).payloads == [1, "a", "b"]
+        assert [dict(t) for t in batch.tags] == [{}, {"r": 1}, {}]
+
+
+@pytest.mark.asyncio
+async def test_concurrent_producer_calls_share_round_trips(remote: RemoteReplayBuffer) -> None:
+    """Many concurrent put_group calls from one client: each gets its own result or error."""
+    with anyio.fail_after(STEP_TIMEOUT):
+        await remote.add_prompt("dup", global_steps=0)
+        calls = [remote.put_group(f"g{i}", [np.zeros(8)] * 4, global_steps=0) for i in range(200)]
+        calls.append(remote.add_prompt("dup", global_steps=0))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(result == [f"g{i}_{s}_0" for s in range(4)] for i, result in enumerate(results[:200]))
+        assert type(results[200]) is DuplicateGroupError
+        assert await remote.sampleable_count(0) == 200
+        info = await remote.info()
+        assert info["closed"] is False
+        assert info["buffer_class"] == "stalebuf.buffer.ReplayBuffer"
+
+
+# -- requeue ----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_requeue_puts_a_taken_batch_back(remote: RemoteReplayBuffer) -> None:
+    """What a sample cancelled after taking its batch does: the groups go back, whole."""
+    with anyio.fail_after(STEP_TIMEOUT):
+        await remote.put_group("a", ["x", "y"], global_steps=2, tags={"t": 1})
+        await remote.put_group("b", ["z"], global_steps=1, status="failed")
+        batch, _ = await remote.sample(2, 2)
+        assert batch.uids == ["b", "a"]
+        await remote.add_prompt("b", global_steps=9)  # the uid was reused meanwhile
+        assert await remote.handle.requeue.remote(batch) == ["b"]
+        again, _ = await remote.sample(2, 1)
+        assert again.uids == ["a"]
+        assert again.keys == ["a_0_0", "a_1_0"]
+        assert (await resolve(again)).payloads == ["x", "y"]
+        assert dict(again.groups[0].tags) == {"t": 1}
+
+
+# -- evictions ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_eviction_stream_counts_overflow_and_never_blocks_sample() -> None:
+    config = SamplerConfig(max_off_policy_threshold=1, max_off_policy_strategy="drop")
+    buffer = RemoteReplayBuffer(
+        config, eviction_queue_size=2, keep_evicted_payloads=True, status_log_interval=None
+    )
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            stream = buffer.evictions(poll_seconds=1.0)
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.3)  # let the stream subscribe
+
+            async def evict_one(i: int) -> None:
+                await buffer.put_group(f"old{i}", [i], global_steps=0)
+                await buffer.put_group(f"new{i}", [i], global_steps=10 + i)
+                batch, metrics = await buffer.sample(10 + i, 1, timeout=5)
+                assert batch.uids == [f"new{i}"]
+                assert metrics["training/off_policy/dropped_groups"] == 1
+
+            await evict_one(0)
+            assert [g.uid for g in (await first).groups] == ["old0"]
+            for i in range(1, 6):  # nobody reads: the ring of 2 overflows, sample never waits
+                await evict_one(i)
+            rest = [await stream.__anext__(), await stream.__anext__()]
+            assert [e.groups[0].uid for e in rest] == ["old4", "old5"]
+            assert stream.dropped == 3
+            assert (await resolve(Batch("train", 0, rest[1].groups))).payloads == [5]  # payload kept
+            info = await buffer.info()
+            assert (info["evictions_emitted"], info["evictions_overflowed"]) == (6, 4)
+            late = buffer.evictions(from_oldest=True)
+            assert [(await late.__anext__()).groups[0].uid for _ in range(2)] == ["old4", "old5"]
+            await buffer.aclose()
+            assert [e async for e in stream] == []
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_evicted_payloads_are_stripped_by_default() -> None:
+    config = SamplerConfig(max_off_policy_threshold=1, max_off_policy_strategy="drop")
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            stream = buffer.evictions(from_oldest=True)
+            await buffer.put_group("old", ["big"], global_steps=0)
+            await expect(TimeoutError, buffer.sample(5, 1, timeout=0))
+            event = await stream.__anext__()
+            assert event.reason == "stale"
+            assert event.groups[0].trajectories[0].payload is None
+    finally:
+        buffer.kill()
+
+
+# -- errors, naming, lifecycle --------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_dead_actor_is_one_clear_error_never_a_hang() -> None:
+    buffer = RemoteReplayBuffer(status_log_interval=None)
+    with anyio.fail_after(STEP_TIMEOUT):
+        await buffer.put_group("a", [1], global_steps=0)
+        parked = asyncio.ensure_future(buffer.sample(0, 5))
+        stream = buffer.evictions()
+        polling = asyncio.ensure_future(stream.__anext__())
+        await _wait_parked(buffer, 1)
+        buffer.kill()
+        started = time.monotonic()
+        await expect(BufferUnavailableError, parked)
+        await expect(BufferUnavailableError, polling)
+        assert time.monotonic() - started < 10
+        await expect(BufferUnavailableError, buffer.put_group("b", [1], global_steps=0))
+        await expect(BufferUnavailableError, buffer.add_prompt("c", global_steps=0))
+        await expect(BufferUnavailableError, buffer.stats())
+        await expect(BufferUnavailableError, buffer.aclose())
+    with pytest.raises(BufferUnavailableError):
+        RemoteReplayBuffer.connect(_name())
+
+
+@pytest.mark.asyncio
+async def test_named_actor_is_shared_and_the_client_pickles() -> None:
+    name = _name()
+    buffer = RemoteReplayBuffer(
+        SamplerConfig(max_off_policy_threshold=3), name=name, namespace="stalebuf-tests"
+    )
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            with pytest.raises(ConfigError, match="cannot start"):
+                RemoteReplayBuffer(name=name, namespace="stalebuf-tests")
+            same = RemoteReplayBuffer(name=name, namespace="stalebuf-tests", get_if_exists=True)
+            other = RemoteReplayBuffer.connect(name, "stalebuf-tests")
+            copy = pickle.loads(pickle.dumps(buffer))
+            assert repr(copy) == repr(buffer)
+            assert copy.name == name
+            assert copy.namespace == "stalebuf-tests"
+            await same.add_prompt("a", global_steps=0)
+            await other.mark_finished("a")
+            assert await copy.sampleable_count(0) == 1
+            assert (await buffer.info())["config"].max_off_policy_threshold == 3
+    finally:
+        buffer.kill()
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="evictions"):
+        RemoteReplayBuffer(on_evict=print)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        RemoteReplayBuffer({"max_off_policy_threshold": 2})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown sampler config key"):
+        RemoteReplayBuffer.from_config({"nope": 1})
+    with pytest.raises(ConfigError, match="payloads"):
+        RemoteReplayBuffer(payloads="elsewhere")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="status_log_interval"):
+        RemoteReplayBuffer(status_log_interval=0)
+    with pytest.raises(ConfigError, match="eviction_queue_size"):
+        RemoteReplayBuffer(eviction_queue_size=0)
+    with pytest.raises(ConfigError, match="name="):
+        RemoteReplayBuffer(actor_options={"name": "x"})
+    with pytest.raises(ConfigError, match="namespace"):
+        RemoteReplayBuffer(namespace="ns")
+    with pytest.raises(ConfigError, match="concurrency_groups"):
+        RemoteReplayBuffer(actor_options={"concurrency_groups": {"producer": 0}})
+    with pytest.raises(ConfigError, match="cannot start"):
+        RemoteReplayBuffer(actor_options={"no_such_option": 1})
+
+
+@pytest.mark.asyncio
+async def test_custom_sampler_errors_surface_as_config_error() -> None:
+    buffer = RemoteReplayBuffer.from_config(
+        {"custom_sampler": "stalebuf_no_such_module:Sampler"}, status_log_interval=None
+    )
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            error = await expect(ConfigError, buffer.info())
+            assert "stalebuf_no_such_module" in str(error)
+            await expect(ConfigError, buffer.add_prompt("a", global_steps=0))
+            await expect(ConfigError, buffer.sample(0, 1))
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_from_config_with_a_mapping_and_async_with() -> None:
+    buffer = RemoteReplayBuffer.from_config(
+        {"max_off_policy_threshold": 4, "max_off_policy_strategy": "wait"},
+        actor_options={"concurrency_groups": {"producer": 4}},
+        status_log_interval=None,
+    )
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            async with buffer as same:
+                assert same is buffer
+                config = (await buffer.info())["config"]
+                assert (config.max_off_policy_threshold, config.max_off_policy_strategy) == (4, "wait")
+                await buffer.put_group("a", [1], global_steps=0)
+            await expect(BufferClosedError, buffer.put_group("b", [1], global_steps=0))
+            stats = await buffer.stats()
+            assert stats.closed
+            assert stats.total.finished == 1
+    finally:
+        buffer.kill()
+
+
+def test_client_needs_asyncio() -> None:
+    trio = pytest.importorskip("trio")
+    buffer = RemoteReplayBuffer(status_log_interval=None)
+    try:
+
+        async def main() -> None:
+            await buffer.stats()
+
+        with pytest.raises(RuntimeError, match="asyncio"):
+            trio.run(main)
+    finally:
+        buffer.kill()
+
+
+def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
+    """The actor's state also works when constructed outside an event loop (older Rays run
+    async actors' ``__init__`` that way): buffer calls then hop onto a private loop thread."""
+    from stalebuf.ray._actor import BufferHost
+
+    host = BufferHost(None, False, None, 8, False)
+    try:
+
+        async def main() -> None:
+            outcomes = await host.submit([("add", "a", 0, "train", None), ("fin", "a"), ("fin", "a")], False)
+            assert outcomes[:2] == [(True, None), (True, None)]
+            assert type(outcomes[2][1]) is InvalidTransitionError
+            batch, _ = await host.sample(0, 1, "train", None)
+            assert batch.uids == ["a"]
+            assert (await host.stats()).total.sampled_groups == 1
+
+        asyncio.run(main())
+    finally:
+        loop = host._home
+        loop.call_soon_threadsafe(loop.stop)
+        while loop.is_running():
+            time.sleep(0.01)
+        loop.close()
