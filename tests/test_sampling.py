@@ -328,3 +328,30 @@ def test_in_flight_step_heap_stays_bounded_below_a_stuck_group() -> None:
     part = buf._partitions["train"]
     assert part.oldest_in_flight() == 0
     assert len(part.in_flight_steps) <= 2 * len(part.in_flight) + 9
+
+
+def test_partly_taken_bucket_keeps_fifo_order_with_late_finishers() -> None:
+    buf = make()
+    for i in range(10):
+        add_group(buf, f"g{i}", 0, status=Status.RUNNING)
+    for i in (0, 1, 2, 5, 6, 7, 8, 9):  # g3 and g4 finish late
+        buf.mark_finished_nowait(f"g{i}")
+    assert sample_now(buf, 0, 3)[0].uids == ["g0", "g1", "g2"]
+    bucket = buf._partitions["train"].ready[0]
+    assert all(entry[1] is None for entry in bucket.entries[: bucket.head])  # taken groups not kept
+    buf.mark_finished_nowait("g4")
+    buf.mark_finished_nowait("g3")
+    assert sample_now(buf, 0, 4)[0].uids == ["g3", "g4", "g5", "g6"]
+    assert sample_now(buf, 0, 3)[0].uids == ["g7", "g8", "g9"]
+    assert buf._partitions["train"].ready == {}
+
+
+def test_one_group_per_step_is_served_oldest_first() -> None:
+    buf = make(max_off_policy_strategy="wait")
+    steps = [9, 2, 7, 0, 5, 3, 8, 1, 6, 4]
+    for p in steps:
+        add_group(buf, f"s{p}", p)
+    assert sample_now(buf, 9, 4)[0].uids == ["s0", "s1", "s2", "s3"]
+    add_group(buf, "late1", 1)
+    assert sample_now(buf, 9, 3)[0].uids == ["late1", "s4", "s5"]
+    assert [g.uid for g in buf._partitions["train"].iter_ready()] == ["s6", "s7", "s8", "s9"]

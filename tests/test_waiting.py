@@ -420,3 +420,22 @@ async def test_asyncio_cancel_right_after_wake_up_loses_nothing() -> None:
     assert batch.uids == ["a"]
     with pytest.raises(asyncio.CancelledError):
         await first
+
+
+def test_coroutine_on_evict_is_rejected() -> None:
+    from stalebuf.errors import ConfigError
+
+    async def refill(event: EvictionEvent) -> None:
+        pass
+
+    with pytest.raises(ConfigError, match="synchronous"):
+        ReplayBuffer(on_evict=refill)
+
+
+async def test_status_line_does_not_wake_the_sampler(caplog: pytest.LogCaptureFixture) -> None:
+    buf = CountingBuffer(status_log_interval=0.01)
+    caplog.set_level(logging.INFO, logger="stalebuf")
+    with anyio.fail_after(LIMIT), pytest.raises(TimeoutError):
+        await buf.sample(0, 1, timeout=0.08)
+    assert len([r for r in caplog.records if r.name == "stalebuf"]) >= 2  # one per interval
+    assert buf.evaluations == 1  # logging is a timer, not a wake-up that re-evaluates

@@ -11,6 +11,8 @@ queue it passes the wake-up on to the next waiter.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +36,7 @@ from ._checks import (
 from .config import SamplerConfig
 from .custom_sampler import load_custom_sampler
 from .errors import (
+    BackendMismatchError,
     BufferClosedError,
     ConfigError,
     DuplicateGroupError,
@@ -53,6 +56,32 @@ logger = logging.getLogger("stalebuf")
 
 _Self = TypeVar("_Self", bound="ReplayBuffer")
 EvictCallback = Callable[[EvictionEvent], object]
+
+
+class _StatusTimer:
+    """Logs a waiting ``sample``'s status line every interval from an asyncio timer.
+
+    A timer callback, not a wake-up: the waiter stays parked and nothing is evaluated.
+    """
+
+    __slots__ = ("buffer", "due", "handle", "interval", "loop", "part", "started", "waiter")
+
+    def __init__(
+        self, buffer: ReplayBuffer, part: PartitionIndex, waiter: Waiter, started: float, interval: float
+    ) -> None:
+        self.buffer, self.part, self.waiter = buffer, part, waiter
+        self.started, self.interval = started, interval
+        self.loop = asyncio.get_running_loop()
+        self.due = started + interval
+        self.handle = self.loop.call_at(self.due, self.fire)
+
+    def fire(self) -> None:
+        self.buffer._log_waiting(self.part, self.waiter, self.due - self.started)
+        self.due += self.interval
+        self.handle = self.loop.call_at(self.due, self.fire)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 class ReplayBuffer:
@@ -89,6 +118,8 @@ class ReplayBuffer:
             raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
         if on_evict is not None and not callable(on_evict):
             raise ConfigError(f"on_evict must be callable or None, got {on_evict!r}")
+        if inspect.iscoroutinefunction(on_evict):
+            raise ConfigError("on_evict must be a plain (synchronous) callable; it is called inside sample")
         if status_log_interval is not None and (
             isinstance(status_log_interval, bool)
             or not isinstance(status_log_interval, (int, float))
@@ -110,6 +141,7 @@ class ReplayBuffer:
         # Bound on the first wait (see the class docs): resolving anyio's backend costs more
         # than the whole wake-up path otherwise, so it is done once, not per event or clock read.
         self._backend: type[AsyncBackend] | None = None
+        self._loop_timers = False  # asyncio: status lines come from loop.call_at, not a scope
         # The default selection pops the heap's front in O(B log N); an override of
         # _select sees every candidate, which costs O(N).
         self._default_select = type(self)._select is ReplayBuffer._select
@@ -388,10 +420,18 @@ class ReplayBuffer:
             raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r}")
         backend = self._backend
         if backend is None:
-            backend = self._backend = anyio.lowlevel.current_token().backend_class
+            token = anyio.lowlevel.current_token()
+            backend = self._backend = token.backend_class
+            self._loop_timers = isinstance(token.native_token, asyncio.AbstractEventLoop)
+        try:
+            started = backend.current_time()  # the first call that needs the bound backend
+        except RuntimeError as exc:
+            raise BackendMismatchError(
+                f"this buffer is bound to {backend.__name__}, the backend of its first waiting "
+                "sample; await it only under that backend"
+            ) from exc
         waiter = Waiter(global_steps, batch_size, backend.create_event())
-        part.waiters.append(waiter)
-        started = backend.current_time()
+        part.waiters.append(waiter)  # from here on, the finally below must remove it
         try:
             groups = await self._wait_for_batch(part, waiter, accumulated, started, timeout, backend)
         finally:
@@ -588,19 +628,30 @@ class ReplayBuffer:
     def _evaluate(
         self, part: PartitionIndex, global_steps: int, batch_size: int, metrics: SampleMetrics
     ) -> list[Group] | None:
-        """Evict what must go, then take a batch if one may be returned; else None."""
-        events: list[EvictionEvent] = []
-        if part.failed:
-            failed = part.take_failed()
-            metrics.failed_groups += len(failed)
-            events.append(self._forget(part, "failure", failed, global_steps))
-        if self._drop and not part.exempt and part.ready_count:
-            name = part.name
-            stale = part.take_stale(lambda p: self._is_stale(global_steps, p, name))
-            if stale:
+        """Evict what must go, then take a batch if one may be returned; else None.
+
+        Eviction repeats until a round evicts nothing, because ``on_evict`` may finish or
+        fail groups (a stale one must not slip into the batch; a failed one must not wait
+        for an unrelated wake-up). When this returns, no state change is left unexamined.
+        """
+        name = part.name
+        while True:
+            events: list[EvictionEvent] = []
+            if part.failed:
+                failed = part.take_failed()
+                metrics.failed_groups += len(failed)
+                events.append(self._forget(part, "failure", failed, global_steps))
+            if (
+                self._drop
+                and part.ready_count
+                and not part.exempt
+                and self._is_stale(global_steps, part.ready_steps[0], name)
+            ):
+                stale = part.take_stale(lambda p: self._is_stale(global_steps, p, name))
                 metrics.add_dropped(stale, global_steps)
                 events.append(self._forget(part, "stale", stale, global_steps))
-        if events:
+            if not events:
+                break
             self._emit(events)
             self._check_open()  # on_evict may have closed the buffer
         if part.ready_count < batch_size or not self._gate_open(part, global_steps):
@@ -665,24 +716,36 @@ class ReplayBuffer:
     ) -> list[Group]:
         """Wait for ``waiter``'s batch; log every status interval; raise at the deadline.
 
-        One cancel scope covers a whole status-log interval, not each park, so a wake-up
-        costs no scope entry or exit when neither a timeout nor a status interval is set.
+        A cancel scope is entered only for a deadline: the timeout, or (on trio) the next
+        status line. On asyncio the status line comes from a ``loop.call_at`` timer, so a
+        default ``sample`` wakes up without entering or leaving any scope (that costs about as
+        much as the rest of the wake-up). One scope covers a whole interval, not each park.
         """
         deadline = math.inf if timeout is None else started + timeout
         interval = self._status_log_interval
-        next_log = math.inf if interval is None else started + interval
-        while True:
-            if deadline == math.inf and next_log == math.inf:
-                return await self._park_until_batch(part, waiter, metrics, backend)
-            with anyio.CancelScope(deadline=min(deadline, next_log)):
-                return await self._park_until_batch(part, waiter, metrics, backend)
-            # Only our own deadline can end the scope quietly; outside cancellation propagates.
-            if backend.current_time() >= deadline:
-                raise TimeoutError(
-                    f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
-                )
-            self._log_waiting(part, waiter, next_log - started)
-            next_log += interval  # type: ignore[operator]
+        next_log = math.inf
+        timer = None
+        if interval is not None:
+            if self._loop_timers:
+                timer = _StatusTimer(self, part, waiter, started, interval)
+            else:
+                next_log = started + interval
+        try:
+            while True:
+                if deadline == math.inf and next_log == math.inf:
+                    return await self._park_until_batch(part, waiter, metrics, backend)
+                with anyio.CancelScope(deadline=min(deadline, next_log)):
+                    return await self._park_until_batch(part, waiter, metrics, backend)
+                # Only our own deadline ends the scope quietly; outside cancellation propagates.
+                if backend.current_time() >= deadline:
+                    raise TimeoutError(
+                        f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
+                    )
+                self._log_waiting(part, waiter, next_log - started)
+                next_log += interval  # type: ignore[operator]
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _park_until_batch(
         self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics, backend: type[AsyncBackend]

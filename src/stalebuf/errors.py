@@ -8,6 +8,7 @@ each also derives from the built-in exception a caller would naturally catch.
 from __future__ import annotations
 
 __all__ = [
+    "BackendMismatchError",
     "BufferClosedError",
     "BufferUnavailableError",
     "ConfigError",
@@ -53,3 +54,7 @@ class BufferClosedError(StalebufError):
 
 class BufferUnavailableError(StalebufError):
     """A remote buffer (``stalebuf.ray``) cannot be reached: its actor died or never started."""
+
+
+class BackendMismatchError(StalebufError, RuntimeError):
+    """A ``sample`` waited under another async backend than the one the buffer is bound to."""
