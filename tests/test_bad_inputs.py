@@ -1,0 +1,647 @@
+"""The bad-input table: every documented error, raised before anything changes.
+
+Each row is one bad call: it must raise exactly the documented error class, with a message
+that names the offending argument or value, and a full snapshot of the buffer (stats plus
+every group's contents and the per-partition indexes) must be identical before and after.
+
+The table is plain data (``CASES``); add a row to cover a new error. Every row runs against
+the same populated buffer (see :func:`populated`), so rows can name its groups:
+
+========  =========  ==========================================================
+uid       partition  state
+========  =========  ==========================================================
+old       train      evicted as stale (dispatched at 0, sampled at 5, T=1)
+oldfail   train      evicted as failed (failure_strategy="evict")
+took      train      sampled
+fin       train      FINISHED, sessions 0 and 1, tagged
+failr     train      FAILURE (awaiting eviction)
+pend      train      PENDING, session 0
+run       train      RUNNING, sessions 0 and 1
+vfin      val        FINISHED (exempt partition)
+vfail     val        FAILURE (exempt partition: sampleable)
+========  =========  ==========================================================
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from stalebuf import ReplayBuffer, SamplerConfig
+from stalebuf.errors import (
+    BufferClosedError,
+    ConfigError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+    UnknownGroupError,
+)
+from stalebuf.partition import OpenGroup
+
+pytestmark = pytest.mark.anyio
+
+LIMIT = 10  # seconds
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a row's call may use."""
+
+    buf: ReplayBuffer
+    tmp_path: Path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad call: ``call`` must raise exactly ``error`` with a message matching ``match``."""
+
+    id: str
+    call: Callable[[Ctx], object]  # may return an awaitable, which is awaited
+    error: type[Exception]
+    match: str
+    closed: bool = False  # close the buffer before the call (and before the snapshot)
+
+
+def write(ctx: Ctx, name: str, source: str) -> str:
+    path = ctx.tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+def from_file(ctx: Ctx, name: str, source: str, cls: str) -> ReplayBuffer:
+    spec = f"{write(ctx, name, source)}:{cls}"
+    return ReplayBuffer.from_config(SamplerConfig(custom_sampler=spec))
+
+
+C = Case
+CASES: tuple[Case, ...] = (
+    # -- configuration ---------------------------------------------------------------------
+    C("threshold-0", lambda c: SamplerConfig(max_off_policy_threshold=0), ConfigError, "threshold.*0"),
+    C(
+        "threshold-negative",
+        lambda c: SamplerConfig(max_off_policy_threshold=-3),
+        ConfigError,
+        "threshold.*-3",
+    ),
+    C(
+        "threshold-bool",
+        lambda c: SamplerConfig(max_off_policy_threshold=True),
+        ConfigError,
+        "threshold.*True",
+    ),
+    C(
+        "threshold-float",
+        lambda c: SamplerConfig(max_off_policy_threshold=2.0),
+        ConfigError,
+        "threshold.*2.0",
+    ),
+    C(
+        "threshold-None",
+        lambda c: SamplerConfig(max_off_policy_threshold=None),
+        ConfigError,
+        "threshold.*None",
+    ),
+    C(
+        "strategy-unknown",
+        lambda c: SamplerConfig(max_off_policy_strategy="dropp"),
+        ConfigError,
+        "strategy.*dropp",
+    ),
+    C("sync-step-0", lambda c: SamplerConfig(parameter_sync_step=0), ConfigError, "parameter_sync_step.*0"),
+    C(
+        "sync-step-bool",
+        lambda c: SamplerConfig(parameter_sync_step=False),
+        ConfigError,
+        "parameter_sync_step",
+    ),
+    C(
+        "sync-step-str",
+        lambda c: SamplerConfig(parameter_sync_step="2"),
+        ConfigError,
+        "parameter_sync_step.*'2'",
+    ),
+    C(
+        "failure-strategy",
+        lambda c: SamplerConfig(failure_strategy="retry"),
+        ConfigError,
+        "failure_strategy.*retry",
+    ),
+    C(
+        "exempt-str",
+        lambda c: SamplerConfig(exempt_partitions="val"),
+        ConfigError,
+        "exempt_partitions.*'val'",
+    ),
+    C("exempt-empty-name", lambda c: SamplerConfig(exempt_partitions={""}), ConfigError, "exempt_partitions"),
+    C("exempt-int-name", lambda c: SamplerConfig(exempt_partitions=[1]), ConfigError, "exempt_partitions.*1"),
+    C(
+        "exempt-not-iterable",
+        lambda c: SamplerConfig(exempt_partitions=5),
+        ConfigError,
+        "exempt_partitions.*5",
+    ),
+    C("sampler-kwargs-list", lambda c: SamplerConfig(sampler_kwargs=[1]), ConfigError, "sampler_kwargs"),
+    C("sampler-kwargs-key", lambda c: SamplerConfig(sampler_kwargs={"not id": 1}), ConfigError, "'not id'"),
+    C("custom-sampler-int", lambda c: SamplerConfig(custom_sampler=42), ConfigError, "custom_sampler.*42"),
+    C(
+        "custom-sampler-no-colon",
+        lambda c: SamplerConfig(custom_sampler="mymod.Sampler"),
+        ConfigError,
+        "custom_sampler.*mymod.Sampler",
+    ),
+    C("custom-sampler-no-class", lambda c: SamplerConfig(custom_sampler="mymod:"), ConfigError, "'mymod:'"),
+    C("mapping-not-mapping", lambda c: SamplerConfig.from_mapping(["drop"]), ConfigError, "mapping.*list"),
+    C(
+        "mapping-unknown-key",
+        lambda c: SamplerConfig.from_mapping({"max_threshold": 2}),
+        ConfigError,
+        "unknown.*'max_threshold'",
+    ),
+    C(
+        "mapping-sampler-no-name",
+        lambda c: SamplerConfig.from_mapping({"custom_sampler": {"path": "s.py"}}),
+        ConfigError,
+        "'name'",
+    ),
+    C(
+        "mapping-sampler-extra-key",
+        lambda c: SamplerConfig.from_mapping({"custom_sampler": {"path": "s.py", "name": "S", "cls": 1}}),
+        ConfigError,
+        "'cls'",
+    ),
+    C(
+        "buffer-config-dict",
+        lambda c: ReplayBuffer({"max_off_policy_threshold": 2}),
+        ConfigError,
+        "config must be a SamplerConfig",
+    ),
+    C("buffer-on-evict-int", lambda c: ReplayBuffer(on_evict=5), ConfigError, "on_evict.*5"),
+    C(
+        "buffer-log-interval-0",
+        lambda c: ReplayBuffer(status_log_interval=0),
+        ConfigError,
+        "status_log_interval.*0",
+    ),
+    C(
+        "buffer-log-interval-bool",
+        lambda c: ReplayBuffer(status_log_interval=True),
+        ConfigError,
+        "status_log_interval.*True",
+    ),
+    C(
+        "buffer-log-interval-str",
+        lambda c: ReplayBuffer(status_log_interval="60"),
+        ConfigError,
+        "status_log_interval.*'60'",
+    ),
+    C("from-config-int", lambda c: ReplayBuffer.from_config(8), ConfigError, "config must be.*int"),
+    # -- custom samplers -------------------------------------------------------------------
+    C(
+        "sampler-module-missing",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(custom_sampler="stalebuf_no_such_module:Sampler")),
+        ConfigError,
+        "cannot import module 'stalebuf_no_such_module'",
+    ),
+    C(
+        "sampler-class-missing",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(custom_sampler="stalebuf.buffer:NoSuchSampler")),
+        ConfigError,
+        "no attribute 'NoSuchSampler'",
+    ),
+    C(
+        "sampler-not-a-subclass",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(custom_sampler="stalebuf.records:Group")),
+        ConfigError,
+        "subclass of stalebuf.ReplayBuffer",
+    ),
+    C(
+        "sampler-not-a-class",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(custom_sampler="stalebuf.staleness:age")),
+        ConfigError,
+        "subclass of stalebuf.ReplayBuffer",
+    ),
+    C(
+        "sampler-file-missing",
+        lambda c: ReplayBuffer.from_config(
+            SamplerConfig(custom_sampler=f"file://{c.tmp_path}/nope.py:Sampler")
+        ),
+        ConfigError,
+        "no such file",
+    ),
+    C(
+        "sampler-bare-path-missing",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(custom_sampler=f"{c.tmp_path}/nope.py:Sampler")),
+        ConfigError,
+        "no such file",
+    ),
+    C(
+        "sampler-file-raises",
+        lambda c: from_file(c, "broken.py", "raise RuntimeError('boom')\n", "Sampler"),
+        ConfigError,
+        "executing .*broken.py.* failed: boom",
+    ),
+    C(
+        "sampler-file-wrong-class",
+        lambda c: from_file(c, "plain.py", "class Sampler:\n    pass\n", "Sampler"),
+        ConfigError,
+        "subclass of stalebuf.ReplayBuffer",
+    ),
+    C(
+        "sampler-kwargs-rejected",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(sampler_kwargs={"bogus": 1})),
+        ConfigError,
+        "rejected sampler_kwargs.*bogus",
+    ),
+    C(
+        "sampler-mapping-missing-file",
+        lambda c: ReplayBuffer.from_config(
+            {"custom_sampler": {"path": f"{c.tmp_path}/gone.py", "name": "S"}}
+        ),
+        ConfigError,
+        "no such file",
+    ),
+    # -- add_prompt ------------------------------------------------------------------------
+    C("uid-empty", lambda c: c.buf.add_prompt_nowait("", global_steps=0), ValueError, "uid.*''"),
+    C("uid-underscore", lambda c: c.buf.add_prompt_nowait("a_b", global_steps=0), ValueError, "'a_b'"),
+    C("uid-int", lambda c: c.buf.add_prompt_nowait(7, global_steps=0), TypeError, "uid must be a str.*int"),
+    C("uid-None", lambda c: c.buf.add_prompt_nowait(None, global_steps=0), TypeError, "uid.*NoneType"),
+    C("uid-bytes", lambda c: c.buf.add_prompt_nowait(b"abc", global_steps=0), TypeError, "uid.*bytes"),
+    C(
+        "step-negative",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=-1),
+        ValueError,
+        "global_steps.*-1",
+    ),
+    C(
+        "step-None",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=None),
+        TypeError,
+        "global_steps.*None",
+    ),
+    C(
+        "step-bool",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=True),
+        TypeError,
+        "global_steps.*bool",
+    ),
+    C(
+        "step-float",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=1.0),
+        TypeError,
+        "global_steps.*float",
+    ),
+    C("step-str", lambda c: c.buf.add_prompt_nowait("new", global_steps="3"), TypeError, "global_steps.*'3'"),
+    C(
+        "partition-empty",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0, partition=""),
+        ValueError,
+        "partition",
+    ),
+    C(
+        "partition-int",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0, partition=1),
+        TypeError,
+        "partition must be a str.*int",
+    ),
+    C(
+        "tags-list",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0, tags=[("a", 1)]),
+        TypeError,
+        "tags.*list",
+    ),
+    C(
+        "duplicate-pending",
+        lambda c: c.buf.add_prompt_nowait("pend", global_steps=0),
+        DuplicateGroupError,
+        "'pend'",
+    ),
+    C(
+        "duplicate-finished",
+        lambda c: c.buf.add_prompt_nowait("fin", global_steps=9),
+        DuplicateGroupError,
+        "'fin'",
+    ),
+    C(
+        "duplicate-other-partition",
+        lambda c: c.buf.add_prompt_nowait("vfin", global_steps=0),
+        DuplicateGroupError,
+        "'vfin'",
+    ),
+    C("duplicate-async", lambda c: c.buf.add_prompt("run", global_steps=6), DuplicateGroupError, "'run'"),
+    # -- mark_running ----------------------------------------------------------------------
+    C("running-unknown", lambda c: c.buf.mark_running_nowait("ghost"), UnknownGroupError, "'ghost'"),
+    C("running-uid-int", lambda c: c.buf.mark_running_nowait(3), TypeError, "uid must be a str"),
+    C("running-empty-uid", lambda c: c.buf.mark_running_nowait(""), UnknownGroupError, "''"),
+    C("running-twice", lambda c: c.buf.mark_running_nowait("run"), InvalidTransitionError, "'run'.*running"),
+    C(
+        "running-finished",
+        lambda c: c.buf.mark_running_nowait("fin"),
+        InvalidTransitionError,
+        "'fin'.*finished",
+    ),
+    C(
+        "running-failed",
+        lambda c: c.buf.mark_running_nowait("failr"),
+        InvalidTransitionError,
+        "'failr'.*failure",
+    ),
+    C("running-sampled", lambda c: c.buf.mark_running_nowait("took"), UnknownGroupError, "'took'"),
+    C("running-evicted-stale", lambda c: c.buf.mark_running_nowait("old"), UnknownGroupError, "'old'"),
+    C("running-async-finished", lambda c: c.buf.mark_running("vfin"), InvalidTransitionError, "'vfin'"),
+    # -- put -------------------------------------------------------------------------------
+    C("put-unknown", lambda c: c.buf.put_nowait("ghost", 1), UnknownGroupError, "'ghost'"),
+    C("put-uid-bytes", lambda c: c.buf.put_nowait(b"pend", 1), TypeError, "uid must be a str.*bytes"),
+    C(
+        "put-finished",
+        lambda c: c.buf.put_nowait("fin", 1, session_id=5),
+        InvalidTransitionError,
+        "'fin'.*late write",
+    ),
+    C(
+        "put-failed",
+        lambda c: c.buf.put_nowait("failr", 1, session_id=5),
+        InvalidTransitionError,
+        "'failr'.*late write",
+    ),
+    C(
+        "put-exempt-finished",
+        lambda c: c.buf.put_nowait("vfin", 1, session_id=5),
+        InvalidTransitionError,
+        "'vfin'",
+    ),
+    C("put-sampled", lambda c: c.buf.put_nowait("took", 1, session_id=5), UnknownGroupError, "'took'"),
+    C("put-evicted-stale", lambda c: c.buf.put_nowait("old", 1, session_id=5), UnknownGroupError, "'old'"),
+    C(
+        "put-evicted-failure",
+        lambda c: c.buf.put_nowait("oldfail", 1, session_id=5),
+        UnknownGroupError,
+        "'oldfail'",
+    ),
+    C(
+        "put-duplicate",
+        lambda c: c.buf.put_nowait("pend", 1, session_id=0, index=0),
+        DuplicateTrajectoryError,
+        "pend_0_0",
+    ),
+    C(
+        "put-duplicate-running",
+        lambda c: c.buf.put_nowait("run", 1, session_id=1),
+        DuplicateTrajectoryError,
+        "run_1_0",
+    ),
+    C(
+        "put-session-negative",
+        lambda c: c.buf.put_nowait("pend", 1, session_id=-1),
+        ValueError,
+        "session_id.*-1",
+    ),
+    C(
+        "put-session-bool",
+        lambda c: c.buf.put_nowait("pend", 1, session_id=True),
+        TypeError,
+        "session_id.*bool",
+    ),
+    C("put-session-None", lambda c: c.buf.put_nowait("pend", 1, session_id=None), TypeError, "session_id"),
+    C("put-index-float", lambda c: c.buf.put_nowait("pend", 1, index=1.5), TypeError, "index.*1.5"),
+    C("put-index-negative", lambda c: c.buf.put_nowait("pend", 1, index=-4), ValueError, "index.*-4"),
+    C("put-tags-str", lambda c: c.buf.put_nowait("pend", 1, session_id=3, tags="x"), TypeError, "tags.*str"),
+    C("put-async-late", lambda c: c.buf.put("fin", 1, session_id=7), InvalidTransitionError, "'fin'"),
+    # -- mark_finished / mark_failed -------------------------------------------------------
+    C("finish-twice", lambda c: c.buf.mark_finished_nowait("fin"), InvalidTransitionError, "'fin'.*finished"),
+    C("finish-failed", lambda c: c.buf.mark_finished_nowait("failr"), InvalidTransitionError, "'failr'"),
+    C("fail-finished", lambda c: c.buf.mark_failed_nowait("fin"), InvalidTransitionError, "'fin'.*finished"),
+    C("fail-twice", lambda c: c.buf.mark_failed_nowait("vfail"), InvalidTransitionError, "'vfail'.*failure"),
+    C("finish-sampled", lambda c: c.buf.mark_finished_nowait("took"), UnknownGroupError, "'took'"),
+    C("fail-evicted-stale", lambda c: c.buf.mark_failed_nowait("old"), UnknownGroupError, "'old'"),
+    C("fail-evicted-failure", lambda c: c.buf.mark_failed_nowait("oldfail"), UnknownGroupError, "'oldfail'"),
+    C("finish-unknown", lambda c: c.buf.mark_finished_nowait("ghost"), UnknownGroupError, "'ghost'"),
+    C(
+        "finish-uid-list",
+        lambda c: c.buf.mark_finished_nowait(["pend"]),
+        TypeError,
+        "uid must be a str.*list",
+    ),
+    C("finish-async-twice", lambda c: c.buf.mark_finished("vfin"), InvalidTransitionError, "'vfin'"),
+    C("fail-async-sampled", lambda c: c.buf.mark_failed("took"), UnknownGroupError, "'took'"),
+    # -- sample / sampleable_count ---------------------------------------------------------
+    C("batch-0", lambda c: c.buf.sample(6, 0), ValueError, "batch_size.*0"),
+    C("batch-negative", lambda c: c.buf.sample(6, -2), ValueError, "batch_size.*-2"),
+    C("batch-float", lambda c: c.buf.sample(6, 1.0), ValueError, "batch_size.*1.0"),
+    C("batch-bool", lambda c: c.buf.sample(6, True), ValueError, "batch_size.*True"),
+    C("batch-None", lambda c: c.buf.sample(6, None), ValueError, "batch_size.*None"),
+    C("sample-step-negative", lambda c: c.buf.sample(-1, 1), ValueError, "global_steps.*-1"),
+    C("sample-step-None", lambda c: c.buf.sample(None, 1), TypeError, "global_steps.*None"),
+    C("sample-step-bool", lambda c: c.buf.sample(False, 1), TypeError, "global_steps.*bool"),
+    C("sample-step-float", lambda c: c.buf.sample(6.0, 1), TypeError, "global_steps.*float"),
+    C("sample-partition-empty", lambda c: c.buf.sample(6, 1, partition=""), ValueError, "partition"),
+    C(
+        "sample-partition-None",
+        lambda c: c.buf.sample(6, 1, partition=None),
+        TypeError,
+        "partition.*NoneType",
+    ),
+    C("timeout-negative", lambda c: c.buf.sample(6, 1, timeout=-1), ValueError, "timeout.*-1"),
+    C("timeout-nan", lambda c: c.buf.sample(6, 1, timeout=math.nan), ValueError, "timeout.*nan"),
+    C("timeout-bool", lambda c: c.buf.sample(6, 1, timeout=True), ValueError, "timeout.*True"),
+    C("timeout-str", lambda c: c.buf.sample(6, 1, timeout="1"), ValueError, "timeout.*'1'"),
+    C("count-step-negative", lambda c: c.buf.sampleable_count(-1), ValueError, "global_steps.*-1"),
+    C("count-step-bool", lambda c: c.buf.sampleable_count(True), TypeError, "global_steps.*bool"),
+    C("count-partition-int", lambda c: c.buf.sampleable_count(6, 5), TypeError, "partition.*int"),
+    C("sample-bad-args-closed", lambda c: c.buf.sample(6, 0), ValueError, "batch_size", closed=True),
+    # -- closed buffer ---------------------------------------------------------------------
+    C(
+        "closed-add",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "closed-add-async",
+        lambda c: c.buf.add_prompt("new", global_steps=0),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "closed-running",
+        lambda c: c.buf.mark_running_nowait("pend"),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "closed-put",
+        lambda c: c.buf.put_nowait("run", 1, session_id=9),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "closed-put-async",
+        lambda c: c.buf.put("run", 1, session_id=9),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C("closed-finish", lambda c: c.buf.mark_finished_nowait("run"), BufferClosedError, "closed", closed=True),
+    C("closed-fail", lambda c: c.buf.mark_failed("pend"), BufferClosedError, "closed", closed=True),
+    C("closed-sample", lambda c: c.buf.sample(6, 1), BufferClosedError, "closed", closed=True),
+    C(
+        "closed-sample-nowait",
+        lambda c: c.buf.sample(6, 1, timeout=0),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "closed-sample-new-partition",
+        lambda c: c.buf.sample(6, 1, partition="fresh"),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "closed-bad-uid",
+        lambda c: c.buf.add_prompt_nowait("a_b", global_steps=0),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+)
+
+
+# -- the populated buffer and its snapshot -------------------------------------------------
+
+
+async def populated() -> ReplayBuffer:
+    """The buffer every row runs against (see the module docstring)."""
+    config = SamplerConfig(max_off_policy_threshold=1, failure_strategy="evict")
+    buf = ReplayBuffer(config, status_log_interval=None)
+    for uid, step, outcome, sessions in (
+        ("old", 0, "finish", 2),
+        ("oldfail", 5, "fail", 1),
+        ("took", 5, "finish", 2),
+    ):
+        buf.add_prompt_nowait(uid, global_steps=step)
+        buf.mark_running_nowait(uid)
+        for session in range(sessions):
+            buf.put_nowait(uid, {"session": session}, session_id=session)
+        (buf.mark_finished_nowait if outcome == "finish" else buf.mark_failed_nowait)(uid)
+    batch, _ = await buf.sample(5, 1, timeout=0)
+    assert batch.uids == ["took"]
+    buf.add_prompt_nowait("fin", global_steps=5, tags={"kind": "math"})
+    buf.put_nowait("fin", "a", session_id=0, tags={"reward": 1.0})
+    buf.put_nowait("fin", "b", session_id=1)
+    buf.mark_finished_nowait("fin")
+    buf.add_prompt_nowait("failr", global_steps=5)
+    buf.mark_failed_nowait("failr")
+    buf.add_prompt_nowait("pend", global_steps=5)
+    buf.put_nowait("pend", "p", session_id=0)
+    buf.add_prompt_nowait("run", global_steps=6)
+    buf.mark_running_nowait("run")
+    buf.put_nowait("run", "r0", session_id=0)
+    buf.put_nowait("run", "r1", session_id=1)
+    for uid, failed in (("vfin", False), ("vfail", True)):
+        buf.add_prompt_nowait(uid, global_steps=0, partition="val")
+        buf.put_nowait(uid, uid)
+        (buf.mark_failed_nowait if failed else buf.mark_finished_nowait)(uid)
+    return buf
+
+
+def snapshot(buf: ReplayBuffer) -> Any:
+    """Everything observable about ``buf``: stats, every group's contents, the indexes."""
+
+    def trajectories(group: Any) -> list[Any]:
+        items = group.trajectories.values() if isinstance(group, OpenGroup) else group.trajectories
+        return [(t.key, t.session_id, t.index, dict(t.tags), id(t.payload)) for t in items]
+
+    groups = {}
+    for uid, group in buf._groups.items():
+        partition = group.partition.name if isinstance(group, OpenGroup) else group.partition
+        groups[uid] = (
+            type(group).__name__,
+            group.status,
+            partition,
+            group.global_steps,
+            dict(group.tags),
+            trajectories(group),
+        )
+    indexes = {
+        name: (
+            [g.uid for g in part.iter_ready()],
+            sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
+            dict(part.in_flight),
+            len(part.waiters),
+            part.exempt,
+            part.evict_failures,
+        )
+        for name, part in buf._partitions.items()
+    }
+    return buf.stats(), buf.closed, groups, indexes, buf._next_seq
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+
+async def invoke(case: Case, ctx: Ctx) -> None:
+    result = case.call(ctx)
+    if inspect.isawaitable(result):
+        await result
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        buf = await populated()
+        if case.closed:
+            buf.close()
+        before = snapshot(buf)
+        with pytest.raises(case.error, match=case.match) as info:
+            await invoke(case, Ctx(buf, tmp_path))
+        assert type(info.value) is case.error, (
+            f"raised {type(info.value).__name__}, not {case.error.__name__}"
+        )
+        assert snapshot(buf) == before, "a failed call changed the buffer"
+        # the buffer still works for legal calls afterwards
+        if not case.closed:
+            buf.mark_running_nowait("pend")
+            buf.mark_finished_nowait("pend")
+            batch, _ = await buf.sample(5, 2, timeout=0)
+            assert batch.uids == ["fin", "pend"]
+
+
+def test_the_table_is_big_and_distinct() -> None:
+    ids = [case.id for case in CASES]
+    assert len(ids) == len(set(ids)), "duplicate row ids"
+    assert len(CASES) >= 40
+    errors = {case.error for case in CASES}
+    for required in (
+        ConfigError,
+        TypeError,
+        ValueError,
+        UnknownGroupError,
+        DuplicateGroupError,
+        DuplicateTrajectoryError,
+        InvalidTransitionError,
+        BufferClosedError,
+    ):
+        assert required in errors, f"no row raises {required.__name__}"
+
+
+async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = await populated()
+        stats = buf.stats()
+        train, val = stats.partitions["train"], stats.partitions["val"]
+        assert (train.pending, train.running, train.finished, train.failure) == (1, 1, 1, 1)
+        assert (train.sampled_groups, train.evicted_stale_groups, train.evicted_failure_groups) == (1, 1, 1)
+        assert (val.finished, val.failure) == (1, 1)
+        assert set(buf._groups) == {"fin", "failr", "pend", "run", "vfin", "vfail"}

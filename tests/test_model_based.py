@@ -1,0 +1,730 @@
+"""Model-based stateful test: the real buffer against a deliberately simple reference model.
+
+The model keeps plain lists and answers every question with a linear scan; it shares no
+code with the buffer. Hypothesis drives both with random producer calls, illegal calls and
+``sample`` calls, and after every step checks that they agree on every group's status,
+trajectories and selection order, on every statistics counter, and on the contract's
+invariants (conservation, no uid returned twice, whole batches of exactly ``batch_size``,
+drop never returns ``s > T``, wait never evicts for staleness, oldest first with FIFO ties).
+
+``sample`` never depends on real time here: it is called with ``timeout=0`` (check once),
+driven to completion without an event loop (it must not await when it can answer at once),
+or now and then inside ``anyio.run`` with a 1 ms timeout, where nothing else can change
+the state while it waits. Either way the model predicts exactly whether it returns a batch
+or raises TimeoutError.
+
+Profiles: the default runs 200 examples x 50 steps; ``STALEBUF_HYPOTHESIS_PROFILE=thorough``
+runs 2000 examples x 100 steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import event as note
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
+
+from stalebuf import Batch, EvictionEvent, Group, PartitionStats, ReplayBuffer, SamplerConfig, Status
+from stalebuf.errors import (
+    BufferClosedError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+    UnknownGroupError,
+)
+from stalebuf.partition import OpenGroup
+
+PROFILES: dict[str, settings] = {
+    "ci": settings(
+        max_examples=200,
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ),
+    "thorough": settings(
+        max_examples=2000,
+        stateful_step_count=100,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ),
+}
+PROFILE = os.environ.get("STALEBUF_HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in PROFILES:  # pragma: no cover - a typo in the environment
+    raise RuntimeError(f"STALEBUF_HYPOTHESIS_PROFILE must be one of {sorted(PROFILES)}, got {PROFILE!r}")
+
+PARTITION_SETS = (("train", "val"), ("train", "val", "aux"))
+EXEMPT_SETS = (frozenset({"val"}), frozenset(), frozenset({"val", "aux"}))
+COUNTER_FIELDS = (
+    "admitted_groups",
+    "admitted_trajectories",
+    "sampled_groups",
+    "sampled_trajectories",
+    "evicted_stale_groups",
+    "evicted_stale_trajectories",
+    "evicted_failure_groups",
+    "evicted_failure_trajectories",
+)
+
+
+# -- the reference model -------------------------------------------------------------------
+
+
+@dataclass
+class MGroup:
+    uid: str
+    partition: str
+    step: int
+    seq: int
+    status: Status = Status.PENDING
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in (Status.FINISHED, Status.FAILURE)
+
+
+@dataclass
+class Model:
+    """Plain lists and linear scans; nothing here is shared with the buffer."""
+
+    config: SamplerConfig
+    groups: list[MGroup] = field(default_factory=list)  # resident, in add_prompt order
+    gone: dict[str, str] = field(default_factory=dict)  # uid -> "sampled" | "stale" | "failure"
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    closed: bool = False
+    next_seq: int = 0
+
+    def find(self, uid: str) -> MGroup | None:
+        for group in self.groups:
+            if group.uid == uid:
+                return group
+        return None
+
+    def touch(self, partition: str) -> dict[str, int]:
+        if partition not in self.counters:
+            self.counters[partition] = dict.fromkeys(COUNTER_FIELDS, 0)
+        return self.counters[partition]
+
+    def exempt(self, partition: str) -> bool:
+        return partition in self.config.exempt_partitions
+
+    def evicts_failures(self, partition: str) -> bool:
+        return self.config.failure_strategy == "evict" and not self.exempt(partition)
+
+    def limit(self) -> int:
+        return self.config.max_off_policy_threshold * self.config.parameter_sync_step
+
+    def sampleable(self, partition: str) -> list[MGroup]:
+        """Terminal groups ``sample`` may select (before the drop rule), oldest first."""
+        found = [
+            g
+            for g in self.groups
+            if g.partition == partition
+            and g.terminal
+            and not (g.status is Status.FAILURE and self.evicts_failures(partition))
+        ]
+        return sorted(found, key=lambda g: (g.step, g.seq))
+
+    def is_stale(self, g: int, group: MGroup) -> bool:
+        return g - group.step + 1 > self.limit()
+
+    def drops(self, partition: str) -> bool:
+        return self.config.max_off_policy_strategy == "drop" and not self.exempt(partition)
+
+    def gate_closed(self, g: int, partition: str) -> bool:
+        if self.config.max_off_policy_strategy != "wait" or self.exempt(partition):
+            return False
+        return any(
+            x.partition == partition and not x.terminal and g - x.step + 1 >= self.limit()
+            for x in self.groups
+        )
+
+    def add(self, uid: str, step: int, partition: str) -> None:
+        self.groups.append(MGroup(uid, partition, step, self.next_seq))
+        self.next_seq += 1
+        self.touch(partition)["admitted_groups"] += 1
+
+    def remove(self, victims: list[MGroup], reason: str) -> None:
+        for victim in victims:
+            self.groups.remove(victim)
+            self.gone[victim.uid] = reason
+            counters = self.touch(victim.partition)
+            prefix = {"sampled": "sampled", "stale": "evicted_stale", "failure": "evicted_failure"}[reason]
+            counters[f"{prefix}_groups"] += 1
+            counters[f"{prefix}_trajectories"] += len(victim.keys)
+
+    def expected_stats(self, partition: str) -> PartitionStats:
+        mine = [g for g in self.groups if g.partition == partition]
+        return PartitionStats(
+            pending=sum(g.status is Status.PENDING for g in mine),
+            running=sum(g.status is Status.RUNNING for g in mine),
+            finished=sum(g.status is Status.FINISHED for g in mine),
+            failure=sum(g.status is Status.FAILURE for g in mine),
+            trajectories=sum(len(g.keys) for g in mine),
+            waiting_samplers=0,
+            **self.counters[partition],
+        )
+
+    def write_error(self, uid: object) -> type[Exception] | None:
+        """The error a write/status change to ``uid`` must raise (closed buffer aside)."""
+        if type(uid) is not str:
+            return TypeError
+        group = self.find(uid)
+        if group is None:
+            return UnknownGroupError
+        if group.terminal:
+            return InvalidTransitionError
+        return None
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+class CallbackError(Exception):
+    """Raised by the machine's on_evict in "raise" mode."""
+
+
+def drive(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that must finish without ever awaiting; return its result."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise AssertionError("sample(timeout=0) awaited although it can answer at once")
+
+
+def outcome(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return call(), None
+    except Exception as exc:
+        return None, exc
+
+
+def check_error(exc: BaseException | None, expected: type[Exception] | None, what: str) -> None:
+    if expected is None:
+        assert exc is None, f"{what}: unexpected {type(exc).__name__}: {exc}"
+    else:
+        assert exc is not None, f"{what}: expected {expected.__name__}, nothing was raised"
+        assert type(exc) is expected, f"{what}: expected {expected.__name__}, got {type(exc).__name__}: {exc}"
+        assert str(exc), f"{what}: {type(exc).__name__} without a message"
+
+
+def group_keys(group: OpenGroup | Group) -> list[str]:
+    if isinstance(group, OpenGroup):
+        return list(group.trajectories)
+    return [t.key for t in group.trajectories]
+
+
+# Bad calls that leave the buffer untouched: (name, call, error when open, error when closed).
+BadCall = tuple[str, Callable[[ReplayBuffer], Any], type[Exception], type[Exception]]
+BAD_CALLS: tuple[BadCall, ...] = (
+    (
+        "uid with underscore",
+        lambda b: b.add_prompt_nowait("a_b", global_steps=0),
+        ValueError,
+        BufferClosedError,
+    ),
+    ("empty uid", lambda b: b.add_prompt_nowait("", global_steps=0), ValueError, BufferClosedError),
+    ("int uid", lambda b: b.add_prompt_nowait(3, global_steps=0), TypeError, BufferClosedError),
+    ("bool step", lambda b: b.add_prompt_nowait("zz", global_steps=True), TypeError, BufferClosedError),
+    ("negative step", lambda b: b.add_prompt_nowait("zz", global_steps=-1), ValueError, BufferClosedError),
+    ("None step", lambda b: b.add_prompt_nowait("zz", global_steps=None), TypeError, BufferClosedError),
+    (
+        "empty partition",
+        lambda b: b.add_prompt_nowait("zz", global_steps=0, partition=""),
+        ValueError,
+        BufferClosedError,
+    ),
+    (
+        "list tags",
+        lambda b: b.add_prompt_nowait("zz", global_steps=0, tags=[1]),
+        TypeError,
+        BufferClosedError,
+    ),
+    ("int uid to running", lambda b: b.mark_running_nowait(7), TypeError, BufferClosedError),
+    ("ghost uid running", lambda b: b.mark_running_nowait("ghost"), UnknownGroupError, BufferClosedError),
+    ("ghost uid finished", lambda b: b.mark_finished_nowait("ghost"), UnknownGroupError, BufferClosedError),
+    ("ghost uid failed", lambda b: b.mark_failed_nowait("ghost"), UnknownGroupError, BufferClosedError),
+    ("ghost uid put", lambda b: b.put_nowait("ghost", 1), UnknownGroupError, BufferClosedError),
+    ("bool session", lambda b: b.put_nowait("ghost", session_id=False), TypeError, BufferClosedError),
+    ("negative index", lambda b: b.put_nowait("ghost", index=-2), ValueError, BufferClosedError),
+    ("sample batch 0", lambda b: drive(b.sample(0, 0, timeout=0)), ValueError, ValueError),
+    ("sample batch bool", lambda b: drive(b.sample(0, True, timeout=0)), ValueError, ValueError),
+    ("sample batch float", lambda b: drive(b.sample(0, 2.0, timeout=0)), ValueError, ValueError),
+    ("sample step -1", lambda b: drive(b.sample(-1, 1, timeout=0)), ValueError, ValueError),
+    ("sample step bool", lambda b: drive(b.sample(False, 1, timeout=0)), TypeError, TypeError),
+    ("sample timeout -1", lambda b: drive(b.sample(0, 1, timeout=-1)), ValueError, ValueError),
+    ("sample partition 0", lambda b: drive(b.sample(0, 1, partition=0, timeout=0)), TypeError, TypeError),
+    ("count step -1", lambda b: b.sampleable_count(-1), ValueError, ValueError),
+    ("count partition ''", lambda b: b.sampleable_count(0, ""), ValueError, ValueError),
+)
+
+
+# -- the state machine -----------------------------------------------------------------------
+
+
+class BufferMachine(RuleBasedStateMachine):
+    """Random producer, illegal and sample calls against the buffer and the model."""
+
+    uids = Bundle("uids")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buf: ReplayBuffer | None = None
+        self.model: Model | None = None
+        self.partitions: tuple[str, ...] = ()
+        self.trainer_step = 0
+        self.next_uid = 0
+        self.returned: set[str] = set()
+        self.events: list[EvictionEvent] = []
+        self.refilled: list[tuple[str, int, str]] = []
+        self.callback = "record"  # what on_evict does besides recording: "refill" or "raise"
+        self.backend = "asyncio"
+        self.sample_calls = 0
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def fresh_uid(self, prefix: str = "g") -> str:
+        self.next_uid += 1
+        return f"{prefix}{self.next_uid}"
+
+    def on_evict(self, event: EvictionEvent) -> None:
+        self.events.append(event)
+        if self.callback == "raise":
+            raise CallbackError(event.reason)
+        if self.callback == "refill":  # re-dispatch evicted prompts, as a trainer would
+            for _ in event.groups:
+                uid = self.fresh_uid("r")
+                assert self.buf is not None
+                self.buf.add_prompt_nowait(uid, global_steps=event.global_steps, partition=event.partition)
+                self.refilled.append((uid, event.global_steps, event.partition))
+
+    @property
+    def b(self) -> ReplayBuffer:
+        assert self.buf is not None
+        return self.buf
+
+    @property
+    def m(self) -> Model:
+        assert self.model is not None
+        return self.model
+
+    # -- rules -------------------------------------------------------------------------
+
+    @initialize(
+        target=uids,
+        strategy=st.sampled_from(("drop", "wait")),
+        failure=st.sampled_from(("sample", "evict")),
+        threshold=st.integers(1, 4),
+        sync=st.integers(1, 3),
+        partitions=st.sampled_from(PARTITION_SETS),
+        exempt=st.sampled_from(EXEMPT_SETS),
+        callback=st.sampled_from(("record", "refill", "raise")),
+        backend=st.sampled_from(("asyncio", "trio")),
+        seeds=st.lists(
+            st.tuples(
+                st.integers(0, 2),
+                st.integers(0, 3),
+                st.sampled_from(("run-finish", "finish", "run-fail", "fail", "run", "pending")),
+            ),
+            max_size=8,
+        ),
+    )
+    def make_buffer(
+        self,
+        strategy: str,
+        failure: str,
+        threshold: int,
+        sync: int,
+        partitions: tuple[str, ...],
+        exempt: frozenset[str],
+        callback: str,
+        backend: str,
+        seeds: list[tuple[int, int, str]],
+    ) -> Any:
+        config = SamplerConfig(
+            max_off_policy_strategy=strategy,  # type: ignore[arg-type]
+            failure_strategy=failure,  # type: ignore[arg-type]
+            max_off_policy_threshold=threshold,
+            parameter_sync_step=sync,
+            exempt_partitions=exempt,
+        )
+        self.buf = ReplayBuffer(config, on_evict=self.on_evict, status_log_interval=None)
+        self.model = Model(config)
+        self.partitions = partitions
+        self.callback = callback
+        self.backend = backend  # a buffer binds to the backend of its first waiting sample
+        # start most runs with some groups, whichever rules swarm testing disables
+        return multiple(*[self.produce_group(partition, lag, 2, path) for partition, lag, path in seeds])
+
+    @rule(
+        target=uids,
+        partition=st.integers(0, 2),
+        lag=st.integers(-1, 3),
+        arbitrary=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 20)),
+    )
+    def add_prompt(self, partition: int, lag: int, arbitrary: int | None) -> Any:
+        name = self.partitions[partition % len(self.partitions)]
+        step = max(0, self.trainer_step - lag) if arbitrary is None else arbitrary
+        uid = self.fresh_uid()
+        _, exc = outcome(lambda: self.b.add_prompt_nowait(uid, global_steps=step, partition=name))
+        if self.m.closed:
+            check_error(exc, BufferClosedError, "add_prompt on closed buffer")
+            return multiple()
+        check_error(exc, None, "add_prompt")
+        self.m.add(uid, step, name)
+        return uid
+
+    @rule(
+        target=uids,
+        partition=st.integers(0, 2),
+        lag=st.integers(-1, 3),
+        trajectories=st.integers(0, 3),
+        path=st.sampled_from(("run-finish", "run-finish", "finish", "run-fail", "fail", "run")),
+    )
+    def produce_group(self, partition: int, lag: int, trajectories: int, path: str) -> Any:
+        """A whole producer round trip in one step, so that sampleable groups are common."""
+        uid = self.add_prompt(partition, lag, None)
+        if self.m.closed:
+            return uid
+        if path.startswith("run"):
+            self.mark_running(uid)
+        for session in range(trajectories):
+            self.put(uid, session, 0)
+        if path.endswith("finish"):
+            self.terminate(uid, failed=False)
+        elif path.endswith("fail"):
+            self.terminate(uid, failed=True)
+        return uid
+
+    @rule(
+        target=uids,
+        partition=st.integers(0, 2),
+        lag=st.integers(0, 6),
+        outcomes=st.lists(st.booleans(), min_size=1, max_size=4),
+    )
+    def produce_burst(self, partition: int, lag: int, outcomes: list[bool]) -> Any:
+        """Several groups of one partition and dispatch step run to completion (True = failed)."""
+        made = []
+        for failed in outcomes:
+            uid = self.add_prompt(partition, lag, None)
+            if self.m.closed:
+                break
+            self.put(uid, 0, 0)
+            self.put(uid, 1, 0)
+            self.terminate(uid, failed=failed)
+            made.append(uid)
+        return multiple(*made)
+
+    @rule(steps=st.integers(1, 3))
+    def trainer_advances(self, steps: int) -> None:
+        """Trainer steps pass elsewhere (e.g. on another partition's batches)."""
+        self.trainer_step += steps
+
+    @rule(uid=uids)
+    def add_duplicate(self, uid: str) -> None:
+        group = self.m.find(uid)
+        if group is None:  # re-adding a sampled/evicted uid is legal; the model never does it
+            return
+        _, exc = outcome(lambda: self.b.add_prompt_nowait(uid, global_steps=0, partition=group.partition))
+        check_error(exc, BufferClosedError if self.m.closed else DuplicateGroupError, "duplicate add_prompt")
+
+    @rule(uid=st.one_of(uids, st.just("ghost")))
+    def mark_running(self, uid: str) -> None:
+        _, exc = outcome(lambda: self.b.mark_running_nowait(uid))
+        expected = self.m.write_error(uid)
+        group = self.m.find(uid)
+        if expected is None and group is not None and group.status is Status.RUNNING:
+            expected = InvalidTransitionError
+        if self.m.closed:
+            expected = BufferClosedError
+        check_error(exc, expected, f"mark_running({uid!r})")
+        if expected is None:
+            assert group is not None
+            group.status = Status.RUNNING
+
+    @rule(uid=st.one_of(uids, st.just("ghost")), session=st.integers(0, 2), index=st.integers(0, 1))
+    def put(self, uid: str, session: int, index: int) -> None:
+        payload = object()
+        key, exc = outcome(lambda: self.b.put_nowait(uid, payload, session_id=session, index=index))
+        expected = self.m.write_error(uid)
+        group = self.m.find(uid)
+        want = f"{uid}_{session}_{index}"
+        if expected is None and group is not None and want in group.keys:
+            expected = DuplicateTrajectoryError
+        if self.m.closed:
+            expected = BufferClosedError
+        check_error(exc, expected, f"put({uid!r}, {session}, {index})")
+        if expected is None:
+            assert group is not None
+            assert key == want
+            group.keys.append(want)
+            self.m.touch(group.partition)["admitted_trajectories"] += 1
+
+    @rule(uid=st.one_of(uids, st.just("ghost")), failed=st.booleans())
+    def terminate(self, uid: str, failed: bool) -> None:
+        call = self.b.mark_failed_nowait if failed else self.b.mark_finished_nowait
+        _, exc = outcome(lambda: call(uid))
+        expected = BufferClosedError if self.m.closed else self.m.write_error(uid)
+        check_error(exc, expected, f"mark_{'failed' if failed else 'finished'}({uid!r})")
+        if expected is None:
+            group = self.m.find(uid)
+            assert group is not None
+            group.status = Status.FAILURE if failed else Status.FINISHED
+
+    # Three sampling rules, so that swarm testing (Hypothesis disables random rules in each
+    # run) rarely leaves a run without any sampling.
+
+    @rule(target=uids, batch_size=st.integers(1, 3), advance=st.integers(0, 2))
+    def trainer_sample(self, batch_size: int, advance: int) -> Any:
+        """The trainer: "train" partition, non-decreasing steps, check once."""
+        self.trainer_step += advance
+        return self.do_sample("train", self.trainer_step, batch_size, in_loop=False)
+
+    @rule(
+        target=uids,
+        partition=st.integers(0, 2),
+        batch_size=st.integers(1, 3),
+        advance=st.integers(0, 2),
+        arbitrary=st.one_of(st.none(), st.none(), st.integers(0, 20)),
+    )
+    def sample_any(self, partition: int, batch_size: int, advance: int, arbitrary: int | None) -> Any:
+        """Any partition; usually the trainer's step, sometimes an arbitrary one (even a past one)."""
+        if arbitrary is None:
+            self.trainer_step += advance
+        g = self.trainer_step if arbitrary is None else arbitrary
+        return self.do_sample(self.partitions[partition % len(self.partitions)], g, batch_size, in_loop=False)
+
+    @rule(target=uids, partition=st.integers(0, 2), batch_size=st.integers(1, 3), advance=st.integers(0, 2))
+    def sample_in_event_loop(self, partition: int, batch_size: int, advance: int) -> Any:
+        """Inside a real event loop with a 1 ms timeout (it may park and time out)."""
+        self.trainer_step += advance
+        name = self.partitions[partition % len(self.partitions)]
+        return self.do_sample(name, self.trainer_step, batch_size, in_loop=True)
+
+    def do_sample(self, name: str, g: int, batch_size: int, *, in_loop: bool) -> Any:
+        self.sample_calls += 1
+        self.events.clear()
+        self.refilled.clear()
+        before = self.b.stats()
+        if in_loop:
+
+            async def timed() -> Any:
+                with anyio.fail_after(10):
+                    return await self.b.sample(g, batch_size, partition=name, timeout=0.001)
+
+            result, exc = outcome(lambda: anyio.run(timed, backend=self.backend))
+        else:
+            result, exc = outcome(lambda: drive(self.b.sample(g, batch_size, partition=name, timeout=0)))
+        if self.m.closed:
+            check_error(exc, BufferClosedError, "sample on closed buffer")
+            assert not self.events
+            return multiple()
+        return self.check_sample(name, g, batch_size, result, exc, before.total.sampled_groups)
+
+    def check_sample(
+        self, name: str, g: int, batch_size: int, result: Any, exc: BaseException | None, sampled_before: int
+    ) -> Any:
+        m = self.m
+        m.touch(name)  # sample registers its partition
+        # 1. evictions: failures first, then stale groups, each oldest first
+        predicted: list[tuple[str, list[str]]] = []
+        if m.evicts_failures(name):
+            failed = sorted(
+                (x for x in m.groups if x.partition == name and x.status is Status.FAILURE),
+                key=lambda x: (x.step, x.seq),
+            )
+            if failed:
+                predicted.append(("failure", [x.uid for x in failed]))
+                m.remove(failed, "failure")
+        if m.drops(name):
+            stale = [x for x in m.sampleable(name) if m.is_stale(g, x)]
+            if stale:
+                predicted.append(("stale", [x.uid for x in stale]))
+                m.remove(stale, "stale")
+        actual = [(e.reason, [x.uid for x in e.groups]) for e in self.events]
+        for reason, _ in predicted:
+            note(f"sample evicted ({reason})")
+        assert actual == predicted, f"evictions at g={g} in {name!r}: got {actual}, model says {predicted}"
+        for event in self.events:
+            assert event.partition == name
+            assert event.global_steps == g
+            if event.reason == "stale":
+                assert m.config.max_off_policy_strategy == "drop", "wait evicted for staleness"
+                assert all(g - x.global_steps + 1 > m.limit() for x in event.groups)
+            assert all(x.status.is_terminal for x in event.groups)
+        # 2. the callback's re-dispatched prompts are admitted before selection
+        if self.callback == "raise" and predicted:  # raised after the state was consistent
+            check_error(exc, CallbackError, "sample whose on_evict raised")
+            return multiple()
+        assert len(self.refilled) == (
+            sum(len(uids) for _, uids in predicted) if self.callback == "refill" else 0
+        )
+        for uid, step, partition in self.refilled:
+            m.add(uid, step, partition)
+        # 3. selection: exactly batch_size whole groups, oldest first, or TimeoutError
+        candidates = [x for x in m.sampleable(name) if not (m.drops(name) and m.is_stale(g, x))]
+        assert len(candidates) == len(m.sampleable(name))  # all stale ones were just evicted
+        ready = len(candidates) >= batch_size and not m.gate_closed(g, name)
+        note("sample: batch" if ready else "sample: timeout")
+        if not ready and len(candidates) >= batch_size:
+            note("sample: held by the wait gate")
+        if not ready:
+            check_error(exc, TimeoutError, f"sample(g={g}, b={batch_size}, {name!r})")
+            assert self.b.stats().total.sampled_groups == sampled_before, "a timed-out sample took groups"
+            return multiple(*[uid for uid, _, _ in self.refilled])
+        check_error(exc, None, f"sample(g={g}, b={batch_size}, {name!r})")
+        batch, metrics = result
+        assert isinstance(batch, Batch)
+        chosen = candidates[:batch_size]
+        assert len(batch) == batch_size
+        assert batch.uids == [x.uid for x in chosen], "not oldest first with FIFO ties"
+        assert batch.partition == name
+        assert batch.global_steps == g
+        for got, want in zip(batch.groups, chosen, strict=True):
+            assert got.status is want.status
+            assert got.global_steps == want.step
+            assert got.partition == name
+            assert [t.key for t in got.trajectories] == want.keys, "group returned incomplete"
+            assert got.uid not in self.returned, f"uid {got.uid!r} returned twice"
+            self.returned.add(got.uid)
+        if m.drops(name):
+            ages = [g - x.global_steps + 1 for x in batch.groups]
+            assert all(age <= m.limit() for age in ages), f"drop returned s > T: ages {ages}"
+        expected_staleness = [(g - x.step + 1) / m.config.parameter_sync_step for x in chosen]
+        assert batch.staleness.tolist() == expected_staleness
+        prefix = "training" if name == "train" else "validation"
+        stale_count = sum(len(uids) for reason, uids in predicted if reason == "stale")
+        failed_count = sum(len(uids) for reason, uids in predicted if reason == "failure")
+        assert metrics.get(f"{prefix}/off_policy/dropped_groups", 0.0) == stale_count
+        assert metrics.get(f"{prefix}/rollout_failure/evicted_groups", 0.0) == failed_count
+        m.remove(chosen, "sampled")
+        return multiple(*[uid for uid, _, _ in self.refilled])
+
+    @rule(partition=st.integers(0, 2), advance=st.integers(-2, 6))
+    def sampleable_count(self, partition: int, advance: int) -> None:
+        name = self.partitions[partition % len(self.partitions)]
+        g = max(0, self.trainer_step + advance)
+        expected = len(
+            [x for x in self.m.sampleable(name) if not (self.m.drops(name) and self.m.is_stale(g, x))]
+        )
+        assert self.b.sampleable_count(g, name) == expected
+
+    @rule(which=st.integers(0, len(BAD_CALLS) - 1))
+    def bad_call(self, which: int) -> None:
+        name, call, error_open, error_closed = BAD_CALLS[which]
+        _, exc = outcome(lambda: call(self.b))
+        check_error(exc, error_closed if self.m.closed else error_open, name)
+
+    @rule(roll=st.integers(0, 39))
+    def maybe_close(self, roll: int) -> None:
+        if roll == 0:
+            self.b.close()
+            self.m.closed = True
+
+    # -- invariants --------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """A last sample of every partition (checked like any other), then coverage notes
+        (shown by ``pytest --hypothesis-show-statistics``)."""
+        if self.model is None:
+            return
+        for name in self.partitions:
+            self.do_sample(name, self.trainer_step, 1, in_loop=False)
+            self.buffer_matches_model()
+            self.stats_match_and_conserve()
+
+        def bucket(n: int) -> str:
+            return "0" if not n else "1-4" if n < 5 else "5-19" if n < 20 else "20+"
+
+        note(f"sample calls: {bucket(self.sample_calls)}")
+        note(f"groups admitted: {bucket(self.m.next_seq)}")
+        note(f"groups returned by sample: {bucket(len(self.returned))}")
+        note(f"closed: {self.m.closed}")
+
+    @invariant()
+    def buffer_matches_model(self) -> None:
+        if self.buf is None:
+            return
+        m, b = self.m, self.b
+        resident = {g.uid: g for g in m.groups}
+        assert set(b._groups) == set(resident), "resident uids differ"
+        for uid, real in b._groups.items():
+            want = resident[uid]
+            assert real.status is want.status, f"{uid}: {real.status} != {want.status}"
+            assert real.global_steps == want.step
+            part = real.partition.name if isinstance(real, OpenGroup) else real.partition
+            assert part == want.partition
+            assert group_keys(real) == want.keys, f"{uid}: trajectories differ"
+        for name, part in b._partitions.items():
+            order = [x.uid for x in part.iter_ready()]
+            assert order == [x.uid for x in m.sampleable(name)], f"ready order differs in {name!r}"
+
+    @invariant()
+    def stats_match_and_conserve(self) -> None:
+        if self.buf is None:
+            return
+        stats = self.b.stats()
+        assert stats.closed == self.m.closed
+        assert set(stats.partitions) == set(self.m.counters)
+        total = PartitionStats()
+        for name, got in stats.partitions.items():
+            assert got == self.m.expected_stats(name), f"stats of {name!r} differ"
+            total = total + got
+        assert stats.total == total
+        for item in (*stats.partitions.values(), stats.total):
+            for unit, resident in (("groups", item.groups), ("trajectories", item.trajectories)):
+                admitted = getattr(item, f"admitted_{unit}")
+                accounted = (
+                    resident
+                    + getattr(item, f"sampled_{unit}")
+                    + getattr(item, f"evicted_stale_{unit}")
+                    + getattr(item, f"evicted_failure_{unit}")
+                )
+                assert admitted == accounted, f"conservation of {unit} broken: {item}"
+            if self.m.config.max_off_policy_strategy == "wait":
+                assert item.evicted_stale_groups == 0, "wait evicted for staleness"
+
+    @invariant()
+    def every_uid_in_one_place(self) -> None:
+        if self.model is None:
+            return
+        resident = {g.uid for g in self.m.groups}
+        assert len(resident) == len(self.m.groups)
+        assert not resident & set(self.m.gone)
+        sampled = {uid for uid, reason in self.m.gone.items() if reason == "sampled"}
+        assert sampled == self.returned
+
+
+BufferMachine.TestCase.settings = PROFILES[PROFILE]
+TestBufferAgainstModel = BufferMachine.TestCase
+
+
+class _Suspend:
+    def __await__(self) -> Any:
+        yield
+
+
+def test_drive_rejects_a_coroutine_that_awaits() -> None:
+    """The no-loop driver must notice a sample that would have waited."""
+
+    async def waits() -> None:
+        await _Suspend()
+
+    with pytest.raises(AssertionError, match="awaited"):
+        drive(waits())
