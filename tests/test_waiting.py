@@ -439,3 +439,30 @@ async def test_status_line_does_not_wake_the_sampler(caplog: pytest.LogCaptureFi
         await buf.sample(0, 1, timeout=0.08)
     assert len([r for r in caplog.records if r.name == "stalebuf"]) >= 2  # one per interval
     assert buf.evaluations == 1  # logging is a timer, not a wake-up that re-evaluates
+
+
+def test_one_status_timer_serves_every_waiter_and_every_loop(caplog: pytest.LogCaptureFixture) -> None:
+    buf = make(status_log_interval=0.01)
+    caplog.set_level(logging.INFO, logger="stalebuf")
+    timeouts: list[str] = []
+
+    async def wait_in(partition: str) -> None:
+        try:
+            await buf.sample(0, 1, partition=partition, timeout=0.05)
+        except TimeoutError:
+            timeouts.append(partition)
+
+    async def two_waiters() -> None:
+        with anyio.fail_after(LIMIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_in, "a")
+                tg.start_soon(wait_in, "b")
+
+    for _ in range(2):  # a second event loop must get a timer of its own
+        caplog.clear()
+        asyncio.run(two_waiters())
+        lines = [r.getMessage() for r in caplog.records if r.name == "stalebuf"]
+        assert any("'a'" in line for line in lines)
+        assert any("'b'" in line for line in lines)
+    assert sorted(timeouts) == ["a", "a", "b", "b"]
+    assert buf.stats().total.waiting_samplers == 0

@@ -46,8 +46,8 @@ from .errors import (
     UnknownGroupError,
 )
 from .metrics import SampleMetrics
-from .partition import OpenGroup, PartitionIndex, Waiter
-from .records import EMPTY_TAGS, Batch, EvictionEvent, Group, Status, Trajectory
+from .partition import EventWaiter, FutureWaiter, OpenGroup, PartitionIndex, Waiter
+from .records import EMPTY_TAGS, Batch, EvictionEvent, Group, Status, new_batch, new_group, new_trajectory
 from .stats import BufferStats, PartitionStats
 
 __all__ = ["ReplayBuffer"]
@@ -56,32 +56,6 @@ logger = logging.getLogger("stalebuf")
 
 _Self = TypeVar("_Self", bound="ReplayBuffer")
 EvictCallback = Callable[[EvictionEvent], object]
-
-
-class _StatusTimer:
-    """Logs a waiting ``sample``'s status line every interval from an asyncio timer.
-
-    A timer callback, not a wake-up: the waiter stays parked and nothing is evaluated.
-    """
-
-    __slots__ = ("buffer", "due", "handle", "interval", "loop", "part", "started", "waiter")
-
-    def __init__(
-        self, buffer: ReplayBuffer, part: PartitionIndex, waiter: Waiter, started: float, interval: float
-    ) -> None:
-        self.buffer, self.part, self.waiter = buffer, part, waiter
-        self.started, self.interval = started, interval
-        self.loop = asyncio.get_running_loop()
-        self.due = started + interval
-        self.handle = self.loop.call_at(self.due, self.fire)
-
-    def fire(self) -> None:
-        self.buffer._log_waiting(self.part, self.waiter, self.due - self.started)
-        self.due += self.interval
-        self.handle = self.loop.call_at(self.due, self.fire)
-
-    def cancel(self) -> None:
-        self.handle.cancel()
 
 
 class ReplayBuffer:
@@ -141,7 +115,10 @@ class ReplayBuffer:
         # Bound on the first wait (see the class docs): resolving anyio's backend costs more
         # than the whole wake-up path otherwise, so it is done once, not per event or clock read.
         self._backend: type[AsyncBackend] | None = None
-        self._loop_timers = False  # asyncio: status lines come from loop.call_at, not a scope
+        # On asyncio, waiters park on bare futures and status lines come from one loop timer.
+        self._on_asyncio = False
+        self._status_timer: asyncio.TimerHandle | None = None
+        self._status_loop: asyncio.AbstractEventLoop | None = None
         # The default selection pops the heap's front in O(B log N); an override of
         # _select sees every candidate, which costs O(N).
         self._default_select = type(self)._select is ReplayBuffer._select
@@ -305,7 +282,7 @@ class ReplayBuffer:
             raise DuplicateTrajectoryError(
                 f"group {uid!r} already holds session_id={session_id}, index={index} ({key!r})"
             )
-        trajectories[key] = Trajectory(key, session_id, index, frozen_tags, payload)
+        trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
         part = group.partition
         part.trajectories += 1
         part.admitted_trajectories += 1
@@ -422,18 +399,33 @@ class ReplayBuffer:
         if backend is None:
             token = anyio.lowlevel.current_token()
             backend = self._backend = token.backend_class
-            self._loop_timers = isinstance(token.native_token, asyncio.AbstractEventLoop)
-        try:
-            started = backend.current_time()  # the first call that needs the bound backend
+            self._on_asyncio = isinstance(token.native_token, asyncio.AbstractEventLoop)
+        try:  # the first calls that need the bound backend
+            started = backend.current_time()
+            waiter: Waiter = (
+                FutureWaiter(global_steps, batch_size, asyncio.get_running_loop())
+                if self._on_asyncio
+                else EventWaiter(global_steps, batch_size, backend)
+            )
         except RuntimeError as exc:
             raise BackendMismatchError(
                 f"this buffer is bound to {backend.__name__}, the backend of its first waiting "
                 "sample; await it only under that backend"
             ) from exc
-        waiter = Waiter(global_steps, batch_size, backend.create_event())
+        interval = self._status_log_interval
+        logged_by_timer = interval is not None and self._on_asyncio
+        if logged_by_timer:
+            waiter.started = started
+            waiter.log_due = started + interval  # type: ignore[operator]
+            self._ensure_status_timer()
         part.waiters.append(waiter)  # from here on, the finally below must remove it
         try:
-            groups = await self._wait_for_batch(part, waiter, accumulated, started, timeout, backend)
+            if timeout is None and (interval is None or logged_by_timer):
+                groups = await self._park_until_batch(part, waiter, accumulated)  # no deadline
+            else:
+                groups = await self._wait_with_deadlines(
+                    part, waiter, accumulated, started, timeout, backend, not logged_by_timer
+                )
         finally:
             waiters = part.waiters
             if waiters[0] is waiter:
@@ -484,7 +476,7 @@ class ReplayBuffer:
         self._closed = True
         for part in self._partitions.values():
             for waiter in part.waiters:
-                waiter.event.set()
+                waiter.wake()
 
     async def aclose(self) -> None:
         """Close the buffer (see :meth:`close`) and yield once to the scheduler."""
@@ -587,7 +579,7 @@ class ReplayBuffer:
         if type(group) is not OpenGroup:
             raise self._not_open(uid, group, "mark finished" if status is Status.FINISHED else "mark failed")
         part = group.partition
-        record = Group(
+        record = new_group(
             uid, part.name, group.global_steps, status, group.tags, tuple(group.trajectories.values())
         )
         self._groups[uid] = record
@@ -623,7 +615,7 @@ class ReplayBuffer:
         if part.waiters and not self._closed:
             head = part.waiters[0]
             if self._has_work_for(part, head):
-                head.event.set()
+                head.wake()
 
     def _evaluate(
         self, part: PartitionIndex, global_steps: int, batch_size: int, metrics: SampleMetrics
@@ -635,23 +627,25 @@ class ReplayBuffer:
         for an unrelated wake-up). When this returns, no state change is left unexamined.
         """
         name = part.name
-        while True:
+        while part.failed or (
+            self._drop
+            and part.ready_count
+            and not part.exempt
+            and self._is_stale(global_steps, part.ready_steps[0], name)
+        ):
             events: list[EvictionEvent] = []
             if part.failed:
                 failed = part.take_failed()
                 metrics.failed_groups += len(failed)
                 events.append(self._forget(part, "failure", failed, global_steps))
-            if (
-                self._drop
-                and part.ready_count
-                and not part.exempt
-                and self._is_stale(global_steps, part.ready_steps[0], name)
-            ):
-                stale = part.take_stale(lambda p: self._is_stale(global_steps, p, name))
+            stale = (
+                part.take_stale(lambda p: self._is_stale(global_steps, p, name))
+                if self._drop and not part.exempt
+                else []
+            )
+            if stale:
                 metrics.add_dropped(stale, global_steps)
                 events.append(self._forget(part, "stale", stale, global_steps))
-            if not events:
-                break
             self._emit(events)
             self._check_open()  # on_evict may have closed the buffer
         if part.ready_count < batch_size or not self._gate_open(part, global_steps):
@@ -705,7 +699,7 @@ class ReplayBuffer:
         if error is not None:
             raise error
 
-    async def _wait_for_batch(
+    async def _wait_with_deadlines(
         self,
         part: PartitionIndex,
         waiter: Waiter,
@@ -713,52 +707,68 @@ class ReplayBuffer:
         started: float,
         timeout: float | None,
         backend: type[AsyncBackend],
+        log_here: bool,
     ) -> list[Group]:
-        """Wait for ``waiter``'s batch; log every status interval; raise at the deadline.
+        """Wait for ``waiter``'s batch under a cancel scope: raise at the timeout and, if
+        ``log_here``, log a status line every interval (where no loop timer does it).
 
-        A cancel scope is entered only for a deadline: the timeout, or (on trio) the next
-        status line. On asyncio the status line comes from a ``loop.call_at`` timer, so a
-        default ``sample`` wakes up without entering or leaving any scope (that costs about as
-        much as the rest of the wake-up). One scope covers a whole interval, not each park.
+        One scope covers a whole status interval, not each park. A default ``sample`` on
+        asyncio never comes here, so its wake-up enters and leaves no scope (that costs
+        about as much as the rest of the wake-up).
         """
         deadline = math.inf if timeout is None else started + timeout
         interval = self._status_log_interval
-        next_log = math.inf
-        timer = None
-        if interval is not None:
-            if self._loop_timers:
-                timer = _StatusTimer(self, part, waiter, started, interval)
-            else:
-                next_log = started + interval
-        try:
-            while True:
-                if deadline == math.inf and next_log == math.inf:
-                    return await self._park_until_batch(part, waiter, metrics, backend)
-                with anyio.CancelScope(deadline=min(deadline, next_log)):
-                    return await self._park_until_batch(part, waiter, metrics, backend)
-                # Only our own deadline ends the scope quietly; outside cancellation propagates.
-                if backend.current_time() >= deadline:
-                    raise TimeoutError(
-                        f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
-                    )
-                self._log_waiting(part, waiter, next_log - started)
-                next_log += interval  # type: ignore[operator]
-        finally:
-            if timer is not None:
-                timer.cancel()
+        next_log = started + interval if log_here and interval is not None else math.inf
+        while True:
+            with anyio.CancelScope(deadline=min(deadline, next_log)):
+                return await self._park_until_batch(part, waiter, metrics)
+            # Only our own deadline ends the scope quietly; outside cancellation propagates.
+            if backend.current_time() >= deadline:
+                raise TimeoutError(
+                    f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
+                )
+            self._log_waiting(part, waiter, next_log - started)
+            next_log += interval  # type: ignore[operator]
 
     async def _park_until_batch(
-        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics, backend: type[AsyncBackend]
+        self, part: PartitionIndex, waiter: Waiter, metrics: SampleMetrics
     ) -> list[Group]:
         """Park until woken, then re-check; repeat until this waiter gets its batch."""
         while True:
-            await waiter.event.wait()
+            await waiter.parked()
             self._check_open()
             if part.waiters[0] is waiter:
                 groups = self._evaluate(part, waiter.global_steps, waiter.batch_size, metrics)
                 if groups is not None:
                     return groups
-            waiter.event = backend.create_event()
+            waiter.arm()
+
+    def _ensure_status_timer(self) -> None:
+        """Make sure the buffer's status timer runs on the current asyncio loop.
+
+        One timer per buffer, not per wait: it fires when the earliest waiter is due a
+        status line and stops when no sample waits, so a wait costs no timer of its own.
+        """
+        loop = asyncio.get_running_loop()
+        if self._status_timer is None or self._status_loop is not loop:
+            self._status_loop = loop
+            self._status_timer = loop.call_at(loop.time() + self._status_log_interval, self._status_tick)  # type: ignore[operator]
+
+    def _status_tick(self) -> None:
+        """Log a line for every waiter that is due one, then sleep until the next is due."""
+        loop, interval = self._status_loop, self._status_log_interval
+        if loop is None or interval is None:  # unreachable: both are set before scheduling
+            return
+        now = loop.time()
+        next_due = math.inf
+        for part in self._partitions.values():
+            for waiter in part.waiters:
+                if waiter.log_due <= now:
+                    self._log_waiting(part, waiter, waiter.log_due - waiter.started)
+                    while waiter.log_due <= now:
+                        waiter.log_due += interval
+                next_due = min(next_due, waiter.log_due)
+        self._status_timer = None if next_due == math.inf else loop.call_at(next_due, self._status_tick)
 
     def _log_waiting(self, part: PartitionIndex, waiter: Waiter, waited: float) -> None:
         logger.info(
@@ -784,5 +794,5 @@ class ReplayBuffer:
         metrics: SampleMetrics,
         wait_seconds: float,
     ) -> tuple[Batch, dict[str, float]]:
-        batch = Batch(part.name, global_steps, tuple(groups), self._sync_step)
+        batch = new_batch(part.name, global_steps, tuple(groups), self._sync_step)
         return batch, metrics.render(part.name, groups, global_steps, self._sync_step, wait_seconds)

@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from .records import Group, Status, Trajectory
 from .stats import PartitionStats
 
 if TYPE_CHECKING:
-    import anyio
+    import asyncio
 
-__all__ = ["OpenGroup", "PartitionIndex", "Waiter"]
+    from anyio.abc import AsyncBackend
+
+__all__ = ["EventWaiter", "FutureWaiter", "OpenGroup", "PartitionIndex", "Waiter"]
 
 # (admission seq, group): seq is unique, so comparing entries never reaches the group.
 Entry = tuple[int, Group]
@@ -100,14 +103,79 @@ class OpenGroup:
 
 
 class Waiter:
-    """One blocked ``sample`` call. Woken by setting ``event``; it re-checks on its own."""
+    """One blocked ``sample`` call, parked until a producer calls :meth:`wake`.
 
-    __slots__ = ("batch_size", "event", "global_steps")
+    ``wake`` only signals; the woken call re-checks everything itself, so nothing is handed
+    to it before it runs and a cancelled waiter can lose nothing. Subclasses hold the
+    backend's primitive; ``arm`` makes a fresh one before each park.
+    """
 
-    def __init__(self, global_steps: int, batch_size: int, event: anyio.Event) -> None:
+    __slots__ = ("batch_size", "global_steps", "log_due", "started")
+
+    def __init__(self, global_steps: int, batch_size: int) -> None:
         self.global_steps = global_steps
         self.batch_size = batch_size
-        self.event = event
+        # Set when the buffer's status timer logs for this waiter (asyncio): when it started
+        # waiting and when its next status line is due, in loop time.
+        self.started = self.log_due = math.inf
+
+    def arm(self) -> None:
+        """Prepare a fresh, unset signal for the next park."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Signal the waiter (idempotent; harmless if it was cancelled)."""
+        raise NotImplementedError
+
+    def parked(self) -> Awaitable[object]:
+        """Return what to await until :meth:`wake` is called."""
+        raise NotImplementedError
+
+
+class EventWaiter(Waiter):
+    """Parks on an ``anyio.Event`` of the bound backend: works on every anyio backend."""
+
+    __slots__ = ("backend", "event")
+
+    def __init__(self, global_steps: int, batch_size: int, backend: type[AsyncBackend]) -> None:
+        super().__init__(global_steps, batch_size)
+        self.backend = backend
+        self.event = backend.create_event()
+
+    def arm(self) -> None:
+        self.event = self.backend.create_event()
+
+    def wake(self) -> None:
+        self.event.set()
+
+    def parked(self) -> Awaitable[object]:
+        return self.event.wait()
+
+
+class FutureWaiter(Waiter):
+    """Parks on a bare asyncio future: the asyncio fast path.
+
+    An ``anyio.Event`` wraps an ``asyncio.Event``, which wraps futures; awaiting the future
+    directly saves two coroutine hops and an allocation on every wake-up.
+    """
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, global_steps: int, batch_size: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(global_steps, batch_size)
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+
+    def arm(self) -> None:
+        self.future = self.loop.create_future()
+
+    def wake(self) -> None:
+        future = self.future
+        if not future.done():  # done: already woken, or cancelled with its task
+            future.set_result(None)
+
+    def parked(self) -> Awaitable[object]:
+        return self.future
 
 
 class PartitionIndex:

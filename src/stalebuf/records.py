@@ -11,7 +11,17 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["EMPTY_TAGS", "Batch", "EvictionEvent", "Group", "Status", "Trajectory"]
+__all__ = [
+    "EMPTY_TAGS",
+    "Batch",
+    "EvictionEvent",
+    "Group",
+    "Status",
+    "Trajectory",
+    "new_batch",
+    "new_group",
+    "new_trajectory",
+]
 
 #: The tags of a record created without tags: one shared, read-only empty mapping,
 #: so that a million untagged trajectories cost no million empty dicts.
@@ -152,3 +162,64 @@ class EvictionEvent:
     reason: EvictionReason
     groups: tuple[Group, ...]
     global_steps: int
+
+
+# Fast constructors for the buffer's hot paths. attrs' frozen __init__ routes every field
+# through object.__setattr__ by name (about 0.5 us for five fields); setting the slot
+# descriptors directly takes about two thirds of that, which adds up at eight trajectories
+# per group. They build exactly what the classes' own __init__ builds (no field of these
+# classes has a default factory, validator or converter), and tests compare the two.
+_new = object.__new__
+_set_key, _set_session, _set_index, _set_ttags, _set_payload = (
+    Trajectory.__dict__[field.name].__set__ for field in attrs.fields(Trajectory)
+)
+_set_uid, _set_partition, _set_steps, _set_status, _set_gtags, _set_trajectories = (
+    Group.__dict__[field.name].__set__ for field in attrs.fields(Group)
+)
+_set_bpartition, _set_bsteps, _set_groups, _set_sync = (
+    Batch.__dict__[field.name].__set__ for field in attrs.fields(Batch)
+)
+
+
+def new_trajectory(
+    key: str, session_id: int, index: int, tags: Mapping[str, Any], payload: Any
+) -> Trajectory:
+    """Return ``Trajectory(key, session_id, index, tags, payload)``, built faster."""
+    trajectory = _new(Trajectory)
+    _set_key(trajectory, key)
+    _set_session(trajectory, session_id)
+    _set_index(trajectory, index)
+    _set_ttags(trajectory, tags)
+    _set_payload(trajectory, payload)
+    return trajectory
+
+
+def new_group(
+    uid: str,
+    partition: str,
+    global_steps: int,
+    status: Status,
+    tags: Mapping[str, Any],
+    trajectories: tuple[Trajectory, ...],
+) -> Group:
+    """Return ``Group(uid, partition, global_steps, status, tags, trajectories)``, built faster."""
+    group = _new(Group)
+    _set_uid(group, uid)
+    _set_partition(group, partition)
+    _set_steps(group, global_steps)
+    _set_status(group, status)
+    _set_gtags(group, tags)
+    _set_trajectories(group, trajectories)
+    return group
+
+
+def new_batch(
+    partition: str, global_steps: int, groups: tuple[Group, ...], parameter_sync_step: int
+) -> Batch:
+    """Return ``Batch(partition, global_steps, groups, parameter_sync_step)``, built faster."""
+    batch = _new(Batch)
+    _set_bpartition(batch, partition)
+    _set_bsteps(batch, global_steps)
+    _set_groups(batch, groups)
+    _set_sync(batch, parameter_sync_step)
+    return batch
