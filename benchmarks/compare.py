@@ -396,8 +396,7 @@ def run_p1(sizes: Sizes, report: Report) -> None:
     report.add(
         Row(
             "P1",
-            f"asyncio: same with status_log_interval=None (no status timer), p50 / p99 "
-            f"(n={len(buf_lat)})",
+            f"asyncio: same with status_log_interval=None (no status timer), p50 / p99 (n={len(buf_lat)})",
             f"{us(percentile(buf_lat, 0.5))} / {us(percentile(buf_lat, 0.99))}",
             f"{us(percentile(bare_lat, 0.5))} / {us(percentile(bare_lat, 0.99))}",
             ratio(percentile(buf_lat, 0.5), percentile(bare_lat, 0.5)),
