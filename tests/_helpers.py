@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stalebuf import ReplayBuffer, Status
+from stalebuf.partition import OpenGroup
 
 
 def add_group(
@@ -28,6 +29,35 @@ def add_group(
     elif status is Status.FAILURE:
         buf.mark_failed_nowait(uid)
     return keys
+
+
+def resident_keys(buf: ReplayBuffer) -> list[str]:
+    """The keys of every trajectory held by a resident group."""
+    keys: list[str] = []
+    for group in buf._groups.values():
+        if isinstance(group, OpenGroup):
+            keys.extend(group.trajectories)
+        else:
+            keys.extend(t.key for t in group.trajectories)
+    return keys
+
+
+def assert_conserved(buf: ReplayBuffer) -> None:
+    """admitted == resident + sampled + evicted by reason, for groups and trajectories alike,
+    per partition and in total; and the totals match what the buffer actually holds."""
+    stats = buf.stats()
+    for item in (*stats.partitions.values(), stats.total):
+        assert item.admitted_groups == (
+            item.groups + item.sampled_groups + item.evicted_stale_groups + item.evicted_failure_groups
+        ), item
+        assert item.admitted_trajectories == (
+            item.trajectories
+            + item.sampled_trajectories
+            + item.evicted_stale_trajectories
+            + item.evicted_failure_trajectories
+        ), item
+    assert stats.total.groups == len(buf._groups)
+    assert stats.total.trajectories == len(resident_keys(buf))
 
 
 def snapshot(buf: ReplayBuffer) -> Any:

@@ -26,35 +26,11 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 
+from _helpers import assert_conserved
 from stalebuf import Batch, EvictionEvent, ReplayBuffer, SamplerConfig
-from stalebuf.partition import OpenGroup
 
 LIMIT = 20  # seconds; a hang fails instead of stalling CI
 GROUPS = 1500  # admitted per fuzz run before producers stop
-
-
-def resident_keys(buf: ReplayBuffer) -> list[str]:
-    keys: list[str] = []
-    for group in buf._groups.values():
-        if isinstance(group, OpenGroup):
-            keys.extend(group.trajectories)
-        else:
-            keys.extend(t.key for t in group.trajectories)
-    return keys
-
-
-def assert_conserved(buf: ReplayBuffer) -> None:
-    stats = buf.stats()
-    for item in (*stats.partitions.values(), stats.total):
-        assert item.admitted_groups == (
-            item.groups + item.sampled_groups + item.evicted_stale_groups + item.evicted_failure_groups
-        ), item
-        assert item.admitted_trajectories == (
-            item.trajectories
-            + item.sampled_trajectories
-            + item.evicted_stale_trajectories
-            + item.evicted_failure_trajectories
-        ), item
 
 
 class Fuzz:

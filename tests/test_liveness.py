@@ -23,9 +23,9 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from _helpers import assert_conserved, resident_keys
 from stalebuf import Batch, EvictionEvent, Group, ReplayBuffer, SamplerConfig
 from stalebuf.errors import BackendMismatchError, BufferClosedError, UnknownGroupError
-from stalebuf.partition import OpenGroup
 
 LIMIT = 10  # seconds; a hang fails instead of stalling CI
 
@@ -46,32 +46,6 @@ def add(
         buf.mark_finished_nowait(uid)
     elif end == "fail":
         buf.mark_failed_nowait(uid)
-
-
-def resident_keys(buf: ReplayBuffer) -> list[str]:
-    keys: list[str] = []
-    for group in buf._groups.values():
-        if isinstance(group, OpenGroup):
-            keys.extend(group.trajectories)
-        else:
-            keys.extend(t.key for t in group.trajectories)
-    return keys
-
-
-def assert_conserved(buf: ReplayBuffer) -> None:
-    stats = buf.stats()
-    for item in (*stats.partitions.values(), stats.total):
-        assert item.admitted_groups == (
-            item.groups + item.sampled_groups + item.evicted_stale_groups + item.evicted_failure_groups
-        ), item
-        assert item.admitted_trajectories == (
-            item.trajectories
-            + item.sampled_trajectories
-            + item.evicted_stale_trajectories
-            + item.evicted_failure_trajectories
-        ), item
-    assert stats.total.groups == len(buf._groups)
-    assert stats.total.trajectories == len(resident_keys(buf))
 
 
 def keys_of(groups: Iterable[Group]) -> list[str]:
