@@ -2,11 +2,11 @@
 
 Everything that changes state is synchronous (the ``*_nowait`` methods and the
 evaluation inside ``sample``), so on one event loop each call is atomic. ``sample``
-is the only call that waits: it parks on a per-call ``anyio.Event`` that a producer
-sets only when the head waiter of that partition might now get its batch (or has
-eviction work to do). A woken waiter re-checks everything itself; nothing is handed
-to it before it runs, so a cancelled waiter can lose nothing, and when it leaves the
-queue it passes the wake-up on to the next waiter.
+is the only call that waits: it parks on a per-call signal (a :class:`~.partition.Waiter`)
+that a producer sets only when the head waiter of that partition might now get its
+batch (or has eviction work to do). A woken waiter re-checks everything itself; nothing
+is handed to it before it runs, so a cancelled waiter can lose nothing, and when it
+leaves the queue it passes the wake-up on to the next waiter.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ class ReplayBuffer:
         self._on_asyncio = False
         self._status_timer: asyncio.TimerHandle | None = None
         self._status_loop: asyncio.AbstractEventLoop | None = None
-        # The default selection pops the heap's front in O(B log N); an override of
-        # _select sees every candidate, which costs O(N).
+        # The default selection takes the index's front in O(B); an override of _select
+        # sees every candidate, which costs O(N).
         self._default_select = type(self)._select is ReplayBuffer._select
 
     @classmethod
@@ -373,6 +373,8 @@ class ReplayBuffer:
                 int >= 1, ``partition`` not a non-empty str, or ``timeout`` not None or >= 0.
             TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
             BufferClosedError: the buffer is or gets closed.
+            BackendMismatchError: it must wait, under another async backend than the one the
+                buffer is bound to (nothing changed).
             Exception: whatever ``on_evict`` raised, after the buffer state is consistent.
         """
         # Inlined fast checks; the helpers run (and raise) only when a value looks wrong.
@@ -600,16 +602,21 @@ class ReplayBuffer:
         A necessary condition only (eviction can still leave too few groups), but every
         wake-up it allows either returns a batch or evicts at least one group.
         """
-        if part.failed:
+        if part.failed or self._oldest_is_stale(part, waiter.global_steps):
             return True
-        if (
+        return part.ready_count >= waiter.batch_size and self._gate_open(part, waiter.global_steps)
+
+    def _oldest_is_stale(self, part: PartitionIndex, global_steps: int) -> bool:
+        """Whether the drop rule evicts the partition's oldest ready group at ``global_steps``.
+
+        Stale groups are a prefix of the ready order, so this decides if there is any.
+        """
+        return bool(
             self._drop
             and part.ready_count
             and not part.exempt
-            and self._is_stale(waiter.global_steps, part.ready_steps[0], part.name)
-        ):
-            return True
-        return part.ready_count >= waiter.batch_size and self._gate_open(part, waiter.global_steps)
+            and self._is_stale(global_steps, part.ready_steps[0], part.name)
+        )
 
     def _wake_head(self, part: PartitionIndex) -> None:
         if part.waiters and not self._closed:
@@ -627,25 +634,16 @@ class ReplayBuffer:
         for an unrelated wake-up). When this returns, no state change is left unexamined.
         """
         name = part.name
-        while part.failed or (
-            self._drop
-            and part.ready_count
-            and not part.exempt
-            and self._is_stale(global_steps, part.ready_steps[0], name)
-        ):
+        while part.failed or self._oldest_is_stale(part, global_steps):
             events: list[EvictionEvent] = []
             if part.failed:
                 failed = part.take_failed()
                 metrics.failed_groups += len(failed)
-                events.append(self._forget(part, "failure", failed, global_steps))
-            stale = (
-                part.take_stale(lambda p: self._is_stale(global_steps, p, name))
-                if self._drop and not part.exempt
-                else []
-            )
-            if stale:
+                events.append(self._evicted(part, "failure", failed, global_steps))
+            if self._oldest_is_stale(part, global_steps):
+                stale = part.take_stale(lambda p: self._is_stale(global_steps, p, name))
                 metrics.add_dropped(stale, global_steps)
-                events.append(self._forget(part, "stale", stale, global_steps))
+                events.append(self._evicted(part, "stale", stale, global_steps))
             self._emit(events)
             self._check_open()  # on_evict may have closed the buffer
         if part.ready_count < batch_size or not self._gate_open(part, global_steps):
@@ -674,9 +672,10 @@ class ReplayBuffer:
         part.take(chosen)
         return chosen
 
-    def _forget(
+    def _evicted(
         self, part: PartitionIndex, reason: str, groups: list[Group], global_steps: int
     ) -> EvictionEvent:
+        """Unregister evicted ``groups`` and return the event that reports them."""
         groups_by_uid = self._groups
         for group in groups:
             del groups_by_uid[group.uid]
