@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .records import Group
+from .staleness import age as staleness_age
 
 __all__ = ["SampleMetrics", "metric_prefix"]
 
@@ -58,7 +59,7 @@ class SampleMetrics:
     def add_dropped(self, groups: Iterable[Group], global_steps: int) -> None:
         """Count groups evicted as stale at ``global_steps``."""
         for group in groups:
-            age = global_steps - group.global_steps + 1
+            age = staleness_age(global_steps, group.global_steps)
             n = len(group.trajectories)
             if self.dropped_groups == 0:
                 self.group_age_max = self.group_age_min = age

@@ -14,17 +14,12 @@ earlier is stale too. The buffer relies on that to look only at the oldest group
 
 from __future__ import annotations
 
-__all__ = ["age", "blocks_wait", "exceeds_drop", "staleness"]
+__all__ = ["age", "blocks_wait", "exceeds_drop"]
 
 
 def age(global_steps: int, dispatch_step: int) -> int:
     """Return ``global_steps - dispatch_step + 1``: how many trainer steps the group spans."""
     return global_steps - dispatch_step + 1
-
-
-def staleness(global_steps: int, dispatch_step: int, parameter_sync_step: int) -> float:
-    """Return the staleness ``(g - p + 1) / parameter_sync_step`` as a float (for reporting)."""
-    return (global_steps - dispatch_step + 1) / parameter_sync_step
 
 
 def exceeds_drop(global_steps: int, dispatch_step: int, threshold: int, sync_step: int) -> bool:
