@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._validators import int_at_least, one_of
 from .errors import ConfigError
 
 __all__ = ["FAILURE_STRATEGIES", "STRATEGIES", "SamplerConfig"]
@@ -19,22 +20,6 @@ FAILURE_STRATEGIES: tuple[str, ...] = ("sample", "evict")
 
 Strategy = Literal["drop", "wait"]
 FailureStrategy = Literal["sample", "evict"]
-
-
-def _positive_int(label: str) -> Any:
-    def check(_instance: object, _attribute: attrs.Attribute[int], value: object) -> None:
-        if type(value) is not int or value < 1:
-            raise ConfigError(f"{label} must be an int >= 1, got {value!r}")
-
-    return check
-
-
-def _one_of(label: str, choices: tuple[str, ...]) -> Any:
-    def check(_instance: object, _attribute: attrs.Attribute[str], value: object) -> None:
-        if value not in choices:
-            raise ConfigError(f"{label} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-    return check
 
 
 def _to_partitions(value: object) -> frozenset[str]:
@@ -95,14 +80,14 @@ class SamplerConfig:
     """
 
     max_off_policy_threshold: int = attrs.field(
-        default=8, validator=_positive_int("max off policy threshold")
+        default=8, validator=int_at_least("max off policy threshold", 1)
     )
     max_off_policy_strategy: Strategy = attrs.field(
-        default="drop", validator=_one_of("max off policy strategy", STRATEGIES)
+        default="drop", validator=one_of("max off policy strategy", STRATEGIES)
     )
-    parameter_sync_step: int = attrs.field(default=1, validator=_positive_int("parameter_sync_step"))
+    parameter_sync_step: int = attrs.field(default=1, validator=int_at_least("parameter_sync_step", 1))
     failure_strategy: FailureStrategy = attrs.field(
-        default="sample", validator=_one_of("failure_strategy", FAILURE_STRATEGIES)
+        default="sample", validator=one_of("failure_strategy", FAILURE_STRATEGIES)
     )
     exempt_partitions: frozenset[str] = attrs.field(default=frozenset({"val"}), converter=_to_partitions)
     custom_sampler: str | None = attrs.field(default=None, validator=_check_custom_sampler)

@@ -34,6 +34,7 @@ import attrs
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._validators import int_at_least, one_of
 from .buffer import ReplayBuffer
 from .config import SamplerConfig
 from .errors import ConfigError, StalebufError
@@ -174,14 +175,6 @@ class Latency:
         return f"{self.kind}:{','.join(_short(p) for p in self.params)}"
 
 
-def _int_at_least(label: str, low: int) -> Any:
-    def check(_instance: object, _attribute: object, value: object) -> None:
-        if type(value) is not int or value < low:
-            raise ConfigError(f"{label} must be an int >= {low}, got {value!r}")
-
-    return check
-
-
 def _float_check(label: str, low: float, high: float | None, *, low_open: bool, high_open: bool) -> Any:
     lo = "(" if low_open else "["
     hi = "inf)" if high is None else (f"{high:g})" if high_open else f"{high:g}]")
@@ -196,14 +189,6 @@ def _float_check(label: str, low: float, high: float | None, *, low_open: bool, 
             )
         if not ok:
             raise ConfigError(f"{label} must be a finite number in {interval}, got {value!r}")
-
-    return check
-
-
-def _one_of(label: str, choices: tuple[str, ...]) -> Any:
-    def check(_instance: object, _attribute: object, value: object) -> None:
-        if value not in choices:
-            raise ConfigError(f"{label} must be one of {', '.join(choices)}; got {value!r}")
 
     return check
 
@@ -238,17 +223,17 @@ class SimulationConfig:
     """
 
     strategy: Literal["drop", "wait"] = attrs.field(
-        default="drop", validator=_one_of("strategy", ("drop", "wait"))
+        default="drop", validator=one_of("strategy", ("drop", "wait"))
     )
-    threshold: int = attrs.field(default=4, validator=_int_at_least("threshold", 1))
-    parameter_sync_step: int = attrs.field(default=1, validator=_int_at_least("parameter_sync_step", 1))
+    threshold: int = attrs.field(default=4, validator=int_at_least("threshold", 1))
+    parameter_sync_step: int = attrs.field(default=1, validator=int_at_least("parameter_sync_step", 1))
     failure_strategy: Literal["evict", "sample"] = attrs.field(
-        default="evict", validator=_one_of("failure_strategy", ("evict", "sample"))
+        default="evict", validator=one_of("failure_strategy", ("evict", "sample"))
     )
-    steps: int = attrs.field(default=200, validator=_int_at_least("steps", 1))
-    batch_size: int = attrs.field(default=32, validator=_int_at_least("batch_size", 1))
-    group_size: int = attrs.field(default=8, validator=_int_at_least("group_size", 1))
-    workers: int = attrs.field(default=64, validator=_int_at_least("workers", 1))
+    steps: int = attrs.field(default=200, validator=int_at_least("steps", 1))
+    batch_size: int = attrs.field(default=32, validator=int_at_least("batch_size", 1))
+    group_size: int = attrs.field(default=8, validator=int_at_least("group_size", 1))
+    workers: int = attrs.field(default=64, validator=int_at_least("workers", 1))
     dispatch_ahead: float = attrs.field(
         default=1.0,
         converter=_as_float,
@@ -265,7 +250,7 @@ class SimulationConfig:
         converter=_as_float,
         validator=_float_check("failure_rate", 0.0, 1.0, low_open=False, high_open=True),
     )
-    seed: int = attrs.field(default=0, validator=_int_at_least("seed", 0))
+    seed: int = attrs.field(default=0, validator=int_at_least("seed", 0))
 
     @latency.validator
     def _check_latency(self, _attribute: object, value: object) -> None:
