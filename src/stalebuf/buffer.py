@@ -192,14 +192,21 @@ class ReplayBuffer:
             TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
             DuplicateGroupError: a group with this uid is in the buffer.
         """
-        self._check_open()
-        check_uid(uid)
-        check_step(global_steps)
-        check_partition(partition)
-        frozen_tags = check_tags(tags)
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+        # The hot path: each check is inlined, the slow helpers only build the error.
+        if type(uid) is not str or not uid or "_" in uid:
+            check_uid(uid)
+        if type(global_steps) is not int or global_steps < 0:
+            check_step(global_steps)
+        part = self._partitions.get(partition) if type(partition) is str else None
+        if part is None:
+            check_partition(partition)
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         if uid in self._groups:
             raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
-        part = self._partitions.get(partition) or self._partition(partition)
+        if part is None:
+            part = self._partition(partition)
         seq = self._next_seq
         self._next_seq = seq + 1
         self._groups[uid] = OpenGroup(uid, part, global_steps, seq, frozen_tags)
@@ -229,7 +236,8 @@ class ReplayBuffer:
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is not PENDING.
         """
-        self._check_open()
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
         group = self._open_group(uid, "mark running")
         if group.status is not Status.PENDING:
             raise InvalidTransitionError(f"cannot mark group {uid!r} running: it is already running")
