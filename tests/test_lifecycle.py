@@ -236,3 +236,124 @@ def test_construction_needs_no_event_loop() -> None:
     buf = ReplayBuffer()  # plain sync code, no loop running
     buf.add_prompt_nowait("a", global_steps=0)
     assert buf.stats().total.pending == 1
+
+
+def test_put_group_adds_fills_and_finishes_in_one_call() -> None:
+    import numpy as np
+
+    buf = ReplayBuffer()
+    tokens = np.arange(12).reshape(3, 4)  # one row per trajectory
+    keys = buf.put_group_nowait("g", tokens, global_steps=2, tags={"prompt": "p"})
+    assert keys == ["g_0_0", "g_1_0", "g_2_0"]
+    group = buf._groups["g"]
+    assert group.status is Status.FINISHED
+    assert group.global_steps == 2
+    assert dict(group.tags) == {"prompt": "p"}
+    assert [t.payload.tolist() for t in group.trajectories] == tokens.tolist()
+    stats = buf.stats().total
+    assert (stats.finished, stats.trajectories, stats.admitted_trajectories) == (1, 3, 3)
+    assert "g" in buf
+    assert "h" not in buf
+
+
+def test_put_group_into_an_in_flight_group_with_custom_keys_and_failure() -> None:
+    buf = ReplayBuffer()
+    buf.add_prompt_nowait("g", global_steps=1, partition="p")
+    buf.put_nowait("g", "first")
+    keys = buf.put_group_nowait(
+        "g",
+        ["a", "b"],
+        global_steps=1,
+        partition="p",
+        session_ids=[3, 3],
+        indices=[0, 1],
+        trajectory_tags=[{"r": 1}, None],
+        status="failed",
+    )
+    assert keys == ["g_3_0", "g_3_1"]
+    group = buf._groups["g"]
+    assert group.status is Status.FAILURE
+    assert [t.key for t in group.trajectories] == ["g_0_0", "g_3_0", "g_3_1"]
+    assert dict(group.trajectories[1].tags) == {"r": 1}
+
+
+@pytest.mark.anyio
+async def test_put_group_async_twin() -> None:
+    buf = ReplayBuffer()
+    assert await buf.put_group("g", [1, 2], global_steps=0) == ["g_0_0", "g_1_0"]
+    batch, _ = await buf.sample(0, 1, timeout=0)
+    assert batch.payloads == [1, 2]
+
+
+PUT_GROUP_ERRORS: list[tuple[str, Call, type[Exception], str]] = [
+    ("late write", lambda b: b.put_group_nowait("fin", [1], global_steps=0), InvalidTransitionError, "late"),
+    (
+        "other step",
+        lambda b: b.put_group_nowait("run", [1], global_steps=5, session_ids=[7]),
+        DuplicateGroupError,
+        "global_steps=0",
+    ),
+    (
+        "other partition",
+        lambda b: b.put_group_nowait("run", [1], global_steps=0, partition="val", session_ids=[7]),
+        DuplicateGroupError,
+        "partition",
+    ),
+    (
+        "key held",
+        lambda b: b.put_group_nowait("run", [1], global_steps=0),
+        DuplicateTrajectoryError,
+        "run_0_0",
+    ),
+    (
+        "key twice",
+        lambda b: b.put_group_nowait("new", [1, 2], global_steps=0, session_ids=[4, 4]),
+        DuplicateTrajectoryError,
+        "twice",
+    ),
+    (
+        "short ids",
+        lambda b: b.put_group_nowait("new", [1, 2], global_steps=0, session_ids=[1]),
+        ValueError,
+        "session_ids has 1",
+    ),
+    (
+        "bad tag",
+        lambda b: b.put_group_nowait("new", [1], global_steps=0, trajectory_tags=[[1]]),
+        TypeError,
+        "tags",
+    ),
+    (
+        "bad index",
+        lambda b: b.put_group_nowait("new", [1], global_steps=0, indices=[-1]),
+        ValueError,
+        "index",
+    ),
+    (
+        "bad status",
+        lambda b: b.put_group_nowait("new", [1], global_steps=0, status="done"),
+        ValueError,
+        "status",
+    ),
+    ("str payloads", lambda b: b.put_group_nowait("new", "ab", global_steps=0), TypeError, "payloads"),
+    ("bad uid", lambda b: b.put_group_nowait("a_b", [1], global_steps=0), ValueError, "uid"),
+    ("bad step", lambda b: b.put_group_nowait("new", [1], global_steps=True), TypeError, "global_steps"),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"), [e[1:] for e in PUT_GROUP_ERRORS], ids=[e[0] for e in PUT_GROUP_ERRORS]
+)
+def test_put_group_errors_change_nothing(call: Call, error: type[Exception], message: str) -> None:
+    buf = _buffer_with_states()
+    before = snapshot(buf)
+    with pytest.raises(error, match=message):
+        call(buf)
+    assert snapshot(buf) == before
+
+
+def test_put_group_on_closed_buffer() -> None:
+    buf = ReplayBuffer()
+    buf.close()
+    with pytest.raises(BufferClosedError):
+        buf.put_group_nowait("g", [1], global_steps=0)

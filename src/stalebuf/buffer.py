@@ -15,9 +15,9 @@ import asyncio
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import MappingProxyType, TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -56,6 +56,7 @@ logger = logging.getLogger("stalebuf")
 
 _Self = TypeVar("_Self", bound="ReplayBuffer")
 EvictCallback = Callable[[EvictionEvent], object]
+GroupStatus = Literal["finished", "failed"]
 
 
 class ReplayBuffer:
@@ -352,6 +353,127 @@ class ReplayBuffer:
             The same errors as :meth:`mark_failed_nowait`.
         """
         self._terminate(uid, Status.FAILURE)
+
+    def put_group_nowait(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
+
+        Does what ``add_prompt`` + one ``put`` per payload + ``mark_finished`` (or
+        ``mark_failed``) would, all or nothing: everything is checked before anything changes.
+        Trajectory ``i`` gets ``session_ids[i]`` (default ``i``), ``indices[i]`` (default 0)
+        and ``trajectory_tags[i]``. If the group is already in flight, it must have the same
+        ``global_steps`` and ``partition``, and the payloads are added to what it holds.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            TypeError, ValueError: an argument is invalid, ``payloads`` is not a sequence, a
+                per-trajectory sequence has another length than ``payloads``, or ``status`` is
+                not "finished" or "failed".
+            InvalidTransitionError: the group is already terminal (a late write).
+            DuplicateGroupError: the group is in flight with another step or partition.
+            DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
+        """
+        if self._closed:
+            raise BufferClosedError("the buffer is closed")
+        check_uid(uid)
+        check_step(global_steps)
+        check_partition(partition)
+        group_tags = check_tags(tags)
+        if status not in ("finished", "failed"):
+            raise ValueError(f"status must be 'finished' or 'failed', got {status!r}")
+        if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
+            raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
+        n = len(payloads)
+        sessions = range(n) if session_ids is None else session_ids
+        positions = (0,) * n if indices is None else indices
+        item_tags = (None,) * n if trajectory_tags is None else trajectory_tags
+        for name, values in (
+            ("session_ids", sessions),
+            ("indices", positions),
+            ("trajectory_tags", item_tags),
+        ):
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} items for {n} payloads")
+        frozen = [check_tags(t) for t in item_tags]
+        keys = []
+        for session_id, index in zip(sessions, positions, strict=True):
+            check_index(session_id, "session_id")
+            check_index(index, "index")
+            keys.append(f"{uid}_{session_id}_{index}")
+        if len(set(keys)) != n:
+            duplicate = next(key for key in keys if keys.count(key) > 1)
+            raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
+        group = self._groups.get(uid)
+        if group is not None:
+            group = self._open_group(uid, "put a group into")
+            if group.global_steps != global_steps or group.partition.name != partition:
+                raise DuplicateGroupError(
+                    f"group {uid!r} is already in the buffer with global_steps={group.global_steps}, "
+                    f"partition={group.partition.name!r}; put_group got global_steps={global_steps}, "
+                    f"partition={partition!r}"
+                )
+            for key in keys:
+                if key in group.trajectories:
+                    raise DuplicateTrajectoryError(f"group {uid!r} already holds trajectory {key!r}")
+        # Everything is valid: from here on nothing raises, so the group lands whole.
+        if group is None:
+            self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=group_tags)
+            group = self._open_group(uid, "put a group into")
+        trajectories = group.trajectories
+        for key, session_id, index, frozen_tags, payload in zip(
+            keys, sessions, positions, frozen, payloads, strict=True
+        ):
+            trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
+        part = group.partition
+        part.trajectories += n
+        part.admitted_trajectories += n
+        self._terminate(uid, Status.FINISHED if status == "finished" else Status.FAILURE)
+        return keys
+
+    async def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add, fill and finish a whole group; the async twin of :meth:`put_group_nowait`.
+
+        Raises:
+            The same errors as :meth:`put_group_nowait`.
+        """
+        return self.put_group_nowait(
+            uid,
+            payloads,
+            global_steps=global_steps,
+            partition=partition,
+            tags=tags,
+            trajectory_tags=trajectory_tags,
+            session_ids=session_ids,
+            indices=indices,
+            status=status,
+        )
+
+    def __contains__(self, uid: object) -> bool:
+        """Whether a group with this uid is in the buffer (in flight or terminal)."""
+        return uid in self._groups
 
     # -- consumer ---------------------------------------------------------------------
 

@@ -24,10 +24,9 @@ from typing import Any, TypeVar, cast
 import attrs
 import ray
 
-from .._checks import check_index, check_partition, check_step, check_tags, check_uid
 from ..buffer import ReplayBuffer
 from ..config import SamplerConfig
-from ..errors import ConfigError, DuplicateGroupError, DuplicateTrajectoryError, StalebufError
+from ..errors import ConfigError, StalebufError
 from ..records import Batch, EvictionEvent, Group, Status, Trajectory
 from ..stats import BufferStats
 from ._payloads import PackedRun, pack_groups
@@ -197,59 +196,19 @@ class BufferHost:
         status: str,
     ) -> list[str]:
         """Add (if absent), fill and terminate a group; validates everything first."""
-        buffer = self._buffer
-        buffer._check_open()
         if isinstance(payloads, PackedRun):
             payloads = payloads.expand()
-        check_uid(uid)
-        check_step(global_steps)
-        check_partition(partition)
-        check_tags(tags)
-        check_group_status(status)
-        n = len(payloads)
-        sessions = list(range(n)) if session_ids is None else list(session_ids)
-        positions = [0] * n if indices is None else list(indices)
-        all_tags = [None] * n if trajectory_tags is None else list(trajectory_tags)
-        for name, values in (
-            ("session_ids", sessions),
-            ("indices", positions),
-            ("trajectory_tags", all_tags),
-        ):
-            if len(values) != n:
-                raise ValueError(f"{name} has {len(values)} items for {n} payloads")
-        for session_id, index, item_tags in zip(sessions, positions, all_tags, strict=True):
-            check_index(session_id, "session_id")
-            check_index(index, "index")
-            check_tags(item_tags)
-        keys = [f"{uid}_{session_id}_{index}" for session_id, index in zip(sessions, positions, strict=True)]
-        if len(set(keys)) != n:
-            duplicate = next(key for key in keys if keys.count(key) > 1)
-            raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
-        present = uid in buffer._groups
-        if present:
-            group = buffer._open_group(uid, "put a group into")
-            if group.global_steps != global_steps or group.partition.name != partition:
-                raise DuplicateGroupError(
-                    f"group {uid!r} is already in the buffer with global_steps={group.global_steps}, "
-                    f"partition={group.partition.name!r}; put_group got global_steps={global_steps}, "
-                    f"partition={partition!r}"
-                )
-            for key in keys:
-                if key in group.trajectories:
-                    raise DuplicateTrajectoryError(f"group {uid!r} already holds trajectory {key!r}")
-        # Everything is valid: from here on nothing raises, so the group lands whole.
-        if not present:
-            buffer.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
-        put = buffer.put_nowait
-        for payload, session_id, index, item_tags in zip(
-            payloads, sessions, positions, all_tags, strict=True
-        ):
-            put(uid, payload, session_id=session_id, index=index, tags=item_tags)
-        if status == "finished":
-            buffer.mark_finished_nowait(uid)
-        else:
-            buffer.mark_failed_nowait(uid)
-        return keys
+        return self._buffer.put_group_nowait(
+            uid,
+            payloads,
+            global_steps=global_steps,
+            partition=partition,
+            tags=tags,
+            trajectory_tags=trajectory_tags,
+            session_ids=session_ids,
+            indices=indices,
+            status=check_group_status(status),  # type: ignore[arg-type]
+        )
 
     # -- control group ----------------------------------------------------------------
 
@@ -289,17 +248,20 @@ class BufferHost:
 
     def _readmit(self, group: Group) -> bool:
         buffer = self._buffer
-        if buffer.closed or group.uid in buffer._groups:
+        if buffer.closed or group.uid in buffer:
             return False
-        buffer.add_prompt_nowait(
-            group.uid, global_steps=group.global_steps, partition=group.partition, tags=group.tags
+        trajectories = group.trajectories
+        buffer.put_group_nowait(
+            group.uid,
+            [t.payload for t in trajectories],
+            global_steps=group.global_steps,
+            partition=group.partition,
+            tags=group.tags,
+            trajectory_tags=[t.tags for t in trajectories],
+            session_ids=[t.session_id for t in trajectories],
+            indices=[t.index for t in trajectories],
+            status="finished" if group.status is Status.FINISHED else "failed",
         )
-        for t in group.trajectories:
-            buffer.put_nowait(group.uid, t.payload, session_id=t.session_id, index=t.index, tags=t.tags)
-        if group.status is Status.FINISHED:
-            buffer.mark_finished_nowait(group.uid)
-        else:
-            buffer.mark_failed_nowait(group.uid)
         return True
 
     @_method(CONTROL_GROUP)
