@@ -6,6 +6,7 @@ Each anyio test runs on asyncio and trio; every one is bounded by ``anyio.fail_a
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import Any
 
@@ -465,4 +466,22 @@ def test_one_status_timer_serves_every_waiter_and_every_loop(caplog: pytest.LogC
         assert any("'a'" in line for line in lines)
         assert any("'b'" in line for line in lines)
     assert sorted(timeouts) == ["a", "a", "b", "b"]
+    assert buf.stats().total.waiting_samplers == 0
+
+
+def test_a_waiter_whose_loop_was_closed_under_it_is_dropped_not_woken() -> None:
+    """Misuse: a loop closed with a sample still parked. Producers must not fail on it, and
+    the partition must not stay blocked behind a waiter that can never run."""
+    buf = make()
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(buf.sample(0, 1))
+    loop.run_until_complete(asyncio.sleep(0.01))  # the sample parks
+    assert buf.stats().total.waiting_samplers == 1
+    loop.close()  # without cancelling the parked task
+    add_group(buf, "a", 0)  # wakes nobody: the head is abandoned, and is dropped
+    assert buf.stats().total.waiting_samplers == 0
+    batch, _ = asyncio.run(buf.sample(0, 1))
+    assert batch.uids == ["a"]
+    del task
+    gc.collect()  # the abandoned coroutine is finalised here: its cleanup must not fail
     assert buf.stats().total.waiting_samplers == 0

@@ -373,7 +373,8 @@ class ReplayBuffer:
         ``mark_failed``) would, all or nothing: everything is checked before anything changes.
         Trajectory ``i`` gets ``session_ids[i]`` (default ``i``), ``indices[i]`` (default 0)
         and ``trajectory_tags[i]``. If the group is already in flight, it must have the same
-        ``global_steps`` and ``partition``, and the payloads are added to what it holds.
+        ``global_steps`` and ``partition``, the payloads are added to what it holds, and
+        ``tags`` is ignored (group tags are set when a group is added).
 
         Raises:
             BufferClosedError: the buffer is closed.
@@ -503,8 +504,8 @@ class ReplayBuffer:
                 int >= 1, ``partition`` not a non-empty str, or ``timeout`` not None or >= 0.
             TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
             BufferClosedError: the buffer is or gets closed.
-            BackendMismatchError: it must wait, under another async backend than the one the
-                buffer is bound to (nothing changed).
+            BackendMismatchError: it may wait (``timeout != 0``) and runs under another async
+                backend than the one the buffer is bound to; nothing changed.
             Exception: whatever ``on_evict`` raised, after the buffer state is consistent.
         """
         # Inlined fast checks; the helpers run (and raise) only when a value looks wrong.
@@ -518,6 +519,11 @@ class ReplayBuffer:
         if part is None:
             check_partition(partition)
         self._check_open()
+        backend = self._backend
+        if backend is not None and timeout != 0:
+            # A call that may wait needs the bound backend: refuse another one before anything
+            # changes. (One with timeout=0 never touches the backend, so any caller may check.)
+            self._check_backend(backend)
         if part is None:
             part = self._partition(partition)
         accumulated = SampleMetrics()
@@ -527,23 +533,17 @@ class ReplayBuffer:
                 return self._result(part, global_steps, groups, accumulated, 0.0)
         if timeout == 0:
             raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r}")
-        backend = self._backend
         if backend is None:
             token = anyio.lowlevel.current_token()
             backend = self._backend = token.backend_class
             self._on_asyncio = isinstance(token.native_token, asyncio.AbstractEventLoop)
-        try:  # the first calls that need the bound backend
-            started = backend.current_time()
-            waiter: Waiter = (
-                FutureWaiter(global_steps, batch_size, asyncio.get_running_loop())
-                if self._on_asyncio
-                else EventWaiter(global_steps, batch_size, backend)
-            )
-        except RuntimeError as exc:
-            raise BackendMismatchError(
-                f"this buffer is bound to {backend.__name__}, the backend of its first waiting "
-                "sample; await it only under that backend"
-            ) from exc
+        # The backend is the running one: just bound, or checked on entry.
+        started = backend.current_time()
+        waiter: Waiter = (
+            FutureWaiter(global_steps, batch_size, asyncio.get_running_loop())
+            if self._on_asyncio
+            else EventWaiter(global_steps, batch_size, backend)
+        )
         interval = self._status_log_interval
         logged_by_timer = interval is not None and self._on_asyncio
         if logged_by_timer:
@@ -560,10 +560,10 @@ class ReplayBuffer:
                 )
         finally:
             waiters = part.waiters
-            if waiters[0] is waiter:
+            if waiters and waiters[0] is waiter:
                 waiters.popleft()
                 self._wake_head(part)  # pass the turn on, whether we succeeded or not
-            else:
+            elif waiter in waiters:  # not there if dropped as abandoned (its loop was closed)
                 waiters.remove(waiter)
         wait_seconds = backend.current_time() - started
         return self._result(part, global_steps, groups, accumulated, wait_seconds)
@@ -684,6 +684,17 @@ class ReplayBuffer:
             self._partitions[name] = part
         return part
 
+    @staticmethod
+    def _check_backend(backend: type[AsyncBackend]) -> None:
+        """Raise BackendMismatchError unless ``backend`` is the one running this call."""
+        try:
+            backend.current_time()
+        except RuntimeError as exc:
+            raise BackendMismatchError(
+                f"this buffer is bound to {backend.__name__}, the backend of its first waiting "
+                "sample; await it only under that backend"
+            ) from exc
+
     def _open_group(self, uid: str, action: str) -> OpenGroup:
         """Return the in-flight group ``uid`` or raise the error a write to it deserves."""
         group = self._groups.get(uid) if type(uid) is str else None
@@ -749,10 +760,15 @@ class ReplayBuffer:
         )
 
     def _wake_head(self, part: PartitionIndex) -> None:
-        if part.waiters and not self._closed:
-            head = part.waiters[0]
+        waiters = part.waiters
+        while waiters and not self._closed:
+            head = waiters[0]
+            if head.abandoned():  # its event loop was closed under it: it will never run
+                waiters.popleft()
+                continue
             if self._has_work_for(part, head):
                 head.wake()
+            return
 
     def _evaluate(
         self, part: PartitionIndex, global_steps: int, batch_size: int, metrics: SampleMetrics

@@ -131,6 +131,10 @@ class Waiter:
         """Return what to await until :meth:`wake` is called."""
         raise NotImplementedError
 
+    def abandoned(self) -> bool:
+        """Whether the waiter can never run again (its event loop is closed)."""
+        return False
+
 
 class EventWaiter(Waiter):
     """Parks on an ``anyio.Event`` of the bound backend: works on every anyio backend."""
@@ -176,6 +180,9 @@ class FutureWaiter(Waiter):
 
     def parked(self) -> Awaitable[object]:
         return self.future
+
+    def abandoned(self) -> bool:
+        return self.loop.is_closed()
 
 
 class PartitionIndex:

@@ -1,0 +1,381 @@
+"""Tests written while reviewing the concurrency and bookkeeping logic.
+
+- The two backend-mismatch tests reproduced a defect found in the review (fixed since: a
+  sample under the wrong backend evicted, or created its partition, before raising).
+- The other tests pass today. Each one guards an invariant that a plausible regression
+  would break. Every one was checked to fail against a deliberately broken copy of the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _helpers import add_group, assert_conserved, snapshot
+from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig, Status
+from stalebuf.errors import (
+    BackendMismatchError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+)
+from stalebuf.partition import _SPENT, OpenGroup, PartitionIndex
+from stalebuf.records import EMPTY_TAGS, new_group, new_trajectory
+
+LIMIT = 5.0
+
+
+def _bind(buf: ReplayBuffer, backend: str) -> None:
+    """Bind ``buf`` to ``backend`` with a sample that has to wait (then times out)."""
+
+    async def wait_briefly() -> None:
+        with anyio.fail_after(LIMIT), pytest.raises(TimeoutError):
+            await buf.sample(0, 1, partition="bind", timeout=0.001)
+
+    anyio.run(wait_briefly, backend=backend)
+
+
+# -- regressions of the review's defect ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("bound", "other"), [("asyncio", "trio"), ("trio", "asyncio")])
+def test_backend_mismatch_evicts_nothing(bound: str, other: str) -> None:
+    events: list[EvictionEvent] = []
+    buf = ReplayBuffer(
+        SamplerConfig(max_off_policy_threshold=1), on_evict=events.append, status_log_interval=None
+    )
+    _bind(buf, bound)
+    add_group(buf, "old", 0)  # stale at g=5 (s = 6 > T = 1); one group is not a batch of 2
+    before = snapshot(buf)
+
+    async def sample_elsewhere() -> None:
+        with anyio.fail_after(LIMIT):
+            await buf.sample(5, 2)
+
+    with pytest.raises(BackendMismatchError):
+        anyio.run(sample_elsewhere, backend=other)
+    assert events == [], "on_evict was called by a sample that then raised BackendMismatchError"
+    assert snapshot(buf) == before
+
+
+@pytest.mark.parametrize(("bound", "other"), [("asyncio", "trio"), ("trio", "asyncio")])
+def test_backend_mismatch_creates_no_partition(bound: str, other: str) -> None:
+    buf = ReplayBuffer(status_log_interval=None)
+    _bind(buf, bound)
+    before = snapshot(buf)
+
+    async def sample_elsewhere() -> None:
+        with anyio.fail_after(LIMIT):
+            await buf.sample(0, 1, partition="fresh")
+
+    with pytest.raises(BackendMismatchError):
+        anyio.run(sample_elsewhere, backend=other)
+    assert snapshot(buf) == before
+
+
+# -- regression guards: the partition index under adversarial orders -------------------------
+
+
+class IndexModel:
+    """A PartitionIndex with a list-based reference model next to it, checked after each step."""
+
+    def __init__(self, evict_failures: bool) -> None:
+        self.part = PartitionIndex("train", exempt=False, evict_failures=evict_failures)
+        self.evict_failures = evict_failures
+        self.next_seq = 0
+        self.open: dict[int, OpenGroup] = {}  # seq -> in-flight group
+        self.ready: list[tuple[int, int, Any]] = []  # (step, seq, group)
+        self.failed: list[tuple[int, int, Any]] = []
+        self.sampled = self.evicted_stale = self.evicted_failure = 0
+        self.sampled_trajectories = 0
+
+    # operations
+
+    def admit(self, step: int) -> None:
+        seq = self.next_seq
+        self.next_seq += 1
+        group = OpenGroup(f"u{seq}", self.part, step, seq, EMPTY_TAGS)
+        self.part.admit(step)
+        self.open[seq] = group
+
+    def start(self, pick: int) -> None:
+        pending = [g for g in self.open.values() if g.status is Status.PENDING]
+        if pending:
+            group = pending[pick % len(pending)]
+            group.status = Status.RUNNING
+            self.part.start()
+
+    def terminate(self, pick: int, n: int, failed: bool) -> None:
+        if not self.open:
+            return
+        seqs = sorted(self.open)
+        group = self.open.pop(seqs[pick % len(seqs)])  # any order: out-of-order finishing
+        for i in range(n):
+            key = f"{group.uid}_{i}_0"
+            group.trajectories[key] = new_trajectory(key, i, 0, EMPTY_TAGS, None)
+        self.part.trajectories += n
+        self.part.admitted_trajectories += n
+        status = Status.FAILURE if failed else Status.FINISHED
+        record = new_group(
+            group.uid, "train", group.global_steps, status, EMPTY_TAGS, tuple(group.trajectories.values())
+        )
+        self.part.terminate(group, record)
+        entry = (group.global_steps, group.seq, record)
+        (self.failed if failed and self.evict_failures else self.ready).append(entry)
+
+    def take_oldest(self, count: int) -> None:
+        if not self.ready:
+            return
+        count = 1 + count % len(self.ready)
+        self.ready.sort(key=lambda e: (e[0], e[1]))
+        expected, self.ready = self.ready[:count], self.ready[count:]
+        got = self.part.take_oldest(count)
+        assert [g.uid for g in got] == [e[2].uid for e in expected]
+        self.sampled += count
+        self.sampled_trajectories += sum(len(e[2].trajectories) for e in expected)
+
+    def take_subset(self, picks: list[int]) -> None:
+        if not self.ready:
+            return
+        chosen = []
+        for pick in picks:
+            entry = self.ready[pick % len(self.ready)]
+            if entry not in chosen:
+                chosen.append(entry)
+        for entry in chosen:
+            self.ready.remove(entry)
+        self.part.take([e[2] for e in chosen])  # any subset, any order (a custom _select)
+        self.sampled += len(chosen)
+        self.sampled_trajectories += sum(len(e[2].trajectories) for e in chosen)
+
+    def take_stale(self, cutoff: int) -> None:
+        expected = sorted((e for e in self.ready if e[0] < cutoff), key=lambda e: (e[0], e[1]))
+        self.ready = [e for e in self.ready if e[0] >= cutoff]
+        got = self.part.take_stale(lambda step: step < cutoff)
+        assert [g.uid for g in got] == [e[2].uid for e in expected]
+        self.evicted_stale += len(expected)
+
+    def take_failed(self) -> None:
+        expected = sorted(self.failed, key=lambda e: (e[0], e[1]))
+        self.failed = []
+        got = self.part.take_failed()
+        assert [g.uid for g in got] == [e[2].uid for e in expected]
+        self.evicted_failure += len(expected)
+
+    # checks
+
+    def check(self) -> None:
+        part = self.part
+        order = sorted(self.ready, key=lambda e: (e[0], e[1]))
+        assert [g.uid for g in part.iter_ready()] == [e[2].uid for e in order]
+        assert part.ready_count == len(order)
+        assert part.oldest_ready_step() == (order[0][0] if order else None)
+        in_flight_steps = [g.global_steps for g in self.open.values()]
+        assert part.oldest_in_flight() == (min(in_flight_steps) if in_flight_steps else None)
+        assert list(part.steps_in_order()) == sorted(part.ready)
+        assert sorted(part.ready_steps) == sorted(part.ready)  # one heap entry per bucket
+        for cutoff in range(-1, 7):
+            assert part.count_ready_while(lambda step, c=cutoff: step < c) == sum(
+                1 for e in order if e[0] < cutoff
+            )
+        for step, bucket in part.ready.items():
+            live = bucket.entries[bucket.head :]
+            assert live, f"empty bucket left for step {step}"
+            assert all(entry is not _SPENT and entry[1] is not None for entry in live)
+            assert all(entry is _SPENT for entry in bucket.entries[: bucket.head])  # freed
+            assert [entry[0] for entry in live] == sorted({entry[0] for entry in live})
+            assert all(entry[1].global_steps == step for entry in live)
+        pending = sum(1 for g in self.open.values() if g.status is Status.PENDING)
+        assert (part.pending, part.running) == (pending, len(self.open) - pending)
+        resident = self.ready + self.failed
+        assert part.finished == sum(1 for e in resident if e[2].status is Status.FINISHED)
+        assert part.failure == sum(1 for e in resident if e[2].status is Status.FAILURE)
+        assert part.sampled_groups == self.sampled
+        assert part.sampled_trajectories == self.sampled_trajectories
+        assert part.evicted_stale_groups == self.evicted_stale
+        assert part.evicted_failure_groups == self.evicted_failure
+        assert part.admitted_groups == (
+            len(self.open) + len(resident) + self.sampled + self.evicted_stale + self.evicted_failure
+        )
+        assert part.admitted_trajectories == (
+            part.trajectories
+            + part.sampled_trajectories
+            + part.evicted_stale_trajectories
+            + part.evicted_failure_trajectories
+        )
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 5)),
+        st.tuples(st.just("admit"), st.integers(0, 1)),  # big buckets at a few steps
+        st.tuples(st.just("start"), st.integers(0, 50)),
+        st.tuples(st.just("finish"), st.integers(0, 50), st.integers(0, 2)),
+        st.tuples(st.just("fail"), st.integers(0, 50), st.integers(0, 2)),
+        st.tuples(st.just("take_oldest"), st.integers(0, 50)),
+        st.tuples(st.just("take_oldest"), st.integers(0, 2)),  # partial takes: spent slots
+        st.tuples(st.just("take_subset"), st.lists(st.integers(0, 50), min_size=1, max_size=4)),
+        st.tuples(st.just("take_stale"), st.integers(0, 6)),
+        st.tuples(st.just("take_failed")),
+        st.tuples(st.just("cycle"), st.integers(0, 40)),  # a step admitted and ended at once
+    ),
+    min_size=30,  # long programs: partly taken buckets need history
+    max_size=150,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, evict_failures=st.booleans())
+def test_partition_index_matches_a_list_model_under_adversarial_orders(
+    ops: list[tuple[Any, ...]], evict_failures: bool
+) -> None:
+    """Out-of-order finishing into partly taken buckets, steps emptied and re-added,
+    arbitrary subsets taken (custom _select), drop prefixes, and the lazily cleaned
+    in-flight heap: the index must agree with a sorted list after every operation."""
+    model = IndexModel(evict_failures)
+    for op in ops:
+        name = op[0]
+        if name == "admit":
+            model.admit(op[1])
+        elif name == "start":
+            model.start(op[1])
+        elif name in ("finish", "fail"):
+            model.terminate(op[1], op[2], failed=name == "fail")
+        elif name == "take_oldest":
+            model.take_oldest(op[1])
+        elif name == "take_subset":
+            model.take_subset(op[1])
+        elif name == "take_stale":
+            model.take_stale(op[1])
+        elif name == "cycle":
+            model.admit(op[1])
+            model.terminate(len(model.open) - 1, 0, failed=False)
+        else:
+            model.take_failed()
+        model.check()
+
+
+def test_late_finishers_land_in_order_behind_spent_slots() -> None:
+    """A deterministic case of the property above: a bucket with spent slots at its front
+    (head > 0) gets groups that finish out of order, some older than every live entry."""
+    model = IndexModel(evict_failures=False)
+
+    def finish(seq: int) -> None:
+        model.terminate(sorted(model.open).index(seq), 1, failed=False)
+        model.check()
+
+    for _ in range(12):
+        model.admit(0)
+    for seq in (11, 10, 9, 8, 7, 6, 5):  # newest first
+        finish(seq)
+    model.take_oldest(0)  # takes seq 5 of 7 entries: no compaction, one spent slot
+    model.check()
+    assert model.part.ready[0].head == 1
+    for seq in (4, 0, 2):  # each older than every live entry, inserted behind the spent slot
+        finish(seq)
+    assert [g.uid for g in model.part.iter_ready()] == ["u0", "u2", "u4", *(f"u{i}" for i in range(6, 12))]
+    model.take_oldest(1)  # 2 of 9 live: still no compaction
+    model.check()
+    model.take_subset([3, 0])
+    model.check()
+    for seq in (1, 3):
+        finish(seq)
+    model.take_oldest(0)  # take() above compacted the bucket: spend one slot again
+    model.check()
+    assert model.part.ready[0].head == 1
+    model.take_oldest(len(model.ready) // 2)  # takes over half: compacts past the spent slot
+    model.check()
+    assert model.part.ready[0].head == 0
+
+
+def test_in_flight_heap_stays_bounded_and_correct_behind_an_old_group() -> None:
+    """An old group stays in flight while many later steps start and end: their heap entries
+    pile up below it until the heap is rebuilt, which must keep it a valid heap."""
+    model = IndexModel(evict_failures=False)
+    model.admit(0)  # stays in flight throughout
+    for step in range(1, 60):
+        model.admit(step)  # live: steps 0 and `step`; every ended step left a heap entry
+        if step > 1:
+            model.terminate(1, 0, failed=False)  # ends step - 1
+        model.check()
+        assert len(model.part.in_flight_steps) <= 2 * 3 + 9  # rebuilt, not growing with churn
+    model.terminate(0, 0, failed=False)  # step 0 ends: the oldest is now a rebuilt entry
+    model.check()
+    while model.open:
+        model.terminate(0, 0, failed=False)
+        model.check()
+
+
+# -- regression guards: wake-ups from on_evict via put_group_nowait ---------------------------
+
+
+@pytest.mark.anyio
+async def test_put_group_nowait_from_on_evict_of_a_parked_sample() -> None:
+    """on_evict of a parked ``sample`` refills with put_group_nowait: the same call returns the
+    fresh group, a failed refill is evicted in the same call, and a refill into another
+    partition wakes the sampler parked there."""
+    with anyio.fail_after(LIMIT):
+        events: list[tuple[str, str, list[str]]] = []
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            events.append((event.partition, event.reason, [g.uid for g in event.groups]))
+            if event.reason == "stale":
+                buf.put_group_nowait("bad", [0], global_steps=event.global_steps, status="failed")
+                buf.put_group_nowait("fresh", [1, 2], global_steps=event.global_steps)
+                buf.put_group_nowait("other", [3], global_steps=0, partition="val")
+
+        config = SamplerConfig(max_off_policy_threshold=1, failure_strategy="evict")
+        buf = ReplayBuffer(config, on_evict=on_evict, status_log_interval=None)
+        results: dict[str, list[str]] = {}
+
+        async def run(partition: str, step: int) -> None:
+            results[partition] = (await buf.sample(step, 1, partition=partition))[0].uids
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "val", 0)
+            tg.start_soon(run, "train", 5)
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert buf.stats().total.waiting_samplers == 2
+            add_group(buf, "old", 0)  # stale at g=5: wakes the train sampler, which evicts it
+        assert results == {"train": ["fresh"], "val": ["other"]}
+        assert events == [("train", "stale", ["old"]), ("train", "failure", ["bad"])]
+        assert buf.stats().total.waiting_samplers == 0
+        assert_conserved(buf)
+
+
+# -- regression guards: put_group_nowait is all or nothing -------------------------------------
+
+
+_BAD_PUT_GROUP: list[tuple[str, type[Exception], dict[str, Any]]] = [
+    # "open" holds "open_0_0", so session_ids=[0, 9] repeats a key it already has
+    ("dup", DuplicateTrajectoryError, {"uid": "open", "global_steps": 0, "session_ids": [0, 9]}),
+    ("step", DuplicateGroupError, {"uid": "open", "global_steps": 1}),
+    ("partition", DuplicateGroupError, {"uid": "open", "global_steps": 0, "partition": "val"}),
+    ("late", InvalidTransitionError, {"uid": "done", "global_steps": 0}),
+    ("tags", TypeError, {"uid": "new", "global_steps": 0, "trajectory_tags": [None, 3]}),
+    ("index", TypeError, {"uid": "new", "global_steps": 0, "indices": [0, True]}),
+    ("length", ValueError, {"uid": "new", "global_steps": 0, "indices": [0]}),
+    ("status", ValueError, {"uid": "new", "global_steps": 0, "status": "FINISHED"}),
+    ("group tags", TypeError, {"uid": "new", "global_steps": 0, "tags": [("a", 1)]}),
+]
+
+
+@pytest.mark.parametrize(("case", "error", "kwargs"), _BAD_PUT_GROUP, ids=[c[0] for c in _BAD_PUT_GROUP])
+def test_put_group_nowait_error_changes_nothing(
+    case: str, error: type[Exception], kwargs: dict[str, Any]
+) -> None:
+    """put_group_nowait is all or nothing: each invalid call raises before any change."""
+    buf = ReplayBuffer(status_log_interval=None)
+    add_group(buf, "open", 0, n=1, status=Status.RUNNING)
+    add_group(buf, "done", 0, n=1)
+    before = snapshot(buf)
+    with pytest.raises(error):
+        buf.put_group_nowait(payloads=["x", "y"], **kwargs)
+    assert snapshot(buf) == before, case
+    assert "new" not in buf
