@@ -507,6 +507,7 @@ async def p2_side_by_side(groups: int, rounds: int) -> dict[str, list[float]]:
         add("stalebuf", await pipeline_stalebuf(groups) / items)
         add("queue_matched", await queue_pipeline(items, yield_every=TRAJECTORIES_PER_GROUP) / items)
         add("stalebuf_64", await pipeline_stalebuf(groups, yield_every=64) / items)
+        add("stalebuf_put_group", await pipeline_stalebuf(groups, put_group=True) / items)
         add("awaited_group", await p2_async_lifecycle(groups) / groups)
         for name, value in p2_call_costs(groups).items():
             add(name, value)
@@ -553,6 +554,17 @@ def run_p2(sizes: Sizes, report: Report) -> None:
             us(per["stalebuf_64"]),
             us(per["queue_raw"]),
             ratio(per["stalebuf_64"], per["queue_raw"]),
+            "",
+            "info",
+        )
+    )
+    report.add(
+        Row(
+            "P2",
+            "same pipeline, each group uploaded with one put_group call instead of 11 calls",
+            us(per["stalebuf_put_group"]),
+            us(per["queue_raw"]),
+            ratio(per["stalebuf_put_group"], per["queue_raw"]),
             "",
             "info",
         )

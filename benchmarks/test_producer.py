@@ -119,6 +119,19 @@ def test_p2_producer_path(benchmark: BenchmarkFixture) -> None:
     benchmark.pedantic(target, rounds=10, iterations=1)  # type: ignore[no-untyped-call]
 
 
+def test_p2_producer_path_with_put_group(benchmark: BenchmarkFixture) -> None:
+    """The same pipeline, each group uploaded by one put_group call."""
+    benchmark.extra_info["trajectories_per_round"] = P2_GROUPS * TRAJECTORIES_PER_GROUP
+
+    async def run() -> int:
+        return await pipeline_stalebuf(P2_GROUPS, put_group=True)
+
+    def target() -> int:
+        return anyio.run(run, backend="asyncio")
+
+    benchmark.pedantic(target, rounds=10, iterations=1)  # type: ignore[no-untyped-call]
+
+
 @pytest.mark.parametrize("yield_every", [0, TRAJECTORIES_PER_GROUP], ids=["raw", "yield-per-8"])
 def test_p2_queue_baseline(benchmark: BenchmarkFixture, yield_every: int) -> None:
     """asyncio.Queue put+get of as many items as test_p2_producer_path moves trajectories."""

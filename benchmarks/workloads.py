@@ -357,10 +357,11 @@ async def pipeline_stalebuf(
     batch_size: int = 64,
     yield_every: int = 1,
     buf: ReplayBuffer | None = None,
+    put_group: bool = False,
 ) -> int:
     """Producers run add_prompt + mark_running + 8 x put + mark_finished per group (yielding
     to the loop after every ``yield_every`` groups) while a trainer samples ``batch_size``
-    groups at a time.
+    groups at a time. With ``put_group`` each group is one ``put_group`` call instead.
 
     Group ``i`` is dispatched at step ``i // batch_size`` and the trainer samples step ``s``
     at ``global_steps=s``, so nothing is stale. Returns the elapsed nanoseconds; runs on
@@ -371,17 +372,21 @@ async def pipeline_stalebuf(
     if buf is None:
         buf = ReplayBuffer()
     uids = [f"p{i}" for i in range(groups)]
+    empty_payloads = [None] * TRAJECTORIES_PER_GROUP
     sampled = 0
 
     async def producer(first: int) -> None:
         checkpoint = anyio.lowlevel.checkpoint
         for count, i in enumerate(range(first, groups, producers), start=1):
             uid = uids[i]
-            await buf.add_prompt(uid, global_steps=i // batch_size)
-            await buf.mark_running(uid)
-            for session in range(TRAJECTORIES_PER_GROUP):
-                await buf.put(uid, None, session_id=session)
-            await buf.mark_finished(uid)
+            if put_group:
+                await buf.put_group(uid, empty_payloads, global_steps=i // batch_size)
+            else:
+                await buf.add_prompt(uid, global_steps=i // batch_size)
+                await buf.mark_running(uid)
+                for session in range(TRAJECTORIES_PER_GROUP):
+                    await buf.put(uid, None, session_id=session)
+                await buf.mark_finished(uid)
             if count % yield_every == 0:
                 await checkpoint()
         await checkpoint()

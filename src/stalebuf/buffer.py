@@ -398,23 +398,25 @@ class ReplayBuffer:
         n = len(payloads)
         sessions = range(n) if session_ids is None else session_ids
         positions = (0,) * n if indices is None else indices
-        item_tags = (None,) * n if trajectory_tags is None else trajectory_tags
         for name, values in (
             ("session_ids", sessions),
             ("indices", positions),
-            ("trajectory_tags", item_tags),
+            ("trajectory_tags", trajectory_tags),
         ):
-            if len(values) != n:
+            if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} items for {n} payloads")
-        frozen = [check_tags(t) for t in item_tags]
-        keys = []
-        for session_id, index in zip(sessions, positions, strict=True):
-            check_index(session_id, "session_id")
-            check_index(index, "index")
-            keys.append(f"{uid}_{session_id}_{index}")
-        if len(set(keys)) != n:
-            duplicate = next(key for key in keys if keys.count(key) > 1)
-            raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
+        frozen = (EMPTY_TAGS,) * n if trajectory_tags is None else [check_tags(t) for t in trajectory_tags]
+        if session_ids is None and indices is None:  # the common case: sessions 0..n-1, distinct
+            keys = [f"{uid}_{session_id}_0" for session_id in sessions]
+        else:
+            keys = []
+            for session_id, index in zip(sessions, positions, strict=True):
+                check_index(session_id, "session_id")
+                check_index(index, "index")
+                keys.append(f"{uid}_{session_id}_{index}")
+            if len(set(keys)) != n:
+                duplicate = next(key for key in keys if keys.count(key) > 1)
+                raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
         group = self._groups.get(uid)
         if group is not None:
             group = self._open_group(uid, "put a group into")
@@ -431,11 +433,12 @@ class ReplayBuffer:
         if group is None:
             self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=group_tags)
             group = self._open_group(uid, "put a group into")
-        trajectories = group.trajectories
-        for key, session_id, index, frozen_tags, payload in zip(
-            keys, sessions, positions, frozen, payloads, strict=True
-        ):
-            trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
+        group.trajectories.update(
+            (key, new_trajectory(key, session_id, index, frozen_tags, payload))
+            for key, session_id, index, frozen_tags, payload in zip(
+                keys, sessions, positions, frozen, payloads, strict=True
+            )
+        )
         part = group.partition
         part.trajectories += n
         part.admitted_trajectories += n
