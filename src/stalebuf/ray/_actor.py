@@ -24,14 +24,14 @@ from typing import Any, TypeVar, cast
 import attrs
 import ray
 
-from ..buffer import ReplayBuffer
+from ..buffer import GroupStatus, ReplayBuffer
 from ..config import SamplerConfig
 from ..errors import ConfigError, StalebufError
 from ..records import Batch, EvictionEvent, Group, Status, Trajectory
 from ..stats import BufferStats
 from ._payloads import PackedRun, pack_groups
 
-__all__ = ["CONCURRENCY_GROUPS", "BufferHost", "actor_class", "check_group_status", "pack_ops"]
+__all__ = ["CONCURRENCY_GROUPS", "BufferHost", "actor_class", "pack_ops"]
 
 logger = logging.getLogger("stalebuf.ray")
 
@@ -56,15 +56,6 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {PRODUCER_GROUP: 64, CONTROL_GROUP: 16, 
 Op = tuple[Any, ...]
 # (True, result) or (False, the exception the operation raised).
 Outcome = tuple[bool, Any]
-
-GROUP_STATUSES = ("finished", "failed")
-
-
-def check_group_status(status: object) -> str:
-    """Return ``status`` if it is "finished" or "failed"; raise ValueError otherwise."""
-    if status not in GROUP_STATUSES:
-        raise ValueError(f"status must be 'finished' or 'failed', got {status!r}")
-    return str(status)
 
 
 class BufferHost:
@@ -193,9 +184,9 @@ class BufferHost:
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
         session_ids: Sequence[int] | None,
         indices: Sequence[int] | None,
-        status: str,
+        status: GroupStatus,
     ) -> list[str]:
-        """Add (if absent), fill and terminate a group; validates everything first."""
+        """Add (if absent), fill and terminate a group: ``ReplayBuffer.put_group_nowait``."""
         if isinstance(payloads, PackedRun):
             payloads = payloads.expand()
         return self._buffer.put_group_nowait(
@@ -207,7 +198,7 @@ class BufferHost:
             trajectory_tags=trajectory_tags,
             session_ids=session_ids,
             indices=indices,
-            status=check_group_status(status),  # type: ignore[arg-type]
+            status=status,
         )
 
     # -- control group ----------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from ..buffer import ReplayBuffer
+from ..buffer import GroupStatus, ReplayBuffer
 from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError, StalebufError
 from ..records import Batch, EvictionEvent
@@ -456,7 +456,7 @@ class RemoteReplayBuffer:
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
-        status: Literal["finished", "failed"] = "finished",
+        status: GroupStatus = "finished",
     ) -> list[str]:
         """Upload a whole group and mark it terminal in one round trip; return its keys.
 
