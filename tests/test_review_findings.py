@@ -173,7 +173,7 @@ class IndexModel:
         order = sorted(self.ready, key=lambda e: (e[0], e[1]))
         assert [g.uid for g in part.iter_ready()] == [e[2].uid for e in order]
         assert part.ready_count == len(order)
-        assert part.oldest_ready_step() == (order[0][0] if order else None)
+        assert (part.ready_steps[0] if part.ready_steps else None) == (order[0][0] if order else None)
         in_flight_steps = [g.global_steps for g in self.open.values()]
         assert part.oldest_in_flight() == (min(in_flight_steps) if in_flight_steps else None)
         assert list(part.steps_in_order()) == sorted(part.ready)

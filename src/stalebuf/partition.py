@@ -296,10 +296,6 @@ class PartitionIndex:
             bucket.add(seq, group)
         self.ready_count += 1
 
-    def oldest_ready_step(self) -> int | None:
-        """Return the dispatch step of the oldest sampleable group, or None."""
-        return self.ready_steps[0] if self.ready_steps else None
-
     def _forget(self, groups: list[Group]) -> int:
         """Drop ``groups`` from the resident counts; return their trajectory count."""
         trajectories = failures = 0
