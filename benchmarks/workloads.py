@@ -17,7 +17,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -367,10 +367,40 @@ async def pipeline_stalebuf(
     at ``global_steps=s``, so nothing is stale. Returns the elapsed nanoseconds; runs on
     whatever backend it is awaited on.
     """
+    buffer = ReplayBuffer() if buf is None else buf
+
+    async def sample(step: int) -> int:
+        batch, _metrics = await buffer.sample(step, batch_size)
+        return len(batch)
+
+    return await _pipeline(buffer, sample, groups, producers, batch_size, yield_every, put_group)
+
+
+async def pipeline_polling(
+    groups: int, poll_interval: float, *, producers: int = 4, batch_size: int = 64
+) -> int:
+    """:func:`pipeline_stalebuf` on the polling baseline; returns elapsed nanoseconds."""
+    buffer = PollingBuffer(poll_interval)
+
+    async def sample(step: int) -> int:
+        return len(await buffer.sample(step, batch_size))
+
+    return await _pipeline(buffer, sample, groups, producers, batch_size, 1, False)
+
+
+async def _pipeline(
+    buf: Any,
+    sample: Callable[[int], Awaitable[int]],
+    groups: int,
+    producers: int,
+    batch_size: int,
+    yield_every: int,
+    put_group: bool,
+) -> int:
+    """The producer/trainer pipeline shared by both buffers; ``sample(step)`` returns the
+    number of groups it got. Returns the elapsed nanoseconds."""
     if groups % batch_size:
         raise ValueError("groups must be a multiple of batch_size")
-    if buf is None:
-        buf = ReplayBuffer()
     uids = [f"p{i}" for i in range(groups)]
     empty_payloads = [None] * TRAJECTORIES_PER_GROUP
     sampled = 0
@@ -394,43 +424,7 @@ async def pipeline_stalebuf(
     async def trainer() -> None:
         nonlocal sampled
         for step in range(groups // batch_size):
-            batch, _metrics = await buf.sample(step, batch_size)
-            sampled += len(batch)
-
-    start = time.perf_counter_ns()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(trainer)
-        for first in range(producers):
-            tg.start_soon(producer, first)
-    elapsed = time.perf_counter_ns() - start
-    if sampled != groups:
-        raise AssertionError(f"sampled {sampled} of {groups} groups")
-    return elapsed
-
-
-async def pipeline_polling(
-    groups: int, poll_interval: float, *, producers: int = 4, batch_size: int = 64
-) -> int:
-    """:func:`pipeline_stalebuf` on the polling baseline; returns elapsed nanoseconds."""
-    buf = PollingBuffer(poll_interval)
-    uids = [f"p{i}" for i in range(groups)]
-    sampled = 0
-
-    async def producer(first: int) -> None:
-        checkpoint = anyio.lowlevel.checkpoint
-        for i in range(first, groups, producers):
-            uid = uids[i]
-            await buf.add_prompt(uid, global_steps=i // batch_size)
-            await buf.mark_running(uid)
-            for session in range(TRAJECTORIES_PER_GROUP):
-                await buf.put(uid, None, session_id=session)
-            await buf.mark_finished(uid)
-            await checkpoint()
-
-    async def trainer() -> None:
-        nonlocal sampled
-        for step in range(groups // batch_size):
-            sampled += len(await buf.sample(step, batch_size))
+            sampled += await sample(step)
 
     start = time.perf_counter_ns()
     async with anyio.create_task_group() as tg:
