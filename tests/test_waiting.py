@@ -485,3 +485,24 @@ def test_a_waiter_whose_loop_was_closed_under_it_is_dropped_not_woken() -> None:
     del task
     gc.collect()  # the abandoned coroutine is finalised here: its cleanup must not fail
     assert buf.stats().total.waiting_samplers == 0
+
+
+def test_status_timer_stops_when_nobody_waits_and_restarts_for_the_next_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    buf = make(status_log_interval=0.01)
+    caplog.set_level(logging.INFO, logger="stalebuf")
+
+    async def two_waits_apart() -> list[int]:
+        seen = []
+        for _ in range(2):
+            caplog.clear()
+            with pytest.raises(TimeoutError):
+                await buf.sample(0, 1, timeout=0.05)
+            seen.append(len([r for r in caplog.records if r.name == "stalebuf"]))
+            await asyncio.sleep(0.05)  # nobody waits: the timer fires once more and stops
+            assert buf._status_timer is None
+        return seen
+
+    lines_per_wait = asyncio.run(two_waits_apart())
+    assert all(lines >= 1 for lines in lines_per_wait), lines_per_wait
