@@ -39,6 +39,7 @@ from .buffer import ReplayBuffer
 from .config import SamplerConfig
 from .errors import ConfigError, StalebufError
 from .records import EvictionEvent
+from .staleness import age as staleness_age
 
 __all__ = [
     "LATENCY_KINDS",
@@ -574,7 +575,7 @@ class _Run:
             resolved_lengths.append(prompt.seconds)
             if prompt.fate == "trained":
                 trained_lengths.append(prompt.seconds)
-                ages[prompt.trained_step - prompt.dispatch_step + 1] += 1
+                ages[staleness_age(prompt.trained_step, prompt.dispatch_step)] += 1
             elif prompt.fate == "stale":
                 dropped += 1
                 wasted += prompt.spent
