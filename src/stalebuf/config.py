@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._validators import int_at_least, one_of
+from ._validation import int_at_least, one_of
 from .errors import ConfigError
 
 __all__ = ["FAILURE_STRATEGIES", "STRATEGIES", "SamplerConfig"]

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 __all__ = [
     "BackendMismatchError",
+    "BatchNotReadyError",
     "BufferClosedError",
     "BufferUnavailableError",
     "ConfigError",
     "DuplicateGroupError",
     "DuplicateTrajectoryError",
     "InvalidTransitionError",
+    "MissingDependencyError",
     "StalebufError",
     "UnknownGroupError",
+    "WrongThreadError",
 ]
 
 
@@ -58,3 +61,21 @@ class BufferUnavailableError(StalebufError):
 
 class BackendMismatchError(StalebufError, RuntimeError):
     """A ``sample`` waited under another async backend than the one the buffer is bound to."""
+
+
+class BatchNotReadyError(StalebufError):
+    """``sample_nowait`` found no batch it may return now (the analogue of ``asyncio.QueueEmpty``)."""
+
+
+class WrongThreadError(StalebufError, RuntimeError):
+    """The buffer was called from another thread than its event loop's; nothing changed.
+
+    Use :meth:`stalebuf.ReplayBuffer.threadsafe` for producers on other threads.
+    """
+
+
+class MissingDependencyError(StalebufError, ImportError):
+    """An optional dependency (trio for simulating, matplotlib for plotting) is not installed.
+
+    The message says which ``pip install 'stalebuf[...]'`` fixes it.
+    """

@@ -34,10 +34,10 @@ import attrs
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._validators import int_at_least, one_of
+from ._validation import int_at_least, one_of
 from .buffer import ReplayBuffer
 from .config import SamplerConfig
-from .errors import ConfigError, StalebufError
+from .errors import ConfigError, MissingDependencyError
 from .records import EvictionEvent
 from .staleness import age as staleness_age
 
@@ -58,13 +58,6 @@ LATENCY_KINDS: tuple[str, ...] = ("lognormal", "exponential", "fixed")
 
 LatencyKind = Literal["lognormal", "exponential", "fixed"]
 ProgressCallback = Callable[[int, int], object]
-
-
-class MissingDependencyError(StalebufError, ImportError):
-    """An optional dependency (trio for simulating, matplotlib for plotting) is not installed.
-
-    The message says which ``pip install 'stalebuf[...]'`` fixes it.
-    """
 
 
 def _finite(value: object) -> bool:

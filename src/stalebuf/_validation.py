@@ -1,0 +1,210 @@
+"""Every argument and configuration check, in one place.
+
+Used by the config records, the buffer's public methods, the simulator, the CLI and the Ray
+client. Each check raises before anything changes, with a message that names the argument.
+Messages never call a user object's ``__repr__`` (it may raise or be huge): they show
+builtin scalars and containers in a bounded form and anything else by its type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import reprlib
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError
+from .records import EMPTY_TAGS
+
+__all__ = [
+    "MAX_INT",
+    "MIN_STATUS_LOG_INTERVAL",
+    "check_batch_size",
+    "check_index",
+    "check_partition",
+    "check_status_log_interval",
+    "check_step",
+    "check_tags",
+    "check_timeout",
+    "check_uid",
+    "describe",
+    "describe_typed",
+    "finite_in",
+    "int_at_least",
+    "one_of",
+]
+
+#: The largest step, batch size, threshold or sync step accepted: values must fit a signed
+#: 64-bit integer, so that every staleness and metric computed from them is a finite float.
+MAX_INT = 2**63 - 1
+#: The shortest ``status_log_interval`` accepted, in seconds: shorter ones would make the
+#: status reporter the loop's main occupation.
+MIN_STATUS_LOG_INTERVAL = 0.001
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlong = 40
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def describe(value: object) -> str:
+    """Return a short, safe description of ``value`` for an error message.
+
+    Builtin scalars and containers appear as a bounded repr; an int too long to print is
+    described by its size; any other object by its type (its ``__repr__`` is never called).
+    """
+    kind = type(value)
+    if kind is int:
+        bits = value.bit_length()  # type: ignore[attr-defined]
+        return repr(value) if bits <= 128 else f"an int of {bits} bits"
+    if kind in _SCALARS:
+        return _SHORT.repr(value)
+    if kind in _CONTAINERS:
+        try:
+            return _SHORT.repr(value)
+        except Exception:  # an element's repr raised
+            return f"a {kind.__name__}"
+    return f"a {kind.__name__}"
+
+
+def describe_typed(value: object) -> str:
+    """Like :func:`describe`, with the type name before a builtin value ("float 1.0")."""
+    kind = type(value)
+    if kind in _SCALARS or kind in _CONTAINERS:
+        return f"{kind.__name__} {describe(value)}"
+    return describe(value)
+
+
+# -- attrs validators for config records (each raises ConfigError naming its field) -----
+
+
+def int_at_least(label: str, low: int) -> Any:
+    """Return a validator accepting an int in ``[low, MAX_INT]`` (bool rejected)."""
+
+    def check(_instance: object, _attribute: object, value: object) -> None:
+        if type(value) is not int or not low <= value <= MAX_INT:
+            raise ConfigError(f"{label} must be an int >= {low} (and < 2**63), got {describe(value)}")
+
+    return check
+
+
+def one_of(label: str, choices: tuple[str, ...]) -> Any:
+    """Return a validator accepting one of the strings ``choices``; the message lists them."""
+
+    def check(_instance: object, _attribute: object, value: object) -> None:
+        if type(value) is not str or value not in choices:
+            raise ConfigError(
+                f"{label} must be one of {', '.join(map(repr, choices))}; got {describe(value)}"
+            )
+
+    return check
+
+
+def finite_in(label: str, low: float, high: float, *, open_low: bool = False) -> Any:
+    """Return a validator accepting a finite real number in ``[low, high]`` (``(low, high]``
+    with ``open_low``); bool rejected."""
+    interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+
+    def check(_instance: object, _attribute: object, value: object) -> None:
+        ok = False
+        if not isinstance(value, bool) and isinstance(value, (int, float)):
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            ok = math.isfinite(number) and (low < number if open_low else low <= number) and number <= high
+        if not ok:
+            raise ConfigError(f"{label} must be a finite number in {interval}, got {describe(value)}")
+
+    return check
+
+
+def check_status_log_interval(value: object) -> float | None:
+    """Return ``value`` as a float if it is None or a finite number of seconds >=
+    :data:`MIN_STATUS_LOG_INTERVAL`; raise ConfigError otherwise."""
+    if value is None:
+        return None
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        with contextlib.suppress(OverflowError):
+            number = float(value)
+    if not (math.isfinite(number) and number >= MIN_STATUS_LOG_INTERVAL):
+        raise ConfigError(
+            "status_log_interval must be None or a finite number of seconds >= "
+            f"{MIN_STATUS_LOG_INTERVAL:g}, got {describe(value)}"
+        )
+    return number
+
+
+# -- arguments of the buffer's methods (TypeError for a wrong type, ValueError for a value) --
+
+
+def check_uid(uid: object) -> str:
+    """Return ``uid`` if it is a non-empty str without "_"; raise TypeError/ValueError otherwise."""
+    if type(uid) is not str:
+        raise TypeError(f"uid must be a str, got {type(uid).__name__}")
+    if not uid or "_" in uid:
+        raise ValueError(
+            "uid must be a non-empty str without '_' (trajectory keys are uid_session_index), "
+            f"got {describe(uid)}"
+        )
+    return uid
+
+
+def check_step(value: object, name: str = "global_steps") -> int:
+    """Return ``value`` if it is an int in ``[0, MAX_INT]`` (bool rejected)."""
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int >= 0, got {describe_typed(value)}")
+    if not 0 <= value <= MAX_INT:
+        raise ValueError(f"{name} must be an int >= 0 (and < 2**63), got {describe(value)}")
+    return value
+
+
+check_index = check_step
+
+
+def check_batch_size(value: object) -> int:
+    """Return ``value`` if it is an int in ``[1, MAX_INT]`` (bool rejected)."""
+    if type(value) is not int:
+        raise ValueError(f"batch_size must be an int >= 1, got {describe_typed(value)}")
+    if not 1 <= value <= MAX_INT:
+        raise ValueError(f"batch_size must be an int >= 1 (and < 2**63), got {describe(value)}")
+    return value
+
+
+def check_partition(value: object) -> str:
+    """Return ``value`` if it is a non-empty str."""
+    if type(value) is not str:
+        raise TypeError(f"partition must be a str, got {type(value).__name__}")
+    if not value:
+        raise ValueError("partition must be a non-empty str")
+    return value
+
+
+def check_tags(tags: object) -> Mapping[str, Any]:
+    """Return a private read-only copy of ``tags`` (None gives the shared empty mapping)."""
+    if tags is None:
+        return EMPTY_TAGS
+    if not isinstance(tags, Mapping):
+        raise TypeError(f"tags must be a mapping or None, got {type(tags).__name__}")
+    return MappingProxyType(dict(tags)) if tags else EMPTY_TAGS
+
+
+def check_timeout(value: object) -> float | None:
+    """Return ``value`` as a float if it is None or a real >= 0 that fits a float (inf allowed)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {describe_typed(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.nan
+    if math.isnan(number) or number < 0:
+        raise ValueError(
+            f"timeout must be None or a number of seconds >= 0 that fits a float, got {describe(value)}"
+        )
+    return number
