@@ -11,17 +11,18 @@ from __future__ import annotations
 import contextlib
 import math
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, DuplicateTrajectoryError
 from .records import EMPTY_TAGS
 
 __all__ = [
     "MAX_INT",
     "MIN_STATUS_LOG_INTERVAL",
     "check_batch_size",
+    "check_group_payloads",
     "check_index",
     "check_partition",
     "check_status_log_interval",
@@ -190,7 +191,11 @@ def check_tags(tags: object) -> Mapping[str, Any]:
         return EMPTY_TAGS
     if not isinstance(tags, Mapping):
         raise TypeError(f"tags must be a mapping or None, got {type(tags).__name__}")
-    return MappingProxyType(dict(tags)) if tags else EMPTY_TAGS
+    try:
+        copied = dict(tags)
+    except Exception as exc:  # a user mapping whose iteration or lookup raises
+        raise TypeError(f"tags could not be copied: {type(exc).__name__}") from exc
+    return MappingProxyType(copied) if copied else EMPTY_TAGS
 
 
 def check_timeout(value: object) -> float | None:
@@ -208,3 +213,60 @@ def check_timeout(value: object) -> float | None:
             f"timeout must be None or a number of seconds >= 0 that fits a float, got {describe(value)}"
         )
     return number
+
+
+def check_group_payloads(
+    uid: str,
+    payloads: object,
+    trajectory_tags: object,
+    session_ids: object,
+    indices: object,
+) -> tuple[list[str], tuple[tuple[str, int, int, Mapping[str, Any], Any], ...]]:
+    """Check ``put_group``'s per-trajectory arguments; return the keys and one row per
+    trajectory ``(key, session_id, index, tags, payload)``.
+
+    Every collection is copied into a tuple first, so one whose iteration raises or whose
+    ``len()`` disagrees with what it yields fails here, before anything changes.
+
+    Raises:
+        TypeError: ``payloads`` is a str, bytes or mapping, or a collection cannot be iterated.
+        ValueError: a per-trajectory collection has another length than ``payloads``, or a
+            session id or index is not an int >= 0.
+        DuplicateTrajectoryError: two trajectories share a key.
+    """
+    if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
+        raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
+    items = _materialise("payloads", payloads)
+    n = len(items)
+    sessions = tuple(range(n)) if session_ids is None else _materialise("session_ids", session_ids)
+    positions = (0,) * n if indices is None else _materialise("indices", indices)
+    tags = (EMPTY_TAGS,) * n if trajectory_tags is None else _materialise("trajectory_tags", trajectory_tags)
+    for name, values in (("session_ids", sessions), ("indices", positions), ("trajectory_tags", tags)):
+        if len(values) != n:
+            raise ValueError(f"{name} has {len(values)} items for {n} payloads")
+    if trajectory_tags is not None:
+        tags = tuple(check_tags(t) for t in tags)
+    if session_ids is None and indices is None:  # the common case: sessions 0..n-1, distinct
+        keys = [f"{uid}_{session_id}_0" for session_id in sessions]
+    else:
+        keys = []
+        for session_id, index in zip(sessions, positions, strict=True):
+            check_index(session_id, "session_id")
+            check_index(index, "index")
+            keys.append(f"{uid}_{session_id}_{index}")
+        if len(set(keys)) != n:
+            duplicate = next(key for key in keys if keys.count(key) > 1)
+            raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
+    return keys, tuple(zip(keys, sessions, positions, tags, items, strict=True))
+
+
+def _materialise(name: str, values: object) -> tuple[Any, ...]:
+    """Copy a collection into a tuple, turning any error of its iteration into a TypeError."""
+    if type(values) is tuple:
+        return values
+    if isinstance(values, (str, bytes)) or not hasattr(type(values), "__iter__"):
+        raise TypeError(f"{name} must be a collection with one item per trajectory, got {describe(values)}")
+    try:
+        return tuple(values)  # type: ignore[arg-type]
+    except Exception as exc:
+        raise TypeError(f"{name} could not be iterated: {type(exc).__name__}") from exc

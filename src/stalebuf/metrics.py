@@ -59,7 +59,7 @@ class SampleMetrics:
     def add_dropped(self, groups: Iterable[Group], global_steps: int) -> None:
         """Count groups evicted as stale at ``global_steps``."""
         for group in groups:
-            age = staleness_age(global_steps, group.global_steps)
+            age = staleness_age(global_steps, group.dispatch_step)
             n = len(group.trajectories)
             if self.dropped_groups == 0:
                 self.group_age_max = self.group_age_min = age
@@ -114,7 +114,7 @@ class SampleMetrics:
         if self.failed_groups:
             metrics[failed_groups] = float(self.failed_groups)
         # Builtins over a list beat numpy's per-call overhead at batch sizes up to thousands.
-        steps = [group.global_steps for group in sampled]
+        steps = [group.dispatch_step for group in sampled]
         origin = global_steps + 1
         metrics[sampled_mean] = (origin - sum(steps) / len(steps)) / sync_step
         metrics[sampled_max] = (origin - min(steps)) / sync_step

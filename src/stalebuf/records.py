@@ -72,7 +72,7 @@ class Group:
     Attributes:
         uid: the group's id, unique among groups in the buffer.
         partition: the partition it was added to (e.g. "train", "val").
-        global_steps: the trainer step at which the prompt was dispatched.
+        dispatch_step: the trainer step at which the prompt was dispatched (its tag).
         status: FINISHED or FAILURE.
         tags: read-only metadata given to ``add_prompt``.
         trajectories: the group's trajectories, in ``put`` order.
@@ -80,10 +80,15 @@ class Group:
 
     uid: str
     partition: str
-    global_steps: int
+    dispatch_step: int
     status: Status
     tags: Mapping[str, Any]
     trajectories: tuple[Trajectory, ...]
+
+    @property
+    def global_steps(self) -> int:
+        """The dispatch step: an alias of :attr:`dispatch_step`, the name verl uses."""
+        return self.dispatch_step
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -139,7 +144,7 @@ class Batch:
     def staleness(self) -> npt.NDArray[np.float64]:
         """Staleness ``(g - p + 1) / parameter_sync_step`` of each group, as float64."""
         dispatch = np.fromiter(
-            (group.global_steps for group in self.groups), dtype=np.float64, count=len(self.groups)
+            (group.dispatch_step for group in self.groups), dtype=np.float64, count=len(self.groups)
         )
         return (self.global_steps + 1 - dispatch) / self.parameter_sync_step
 
@@ -197,16 +202,16 @@ def new_trajectory(
 def new_group(
     uid: str,
     partition: str,
-    global_steps: int,
+    dispatch_step: int,
     status: Status,
     tags: Mapping[str, Any],
     trajectories: tuple[Trajectory, ...],
 ) -> Group:
-    """Return ``Group(uid, partition, global_steps, status, tags, trajectories)``, built faster."""
+    """Return ``Group(uid, partition, dispatch_step, status, tags, trajectories)``, built faster."""
     group = _new(Group)
     _set_uid(group, uid)
     _set_partition(group, partition)
-    _set_steps(group, global_steps)
+    _set_steps(group, dispatch_step)
     _set_status(group, status)
     _set_gtags(group, tags)
     _set_trajectories(group, trajectories)

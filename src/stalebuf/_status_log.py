@@ -1,0 +1,86 @@
+"""The status reporter: a ``sample`` blocked for ``status_log_interval`` seconds logs a line.
+
+On asyncio one loop timer per buffer serves every waiter: it fires when the earliest waiter
+is due a line and stops when no sample waits, so a wait costs no timer of its own. Other
+backends log from the waiting call itself (see ``_waiting.park_with_deadline``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Iterable
+
+from ._partition import PartitionState
+from ._waiting import Waiter
+
+__all__ = ["StatusLog", "logger"]
+
+logger = logging.getLogger("stalebuf")
+
+
+def next_due(due: float, now: float, interval: float) -> float:
+    """Return the first ``due + k * interval`` (k >= 1) after ``now``, in one step.
+
+    A loop that was stalled for many intervals logs once, not once per missed interval.
+    """
+    if due > now:
+        return due
+    return due + interval * (math.floor((now - due) / interval) + 1)
+
+
+def log_waiting(part: PartitionState, waiter: Waiter, waited: float) -> None:
+    """Log one INFO line saying what ``waiter`` has waited for, and what its partition holds."""
+    logger.info(
+        "sample(global_steps=%d, batch_size=%d) on partition %r has waited %.0f s: "
+        "pending=%d running=%d finished=%d failure=%d ready=%d oldest_in_flight_step=%s",
+        waiter.global_steps,
+        waiter.batch_size,
+        part.name,
+        waited,
+        part.pending,
+        part.running,
+        part.finished,
+        part.failure,
+        part.ready.count,
+        part.in_flight.oldest(),
+    )
+
+
+class StatusLog:
+    """The asyncio status timer of one buffer."""
+
+    __slots__ = ("interval", "loop", "partitions", "timer")
+
+    def __init__(self, interval: float, partitions: Iterable[PartitionState]) -> None:
+        self.interval = interval
+        self.partitions = partitions  # a live view: partitions created later are seen
+        self.timer: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def watch(self, waiter: Waiter, started: float) -> None:
+        """Start reporting on ``waiter``, which started waiting at ``started`` (loop time)."""
+        waiter.started = started
+        waiter.log_due = started + self.interval
+        loop = asyncio.get_running_loop()
+        if self.timer is None or self.loop is not loop:
+            self.loop = loop
+            self.timer = loop.call_at(waiter.log_due, self.tick)
+
+    def tick(self) -> None:
+        """Log a line for every waiter that is due one, then sleep until the next is due."""
+        loop, interval = self.loop, self.interval
+        if loop is None:  # unreachable: set before the timer is scheduled
+            return
+        now = loop.time()
+        earliest = math.inf
+        for part in self.partitions:
+            for waiter in part.waiters:
+                if waiter.abandoned():  # its loop was closed under it: nobody waits there
+                    continue
+                if waiter.log_due <= now:
+                    log_waiting(part, waiter, waiter.log_due - waiter.started)
+                    waiter.log_due = next_due(waiter.log_due, now, interval)
+                earliest = min(earliest, waiter.log_due)
+        self.timer = None if earliest == math.inf else loop.call_at(earliest, self.tick)

@@ -1,0 +1,225 @@
+"""The waiting room: parked ``sample`` calls, the event loop they are bound to, and parking.
+
+A waiter is a per-call signal. A producer sets it only when the head waiter of its partition
+might now get a batch (or has eviction work); the woken call re-checks everything itself, so
+nothing is handed to a waiter before it runs and a cancelled waiter can lose nothing. When a
+waiter leaves the head of its queue, for any reason, it passes the wake-up on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import AsyncBackend
+
+from .errors import BackendMismatchError, WrongThreadError
+
+__all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "Waiter", "park"]
+
+_T = TypeVar("_T")
+
+
+class Waiter:
+    """One blocked ``sample`` call, parked until a producer calls :meth:`wake`.
+
+    Subclasses hold the backend's primitive; ``arm`` makes a fresh one before each park.
+    """
+
+    __slots__ = ("batch_size", "global_steps", "log_due", "started")
+
+    def __init__(self, global_steps: int, batch_size: int) -> None:
+        self.global_steps = global_steps
+        self.batch_size = batch_size
+        # Set when the status reporter logs for this waiter: when it started waiting and when
+        # its next status line is due, in loop time.
+        self.started = self.log_due = math.inf
+
+    def arm(self) -> None:
+        """Prepare a fresh, unset signal for the next park."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Signal the waiter (idempotent; harmless if it was cancelled or its loop closed)."""
+        raise NotImplementedError
+
+    def parked(self) -> Awaitable[object]:
+        """Return what to await until :meth:`wake` is called."""
+        raise NotImplementedError
+
+    def abandoned(self) -> bool:
+        """Whether the waiter can never run again (its event loop is closed)."""
+        return False
+
+
+class EventWaiter(Waiter):
+    """Parks on an event of the bound backend: works on every anyio backend."""
+
+    __slots__ = ("backend", "event")
+
+    def __init__(self, global_steps: int, batch_size: int, backend: type[AsyncBackend]) -> None:
+        super().__init__(global_steps, batch_size)
+        self.backend = backend
+        self.event = backend.create_event()
+
+    def arm(self) -> None:
+        self.event = self.backend.create_event()
+
+    def wake(self) -> None:
+        self.event.set()
+
+    def parked(self) -> Awaitable[object]:
+        return self.event.wait()
+
+
+class FutureWaiter(Waiter):
+    """Parks on a bare asyncio future: the asyncio fast path.
+
+    An ``anyio.Event`` wraps an ``asyncio.Event``, which wraps futures; awaiting the future
+    directly saves two coroutine hops and an allocation on every wake-up.
+    """
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, global_steps: int, batch_size: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(global_steps, batch_size)
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+
+    def arm(self) -> None:
+        self.future = self.loop.create_future()
+
+    def wake(self) -> None:
+        future = self.future
+        # Done: already woken, or cancelled with its task. A closed loop would raise on
+        # set_result's scheduling: such a waiter is abandoned and must be skipped, not woken.
+        if not future.done() and not self.loop.is_closed():
+            future.set_result(None)
+
+    def parked(self) -> Awaitable[object]:
+        return self.future
+
+    def abandoned(self) -> bool:
+        return self.loop.is_closed()
+
+
+class LoopBinding:
+    """The async backend and thread a buffer is bound to, once a ``sample`` has waited.
+
+    Resolving anyio's backend costs more than the whole wake-up path, so it is done once, not
+    per event or clock read. Successive event loops of the same backend are fine; calls from
+    another thread than the bound loop's are refused (see :meth:`check_thread`).
+    """
+
+    __slots__ = ("backend", "loop_running", "on_asyncio", "thread")
+
+    def __init__(self) -> None:
+        self.backend: type[AsyncBackend] | None = None
+        self.on_asyncio = False
+        self.thread: int | None = None
+        self.loop_running: Callable[[], bool] = _never
+
+    def check_thread(self) -> None:
+        """Raise WrongThreadError if bound to a running loop of another thread than the caller's.
+
+        Once the bound loop has ended, the buffer is free to move to another thread.
+        """
+        thread = self.thread
+        if thread is not None and thread != threading.get_ident():
+            if self.loop_running():
+                raise WrongThreadError(
+                    "this buffer is bound to the event loop of another thread; call it from that "
+                    "thread, or from other threads through the handle `buffer.threadsafe()` returns"
+                )
+            self.thread = None
+
+    def check_backend(self) -> None:
+        """Raise BackendMismatchError unless the running backend is the bound one (if any)."""
+        backend = self.backend
+        if backend is None:
+            return
+        try:
+            backend.current_time()
+        except RuntimeError as exc:
+            raise BackendMismatchError(
+                f"this buffer is bound to {backend.__name__}, the backend of its first waiting "
+                "sample; await it only under that backend"
+            ) from exc
+
+    def bind(self) -> type[AsyncBackend]:
+        """Bind to the running backend and thread (the first time) and return the backend."""
+        backend = self.backend
+        if backend is None:
+            token = anyio.lowlevel.current_token()
+            backend = self.backend = token.backend_class
+            self.on_asyncio = isinstance(token.native_token, asyncio.AbstractEventLoop)
+        self.thread = threading.get_ident()
+        self.loop_running = _running_probe(self.on_asyncio)
+        return backend
+
+    def new_waiter(self, global_steps: int, batch_size: int) -> Waiter:
+        """Return a waiter for the running loop of the bound backend."""
+        if self.on_asyncio:
+            return FutureWaiter(global_steps, batch_size, asyncio.get_running_loop())
+        return EventWaiter(global_steps, batch_size, self.backend)  # type: ignore[arg-type]
+
+
+def _never() -> bool:
+    return False
+
+
+def _running_probe(on_asyncio: bool) -> Callable[[], bool]:
+    """Return a function telling, from any thread, whether the current event loop still runs."""
+    if on_asyncio:
+        loop = asyncio.get_running_loop()
+        return lambda: loop.is_running() and not loop.is_closed()
+    token: Any = anyio.lowlevel.current_token().native_token
+
+    def trio_running() -> bool:
+        try:
+            token.run_sync_soon(_never)
+        except Exception:  # trio.RunFinishedError: the run is over
+            return False
+        return True
+
+    return trio_running
+
+
+async def park(waiter: Waiter, attempt: Callable[[], _T | None]) -> _T:
+    """Park until woken, then call ``attempt``; repeat until it returns something."""
+    while True:
+        await waiter.parked()
+        result = attempt()
+        if result is not None:
+            return result
+        waiter.arm()
+
+
+async def park_with_deadline(
+    waiter: Waiter,
+    attempt: Callable[[], _T | None],
+    backend: type[AsyncBackend],
+    deadline: float,
+    on_interval: Callable[[float], float] | None = None,
+    next_call: float = math.inf,
+) -> _T | None:
+    """Like :func:`park`, but return None at ``deadline``; call ``on_interval(now)`` at
+    ``next_call`` and then at the time it returns (how trio logs status lines).
+
+    One cancel scope covers a whole interval, not each park: entering and leaving a scope
+    costs about as much as the rest of a wake-up.
+    """
+    while True:
+        with anyio.CancelScope(deadline=min(deadline, next_call)):
+            return await park(waiter, attempt)
+        # Only our own deadline ends the scope quietly; outside cancellation propagates.
+        now = backend.current_time()
+        if now >= deadline:
+            return None
+        if on_interval is not None:
+            next_call = on_interval(now)

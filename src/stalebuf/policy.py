@@ -1,0 +1,150 @@
+"""The rule book: every staleness, wait, selection, failure and exemption decision.
+
+The buffer asks only a :class:`StalenessPolicy`; it holds no rule of its own. Pass one as
+``ReplayBuffer(config, policy=...)``, name a subclass in ``SamplerConfig.custom_sampler``,
+or (as verl plugins do) subclass ``ReplayBuffer`` and override ``_is_stale``,
+``_must_wait_for`` or ``_select``: those hooks are routed through the same rule book.
+
+Cost model. The buffer asks :meth:`~StalenessPolicy.is_stale` and
+:meth:`~StalenessPolicy.must_wait_for` about the oldest groups only, so both must be
+*monotone* in the dispatch step (if a group is stale, every group dispatched earlier is
+stale too). :meth:`~StalenessPolicy.select` reads its candidates lazily, oldest first:
+taking the first ``batch_size`` of them (the default) costs O(batch_size); returning any
+other groups makes the buffer remove them from anywhere in its index, which costs O(N) for
+N ready groups in the partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import islice
+from typing import Protocol
+
+from . import staleness
+from .config import SamplerConfig
+from .errors import ConfigError
+from .records import Group
+
+__all__ = ["StalenessPolicy"]
+
+
+class StalenessPolicy:
+    """The default rules, read from a :class:`~stalebuf.SamplerConfig`.
+
+    - drop (``max_off_policy_strategy="drop"``): a terminal group is evicted when its
+      staleness exceeds the threshold, ``s > T``;
+    - wait: a ``sample`` may not return while an in-flight group has ``s >= T``;
+    - failed groups are sampleable (``failure_strategy="sample"``) or evicted ("evict");
+    - exempt partitions (``exempt_partitions``) have no eviction and no wait gate.
+
+    Subclass it and override any method to change a rule; keep the monotonicity the module
+    docs describe. A subclass named by ``custom_sampler`` is built as
+    ``cls(config, **config.sampler_kwargs)``.
+
+    Raises:
+        ConfigError: if ``config`` is not a SamplerConfig.
+    """
+
+    def __init__(self, config: SamplerConfig | None = None) -> None:
+        if config is None:
+            config = SamplerConfig()
+        elif not isinstance(config, SamplerConfig):
+            raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
+        self.config = config
+        self.threshold = config.max_off_policy_threshold
+        self.sync_step = config.parameter_sync_step
+        self.drops = config.max_off_policy_strategy == "drop"
+
+    def is_exempt(self, partition: str) -> bool:
+        """Whether ``partition`` is exempt: nothing in it is evicted and no wait gate applies.
+
+        Asked once per partition, when it is first used.
+        """
+        return partition in self.config.exempt_partitions
+
+    def evicts_failures(self, partition: str) -> bool:
+        """Whether failed groups of (non-exempt) ``partition`` are evicted instead of sampled.
+
+        Asked once per partition, when it is first used.
+        """
+        return self.config.failure_strategy == "evict"
+
+    def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Whether a terminal group dispatched at ``dispatch_step`` is dropped by a sample at
+        ``global_steps`` (asked only under "drop", never for exempt partitions). Must be
+        monotone (see the module docs). Default: ``s > threshold``."""
+        return staleness.exceeds_drop(global_steps, dispatch_step, self.threshold, self.sync_step)
+
+    def must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Whether an in-flight group dispatched at ``dispatch_step`` must finish before a
+        sample at ``global_steps`` may return (asked only under "wait", never for exempt
+        partitions, and only about the oldest in-flight group). Must be monotone. Default:
+        ``s >= threshold``."""
+        return staleness.blocks_wait(global_steps, dispatch_step, self.threshold, self.sync_step)
+
+    def select(
+        self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
+    ) -> Sequence[Group]:
+        """Choose the ``batch_size`` groups a sample returns, in batch order.
+
+        ``candidates`` yields the sampleable groups oldest first (ascending dispatch step,
+        ties in ``add_prompt`` order), lazily; there are at least ``batch_size``. Return
+        exactly ``batch_size`` distinct groups taken from it. The default takes the first
+        ``batch_size``: O(batch_size). Any other choice costs O(N) (see the module docs).
+        """
+        return list(islice(candidates, batch_size))
+
+
+class _Hooks(Protocol):
+    """The protected hooks a ``ReplayBuffer`` subclass may override (verl-style plugins)."""
+
+    def _is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool: ...
+
+    def _must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool: ...
+
+    def _select(
+        self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
+    ) -> Sequence[Group]: ...
+
+
+class SubclassHooks(StalenessPolicy):
+    """The rule book of a ``ReplayBuffer`` subclass that overrides ``_is_stale``,
+    ``_must_wait_for`` or ``_select``: those hooks answer, ``base`` answers the rest.
+
+    (The buffer's default hooks call ``base``, so a hook calling ``super()`` reaches it.)
+    """
+
+    def __init__(self, base: StalenessPolicy, owner: _Hooks) -> None:
+        # Not StalenessPolicy.__init__: ``base`` may be a subclass with state of its own.
+        self.config, self.threshold, self.sync_step, self.drops = (
+            base.config,
+            base.threshold,
+            base.sync_step,
+            base.drops,
+        )
+        self.base = base
+        self.owner = owner
+
+    def is_exempt(self, partition: str) -> bool:
+        return self.base.is_exempt(partition)
+
+    def evicts_failures(self, partition: str) -> bool:
+        return self.base.evicts_failures(partition)
+
+    def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        return self.owner._is_stale(global_steps, dispatch_step, partition)
+
+    def must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        return self.owner._must_wait_for(global_steps, dispatch_step, partition)
+
+    def select(
+        self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
+    ) -> Sequence[Group]:
+        return self.owner._select(candidates, batch_size, global_steps, partition)
+
+
+def select_label(rules: StalenessPolicy) -> str:
+    """Name the selection hook that ``rules`` runs, for error messages."""
+    if isinstance(rules, SubclassHooks):
+        return f"{type(rules.owner).__qualname__}._select"
+    return f"{type(rules).__qualname__}.select"
