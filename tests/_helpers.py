@@ -1,11 +1,60 @@
-"""Small builders shared by the core tests."""
+"""What the core tests share: builders, checks, and the one window onto the buffer's internals.
+
+Tests read private buffer state ONLY through the functions in the last section of this
+module (they are the only code in tests/ that names a private attribute or imports a private
+stalebuf module), so a rename inside stalebuf needs this file updated and no test.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from stalebuf import ReplayBuffer, Status
-from stalebuf.partition import OpenGroup
+import anyio
+
+from stalebuf import Batch, ReplayBuffer, SamplerConfig, Status, Trajectory
+
+# The index data structure itself, for the tests that model it directly (tests/test_index.py).
+from stalebuf.partition import _SPENT as SPENT
+from stalebuf.partition import OpenGroup, PartitionIndex
+
+__all__ = [
+    "LIMIT",
+    "SPENT",
+    "GroupView",
+    "OpenGroup",
+    "PartitionIndex",
+    "add_group",
+    "assert_conserved",
+    "evaluations",
+    "full_snapshot",
+    "in_flight_heap_size",
+    "in_flight_step_count",
+    "make",
+    "oldest_in_flight",
+    "ready_order",
+    "ready_steps",
+    "ready_uids",
+    "resident_groups",
+    "resident_keys",
+    "resident_uids",
+    "sample_now",
+    "settle",
+    "snapshot",
+    "spent_slots",
+    "status_timer_running",
+]
+
+LIMIT = 10  # seconds; bounds every wait, so that a hang fails instead of stalling CI
+
+
+# -- builders ---------------------------------------------------------------------------------
+
+
+def make(*, on_evict: Any = None, status_log_interval: float | None = None, **config: Any) -> ReplayBuffer:
+    """Build a buffer with ``SamplerConfig(**config)``; status lines are off unless asked for."""
+    return ReplayBuffer(SamplerConfig(**config), on_evict=on_evict, status_log_interval=status_log_interval)
 
 
 def add_group(
@@ -17,7 +66,10 @@ def add_group(
     status: Status = Status.FINISHED,
     partition: str = "train",
 ) -> list[str]:
-    """Add a group dispatched at ``step`` with ``n`` trajectories and bring it to ``status``."""
+    """Add a group dispatched at ``step`` with ``n`` trajectories and bring it to ``status``.
+
+    Every status but PENDING goes through RUNNING; the payload of session ``i`` is ``i``.
+    """
     buf.add_prompt_nowait(uid, global_steps=step, partition=partition)
     if status is Status.PENDING:
         keys = [buf.put_nowait(uid, i, session_id=i) for i in range(n)]
@@ -31,15 +83,21 @@ def add_group(
     return keys
 
 
-def resident_keys(buf: ReplayBuffer) -> list[str]:
-    """The keys of every trajectory held by a resident group."""
-    keys: list[str] = []
-    for group in buf._groups.values():
-        if isinstance(group, OpenGroup):
-            keys.extend(group.trajectories)
-        else:
-            keys.extend(t.key for t in group.trajectories)
-    return keys
+async def settle() -> None:
+    """Let every task run until all are blocked."""
+    await anyio.wait_all_tasks_blocked()
+
+
+def sample_now(buf: ReplayBuffer, g: int, b: int, partition: str = "train") -> tuple[Batch, dict[str, float]]:
+    """Evaluate once, without waiting, outside any event loop (raises TimeoutError if no batch)."""
+
+    async def run() -> tuple[Batch, dict[str, float]]:
+        return await buf.sample(g, b, partition=partition, timeout=0)
+
+    return anyio.run(run)
+
+
+# -- checks -----------------------------------------------------------------------------------
 
 
 def assert_conserved(buf: ReplayBuffer) -> None:
@@ -56,24 +114,152 @@ def assert_conserved(buf: ReplayBuffer) -> None:
             + item.evicted_stale_trajectories
             + item.evicted_failure_trajectories
         ), item
-    assert stats.total.groups == len(buf._groups)
+    assert stats.total.groups == len(resident_uids(buf))
     assert stats.total.trajectories == len(resident_keys(buf))
 
 
 def snapshot(buf: ReplayBuffer) -> Any:
-    """Everything observable about the buffer: stats plus every group's full contents."""
-    groups = {}
-    for uid, group in buf._groups.items():
-        groups[uid] = (
+    """Everything observable about the buffer: stats, every group's contents, the ready order."""
+    groups = {
+        uid: (
             group.status,
-            group.global_steps,
+            group.dispatch_step,
             dict(group.tags),
-            [(t.key, t.session_id, t.index, dict(t.tags), t.payload) for t in _trajectories(group)],
+            [(t.key, t.session_id, t.index, dict(t.tags), t.payload) for t in group.trajectories],
         )
-    ready = {name: [g.uid for g in part.iter_ready()] for name, part in buf._partitions.items()}
-    return buf.stats(), groups, ready
+        for uid, group in resident_groups(buf).items()
+    }
+    return buf.stats(), groups, ready_order(buf)
 
 
-def _trajectories(group: Any) -> list[Any]:
-    trajectories = group.trajectories
-    return list(trajectories.values()) if isinstance(trajectories, dict) else list(trajectories)
+def full_snapshot(buf: ReplayBuffer) -> Any:
+    """:func:`snapshot` and more: each group's partition and form (in flight or terminal), its
+    payloads by identity, every index's failed list, in-flight counts, waiters and flags, the
+    closed flag and the next admission number."""
+    groups = {
+        uid: (
+            group.in_flight,
+            group.status,
+            group.partition,
+            group.dispatch_step,
+            dict(group.tags),
+            [(t.key, t.session_id, t.index, dict(t.tags), id(t.payload)) for t in group.trajectories],
+        )
+        for uid, group in resident_groups(buf).items()
+    }
+    indexes = {
+        name: (
+            [g.uid for g in part.iter_ready()],
+            sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
+            dict(part.in_flight),
+            len(part.waiters),
+            part.exempt,
+            part.evict_failures,
+        )
+        for name, part in _indexes(buf).items()
+    }
+    return buf.stats(), buf.closed, groups, indexes, buf._next_seq
+
+
+# -- reading the buffer's internals (the only code that does) -----------------------------------
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A resident group as the tests see it, whether in flight or terminal."""
+
+    uid: str
+    partition: str
+    dispatch_step: int
+    status: Status
+    tags: Mapping[str, Any]
+    trajectories: tuple[Trajectory, ...]  # in put order
+    in_flight: bool  # still open (PENDING or RUNNING), not yet a terminal record
+
+
+def resident_groups(buf: ReplayBuffer) -> dict[str, GroupView]:
+    """Every resident group by uid, in admission order. Reads ``buf._groups``."""
+    views = {}
+    for uid, group in _groups(buf).items():
+        if isinstance(group, OpenGroup):
+            partition, trajectories = group.partition.name, tuple(group.trajectories.values())
+        else:
+            partition, trajectories = group.partition, group.trajectories
+        views[uid] = GroupView(
+            uid,
+            partition,
+            group.global_steps,
+            group.status,
+            group.tags,
+            trajectories,
+            isinstance(group, OpenGroup),
+        )
+    return views
+
+
+def resident_uids(buf: ReplayBuffer) -> list[str]:
+    """The uids of every resident group, in admission order. Reads ``buf._groups``."""
+    return list(_groups(buf))
+
+
+def resident_keys(buf: ReplayBuffer) -> list[str]:
+    """The keys of every trajectory held by a resident group. Reads ``buf._groups``."""
+    return [t.key for group in resident_groups(buf).values() for t in group.trajectories]
+
+
+def ready_uids(buf: ReplayBuffer, partition: str = "train") -> list[str]:
+    """The sampleable groups of ``partition`` in selection order (oldest first, FIFO ties).
+
+    Reads the partition's index (``buf._partitions``): its ready buckets and step heap.
+    """
+    return [g.uid for g in _indexes(buf)[partition].iter_ready()]
+
+
+def ready_order(buf: ReplayBuffer) -> dict[str, list[str]]:
+    """:func:`ready_uids` of every partition the buffer knows. Reads ``buf._partitions``."""
+    return {name: [g.uid for g in part.iter_ready()] for name, part in _indexes(buf).items()}
+
+
+def ready_steps(buf: ReplayBuffer, partition: str = "train") -> list[int]:
+    """The dispatch steps that have a bucket of ready groups, ascending. Reads the ready buckets."""
+    return sorted(_indexes(buf)[partition].ready)
+
+
+def spent_slots(buf: ReplayBuffer, partition: str, step: int) -> list[Any]:
+    """What the taken (spent) slots at the front of a ready bucket still hold: the group
+    each slot references, or None once it was freed. Reads the bucket's entries and head."""
+    bucket = _indexes(buf)[partition].ready[step]
+    return [entry[1] for entry in bucket.entries[: bucket.head]]
+
+
+def oldest_in_flight(buf: ReplayBuffer, partition: str = "train") -> int | None:
+    """The oldest dispatch step among PENDING/RUNNING groups, as the wait gate reads it."""
+    return _indexes(buf)[partition].oldest_in_flight()
+
+
+def in_flight_heap_size(buf: ReplayBuffer, partition: str = "train") -> int:
+    """How many entries the lazily cleaned in-flight step heap holds. Reads ``in_flight_steps``."""
+    return len(_indexes(buf)[partition].in_flight_steps)
+
+
+def in_flight_step_count(buf: ReplayBuffer, partition: str = "train") -> int:
+    """How many distinct dispatch steps have groups in flight. Reads ``in_flight``."""
+    return len(_indexes(buf)[partition].in_flight)
+
+
+def evaluations(buf: ReplayBuffer) -> int:
+    """How many times a sample evaluated a partition (evicted/selected). Reads ``buf._evaluations``."""
+    return buf._evaluations
+
+
+def status_timer_running(buf: ReplayBuffer) -> bool:
+    """Whether the asyncio status-line timer is scheduled. Reads ``buf._status_timer``."""
+    return buf._status_timer is not None
+
+
+def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:
+    return buf._groups
+
+
+def _indexes(buf: ReplayBuffer) -> Mapping[str, PartitionIndex]:
+    return buf._partitions

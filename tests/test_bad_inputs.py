@@ -29,11 +29,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 
+from _helpers import LIMIT, full_snapshot, resident_uids
 from stalebuf import ReplayBuffer, SamplerConfig
 from stalebuf.errors import (
     BufferClosedError,
@@ -43,11 +43,8 @@ from stalebuf.errors import (
     InvalidTransitionError,
     UnknownGroupError,
 )
-from stalebuf.partition import OpenGroup
 
 pytestmark = pytest.mark.anyio
-
-LIMIT = 10  # seconds
 
 
 @dataclass(frozen=True)
@@ -518,7 +515,7 @@ CASES: tuple[Case, ...] = (
 )
 
 
-# -- the populated buffer and its snapshot -------------------------------------------------
+# -- the populated buffer ---------------------------------------------------------------
 
 
 async def populated() -> ReplayBuffer:
@@ -556,38 +553,6 @@ async def populated() -> ReplayBuffer:
     return buf
 
 
-def snapshot(buf: ReplayBuffer) -> Any:
-    """Everything observable about ``buf``: stats, every group's contents, the indexes."""
-
-    def trajectories(group: Any) -> list[Any]:
-        items = group.trajectories.values() if isinstance(group, OpenGroup) else group.trajectories
-        return [(t.key, t.session_id, t.index, dict(t.tags), id(t.payload)) for t in items]
-
-    groups = {}
-    for uid, group in buf._groups.items():
-        partition = group.partition.name if isinstance(group, OpenGroup) else group.partition
-        groups[uid] = (
-            type(group).__name__,
-            group.status,
-            partition,
-            group.global_steps,
-            dict(group.tags),
-            trajectories(group),
-        )
-    indexes = {
-        name: (
-            [g.uid for g in part.iter_ready()],
-            sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
-            dict(part.in_flight),
-            len(part.waiters),
-            part.exempt,
-            part.evict_failures,
-        )
-        for name, part in buf._partitions.items()
-    }
-    return buf.stats(), buf.closed, groups, indexes, buf._next_seq
-
-
 # -- the tests -------------------------------------------------------------------------------
 
 
@@ -603,13 +568,13 @@ async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) 
         buf = await populated()
         if case.closed:
             buf.close()
-        before = snapshot(buf)
+        before = full_snapshot(buf)
         with pytest.raises(case.error, match=case.match) as info:
             await invoke(case, Ctx(buf, tmp_path))
         assert type(info.value) is case.error, (
             f"raised {type(info.value).__name__}, not {case.error.__name__}"
         )
-        assert snapshot(buf) == before, "a failed call changed the buffer"
+        assert full_snapshot(buf) == before, "a failed call changed the buffer"
         # the buffer still works for legal calls afterwards
         if not case.closed:
             buf.mark_running_nowait("pend")
@@ -644,4 +609,4 @@ async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
         assert (train.pending, train.running, train.finished, train.failure) == (1, 1, 1, 1)
         assert (train.sampled_groups, train.evicted_stale_groups, train.evicted_failure_groups) == (1, 1, 1)
         assert (val.finished, val.failure) == (1, 1)
-        assert set(buf._groups) == {"fin", "failr", "pend", "run", "vfin", "vfail"}
+        assert set(resident_uids(buf)) == {"fin", "failr", "pend", "run", "vfin", "vfail"}

@@ -5,21 +5,12 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-import anyio
 import pytest
 
 import samplers
-from _helpers import add_group, snapshot
+from _helpers import add_group, resident_uids, sample_now, snapshot
 from stalebuf import ReplayBuffer, SamplerConfig
 from stalebuf.errors import ConfigError, StalebufError
-
-
-def sample_now(buf: ReplayBuffer, g: int, b: int) -> list[str]:
-    async def run() -> list[str]:
-        batch, _ = await buf.sample(g, b, timeout=0)
-        return batch.uids
-
-    return anyio.run(run)
 
 
 def test_from_config_without_custom_sampler_builds_the_class_itself() -> None:
@@ -40,8 +31,8 @@ def test_load_by_module(spec: str) -> None:
     assert type(buf) is samplers.NewestFirst
     for i in range(4):
         add_group(buf, f"g{i}", i)
-    assert sample_now(buf, 3, 2) == ["g3", "g2"]
-    assert sorted(buf._groups) == ["g0", "g1"]
+    assert sample_now(buf, 3, 2)[0].uids == ["g3", "g2"]
+    assert sorted(resident_uids(buf)) == ["g0", "g1"]
     assert buf.stats().total.sampled_groups == 2
 
 
@@ -59,7 +50,7 @@ def test_load_from_verl_block_with_kwargs_and_hook() -> None:
     add_group(buf, "old", 0)
     add_group(buf, "ok", 1)
     assert buf.sampleable_count(3) == 1
-    assert sample_now(buf, 3, 1) == ["ok"]
+    assert sample_now(buf, 3, 1)[0].uids == ["ok"]
     assert buf.stats().total.evicted_stale_groups == 1
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from _helpers import add_group, snapshot
+from _helpers import add_group, resident_groups, snapshot
 from stalebuf import ReplayBuffer, Status
 from stalebuf.errors import (
     BufferClosedError,
@@ -46,7 +46,7 @@ def test_lifecycle_and_counts() -> None:
     buf.mark_finished_nowait("a")
     stats = buf.stats().partitions["train"]
     assert (stats.running, stats.finished, stats.trajectories) == (0, 1, 2)
-    group = buf._groups["a"]
+    group = resident_groups(buf)["a"]
     assert group.status is Status.FINISHED
     assert [t.key for t in group.trajectories] == ["a_1_2", "a_0_0"]  # put order
     assert group.trajectories[0].tags == {"r": 1.0}
@@ -71,7 +71,7 @@ def test_tags_are_copied() -> None:
     buf.put_nowait("a", tags=tags)
     tags["k"] = 2
     buf.mark_finished_nowait("a")
-    group = buf._groups["a"]
+    group = resident_groups(buf)["a"]
     assert group.tags["k"] == 1
     assert group.trajectories[0].tags["k"] == 1
 
@@ -245,9 +245,9 @@ def test_put_group_adds_fills_and_finishes_in_one_call() -> None:
     tokens = np.arange(12).reshape(3, 4)  # one row per trajectory
     keys = buf.put_group_nowait("g", tokens, global_steps=2, tags={"prompt": "p"})
     assert keys == ["g_0_0", "g_1_0", "g_2_0"]
-    group = buf._groups["g"]
+    group = resident_groups(buf)["g"]
     assert group.status is Status.FINISHED
-    assert group.global_steps == 2
+    assert group.dispatch_step == 2
     assert dict(group.tags) == {"prompt": "p"}
     assert [t.payload.tolist() for t in group.trajectories] == tokens.tolist()
     stats = buf.stats().total
@@ -271,7 +271,7 @@ def test_put_group_into_an_in_flight_group_with_custom_keys_and_failure() -> Non
         status="failed",
     )
     assert keys == ["g_3_0", "g_3_1"]
-    group = buf._groups["g"]
+    group = resident_groups(buf)["g"]
     assert group.status is Status.FAILURE
     assert [t.key for t in group.trajectories] == ["g_0_0", "g_3_0", "g_3_1"]
     assert dict(group.trajectories[1].tags) == {"r": 1}
@@ -350,6 +350,38 @@ def test_put_group_errors_change_nothing(call: Call, error: type[Exception], mes
     with pytest.raises(error, match=message):
         call(buf)
     assert snapshot(buf) == before
+
+
+# Calls that are partly valid (some trajectories would fit): none of it may land.
+PUT_GROUP_ALL_OR_NOTHING: list[tuple[str, type[Exception], dict[str, Any]]] = [
+    # "open" holds "open_0_0", so session_ids=[0, 9] repeats a key it already has
+    ("dup", DuplicateTrajectoryError, {"uid": "open", "global_steps": 0, "session_ids": [0, 9]}),
+    ("step", DuplicateGroupError, {"uid": "open", "global_steps": 1}),
+    ("partition", DuplicateGroupError, {"uid": "open", "global_steps": 0, "partition": "val"}),
+    ("late", InvalidTransitionError, {"uid": "done", "global_steps": 0}),
+    ("tags", TypeError, {"uid": "new", "global_steps": 0, "trajectory_tags": [None, 3]}),
+    ("index", TypeError, {"uid": "new", "global_steps": 0, "indices": [0, True]}),
+    ("length", ValueError, {"uid": "new", "global_steps": 0, "indices": [0]}),
+    ("status", ValueError, {"uid": "new", "global_steps": 0, "status": "FINISHED"}),
+    ("group tags", TypeError, {"uid": "new", "global_steps": 0, "tags": [("a", 1)]}),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "kwargs"), PUT_GROUP_ALL_OR_NOTHING, ids=[c[0] for c in PUT_GROUP_ALL_OR_NOTHING]
+)
+def test_put_group_nowait_error_changes_nothing(
+    case: str, error: type[Exception], kwargs: dict[str, Any]
+) -> None:
+    """put_group_nowait is all or nothing: each invalid call raises before any change."""
+    buf = ReplayBuffer(status_log_interval=None)
+    add_group(buf, "open", 0, n=1, status=Status.RUNNING)
+    add_group(buf, "done", 0, n=1)
+    before = snapshot(buf)
+    with pytest.raises(error):
+        buf.put_group_nowait(payloads=["x", "y"], **kwargs)
+    assert snapshot(buf) == before, case
+    assert "new" not in buf
 
 
 def test_put_group_on_closed_buffer() -> None:

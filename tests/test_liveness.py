@@ -4,8 +4,10 @@
   (cancel scopes, ``asyncio.Task.cancel``), and the queue behind it keeps moving;
 - ``close()`` in the middle of heavy traffic wakes every waiter with BufferClosedError and
   loses nothing already present;
-- an ``on_evict`` callback that raises, closes the buffer or calls producers leaves the
-  buffer consistent.
+- a ``sample`` under the wrong async backend ends with BackendMismatchError and leaves no
+  eviction, partition or waiter behind.
+
+``on_evict`` callbacks that raise, close the buffer or call producers: see test_on_evict.py.
 
 Every async test is bounded by ``anyio.fail_after``; none asserts on timing.
 """
@@ -23,37 +25,22 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from _helpers import assert_conserved, resident_keys
-from stalebuf import Batch, EvictionEvent, Group, ReplayBuffer, SamplerConfig
-from stalebuf.errors import BackendMismatchError, BufferClosedError, UnknownGroupError
-
-LIMIT = 10  # seconds; a hang fails instead of stalling CI
-
-
-def make(on_evict: Any = None, status_log_interval: float | None = None, **config: Any) -> ReplayBuffer:
-    return ReplayBuffer(SamplerConfig(**config), on_evict=on_evict, status_log_interval=status_log_interval)
-
-
-def add(
-    buf: ReplayBuffer, uid: str, step: int, *, end: str = "finish", n: int = 2, partition: str = "train"
-) -> None:
-    """Add a group with ``n`` trajectories; end it with "finish", "fail", or leave it "running"."""
-    buf.add_prompt_nowait(uid, global_steps=step, partition=partition)
-    buf.mark_running_nowait(uid)
-    for session in range(n):
-        buf.put_nowait(uid, (uid, session), session_id=session)
-    if end == "finish":
-        buf.mark_finished_nowait(uid)
-    elif end == "fail":
-        buf.mark_failed_nowait(uid)
+from _helpers import (
+    LIMIT,
+    add_group,
+    assert_conserved,
+    make,
+    resident_groups,
+    resident_keys,
+    settle,
+    snapshot,
+)
+from stalebuf import Batch, EvictionEvent, Group, ReplayBuffer, Status
+from stalebuf.errors import BackendMismatchError, BufferClosedError
 
 
 def keys_of(groups: Iterable[Group]) -> list[str]:
     return [t.key for g in groups for t in g.trajectories]
-
-
-async def settle() -> None:
-    await anyio.wait_all_tasks_blocked()
 
 
 # -- a sample waiting on a group that never finishes ------------------------------------------
@@ -68,10 +55,10 @@ def never_ready(strategy: str, status_log_interval: float | None = None) -> Repl
     buf = make(
         max_off_policy_threshold=2, max_off_policy_strategy=strategy, status_log_interval=status_log_interval
     )
-    add(buf, "ready", 5)
+    add_group(buf, "ready", 5)
     if strategy == "wait":
-        add(buf, "ready2", 5)
-    add(buf, "stuck", 0 if strategy == "wait" else 5, end="running")
+        add_group(buf, "ready2", 5)
+    add_group(buf, "stuck", 0 if strategy == "wait" else 5, status=Status.RUNNING)
     return buf
 
 
@@ -150,8 +137,8 @@ async def test_queue_behind_a_stuck_head_keeps_moving(head_exit: str) -> None:
     """The head waits for a batch that never comes; when it leaves, the next waiter is served."""
     with anyio.fail_after(LIMIT):
         buf = make()
-        add(buf, "a", 0)
-        add(buf, "b", 0)
+        add_group(buf, "a", 0)
+        add_group(buf, "b", 0)
         results: dict[str, Any] = {}
 
         async def run(name: str, batch_size: int, timeout: float | None, scope: anyio.CancelScope) -> None:
@@ -306,9 +293,9 @@ async def test_close_during_heavy_traffic_wakes_everyone_and_loses_nothing(
 async def test_close_wakes_every_parked_waiter_on_every_partition() -> None:
     with anyio.fail_after(LIMIT):
         buf = make(max_off_policy_strategy="wait", max_off_policy_threshold=1)
-        add(buf, "gated", 0, end="running")  # closes the wait gate of "train"
-        add(buf, "f1", 0)
-        add(buf, "v1", 0, partition="val")
+        add_group(buf, "gated", 0, status=Status.RUNNING)  # closes the wait gate of "train"
+        add_group(buf, "f1", 0)
+        add_group(buf, "v1", 0, partition="val")
         outcomes: list[str] = []
 
         async def run(partition: str, batch_size: int) -> None:
@@ -323,232 +310,62 @@ async def test_close_wakes_every_parked_waiter_on_every_partition() -> None:
                 tg.start_soon(run, partition, size)
             await settle()
             assert buf.stats().total.waiting_samplers == 5
-            before = {uid: group.status for uid, group in buf._groups.items()}
+            before = {uid: group.status for uid, group in resident_groups(buf).items()}
             await buf.aclose()
         assert outcomes == ["closed"] * 5
-        assert {uid: group.status for uid, group in buf._groups.items()} == before
+        assert {uid: group.status for uid, group in resident_groups(buf).items()} == before
         assert buf.stats().total.waiting_samplers == 0
         with pytest.raises(BufferClosedError):
             await buf.sample(3, 1, partition="val", timeout=0)
         assert_conserved(buf)
 
 
-# -- on_evict that raises, closes or produces -----------------------------------------------------
+# -- a sample under the wrong async backend (misuse) ------------------------------------------
+# It must end with BackendMismatchError and leave nothing behind: no eviction, no new
+# partition, no queued waiter. Each test here is a regression of a defect found in review.
 
 
-class Boom(Exception):
-    pass
+def _bind(buf: ReplayBuffer, backend: str) -> None:
+    """Bind ``buf`` to ``backend`` with a sample that has to wait (then times out)."""
+
+    async def wait_briefly() -> None:
+        with anyio.fail_after(LIMIT), pytest.raises(TimeoutError):
+            await buf.sample(0, 1, partition="bind", timeout=0.001)
+
+    anyio.run(wait_briefly, backend=backend)
 
 
-@pytest.mark.anyio
-async def test_raising_on_evict_fast_path_leaves_buffer_consistent() -> None:
-    with anyio.fail_after(LIMIT):
-        seen: list[EvictionEvent] = []
+@pytest.mark.parametrize(("bound", "other"), [("asyncio", "trio"), ("trio", "asyncio")])
+def test_backend_mismatch_evicts_nothing(bound: str, other: str) -> None:
+    events: list[EvictionEvent] = []
+    buf = make(on_evict=events.append, max_off_policy_threshold=1)
+    _bind(buf, bound)
+    add_group(buf, "old", 0)  # stale at g=5 (s = 6 > T = 1); one group is not a batch of 2
+    before = snapshot(buf)
 
-        def on_evict(event: EvictionEvent) -> None:
-            seen.append(event)
-            raise Boom(event.reason)
+    async def sample_elsewhere() -> None:
+        with anyio.fail_after(LIMIT):
+            await buf.sample(5, 2)
 
-        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
-        add(buf, "old", 0)
-        add(buf, "new1", 5)
-        add(buf, "new2", 5)
-        with pytest.raises(Boom):
-            await buf.sample(5, 1)
-        assert [g.uid for e in seen for g in e.groups] == ["old"]
-        stats = buf.stats().total
-        assert (stats.evicted_stale_groups, stats.sampled_groups, stats.finished) == (1, 0, 2)
-        with pytest.raises(UnknownGroupError):
-            buf.put_nowait("old", 1, session_id=9)
-        assert_conserved(buf)
-        batch, _ = await buf.sample(5, 2, timeout=0)  # nothing left to evict: no callback
-        assert batch.uids == ["new1", "new2"]
-        assert len(seen) == 1
+    with pytest.raises(BackendMismatchError):
+        anyio.run(sample_elsewhere, backend=other)
+    assert events == [], "on_evict was called by a sample that then raised BackendMismatchError"
+    assert snapshot(buf) == before
 
 
-@pytest.mark.anyio
-async def test_raising_on_evict_in_a_waiter_passes_the_turn_on() -> None:
-    """The head waiter's callback raises: it leaves the queue and the next waiter is served."""
-    with anyio.fail_after(LIMIT):
+@pytest.mark.parametrize(("bound", "other"), [("asyncio", "trio"), ("trio", "asyncio")])
+def test_backend_mismatch_creates_no_partition(bound: str, other: str) -> None:
+    buf = ReplayBuffer(status_log_interval=None)
+    _bind(buf, bound)
+    before = snapshot(buf)
 
-        def on_evict(event: EvictionEvent) -> None:
-            raise Boom(event.reason)
+    async def sample_elsewhere() -> None:
+        with anyio.fail_after(LIMIT):
+            await buf.sample(0, 1, partition="fresh")
 
-        buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
-        results: list[Any] = []
-
-        async def run(step: int, batch_size: int) -> None:
-            try:
-                results.append((await buf.sample(step, batch_size))[0].uids)
-            except Boom as exc:
-                results.append(f"boom:{exc}")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run, 5, 1)
-            await settle()
-            tg.start_soon(run, 5, 1)
-            await settle()
-            add(buf, "bad", 5, end="fail")  # wakes the head, whose callback raises
-            await settle()
-            assert results == ["boom:failure"]
-            add(buf, "good", 5)
-        assert results == ["boom:failure", ["good"]]
-        assert buf.stats().total.evicted_failure_groups == 1
-        assert_conserved(buf)
-
-
-@pytest.mark.anyio
-async def test_on_evict_raising_for_both_reasons_reports_all_and_raises_the_first(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with anyio.fail_after(LIMIT):
-        reasons: list[str] = []
-
-        def on_evict(event: EvictionEvent) -> None:
-            reasons.append(event.reason)
-            raise Boom(event.reason)
-
-        buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
-        add(buf, "failed", 5, end="fail")
-        add(buf, "stale", 0)
-        add(buf, "fresh", 5)
-        with caplog.at_level(logging.ERROR, logger="stalebuf"), pytest.raises(Boom, match="failure"):
-            await buf.sample(5, 1)
-        assert reasons == ["failure", "stale"]
-        assert any("on_evict raised again" in r.getMessage() for r in caplog.records)
-        stats = buf.stats().total
-        assert (stats.evicted_failure_groups, stats.evicted_stale_groups, stats.finished) == (1, 1, 1)
-        assert_conserved(buf)
-        assert (await buf.sample(5, 1, timeout=0))[0].uids == ["fresh"]
-
-
-def closing_buffer() -> ReplayBuffer:
-    """A drop buffer whose on_evict closes it."""
-    holder: list[ReplayBuffer] = []
-    buf = make(on_evict=lambda event: holder[0].close(), max_off_policy_threshold=1)
-    holder.append(buf)
-    return buf
-
-
-@pytest.mark.anyio
-async def test_on_evict_that_closes_the_buffer_fast_path() -> None:
-    with anyio.fail_after(LIMIT):
-        buf = closing_buffer()
-        add(buf, "stale", 0)
-        add(buf, "fresh", 5)
-        with pytest.raises(BufferClosedError):
-            await buf.sample(5, 1)
-        assert buf.closed
-        assert buf.stats().total.evicted_stale_groups == 1
-        assert set(buf._groups) == {"fresh"}, "close() inside on_evict lost or sampled a group"
-        assert_conserved(buf)
-
-
-@pytest.mark.anyio
-async def test_on_evict_that_closes_the_buffer_from_a_parked_waiter() -> None:
-    with anyio.fail_after(LIMIT):
-        buf = closing_buffer()
-        add(buf, "fresh", 5)
-        outcomes: list[str] = []
-
-        async def queued() -> None:
-            try:
-                await buf.sample(5, 2)
-            except BufferClosedError:
-                outcomes.append("closed")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(queued)
-            await settle()
-            tg.start_soon(queued)
-            await settle()
-            add(buf, "stale", 0)  # wakes the head: it evicts, the callback closes
-        assert outcomes == ["closed", "closed"]
-        assert set(buf._groups) == {"fresh"}
-        assert buf.stats().total.waiting_samplers == 0
-        assert_conserved(buf)
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("parked", [False, True])
-async def test_on_evict_may_refill_prompts_and_finish_fresh_groups(parked: bool) -> None:
-    """The documented use: on_evict re-dispatches evicted prompts through the *_nowait producers."""
-    with anyio.fail_after(LIMIT):
-        refills: list[str] = []
-        buf: ReplayBuffer
-
-        def on_evict(event: EvictionEvent) -> None:
-            for group in event.groups:
-                uid = f"re{group.uid}"
-                buf.add_prompt_nowait(uid, global_steps=event.global_steps, partition=event.partition)
-                buf.put_nowait(uid, "again")
-                buf.mark_finished_nowait(uid)  # a fresh group: s = 1
-                refills.append(uid)
-
-        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
-        if parked:
-            results: list[list[str]] = []
-
-            async def run() -> None:
-                results.append((await buf.sample(4, 1))[0].uids)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run)
-                await settle()
-                assert buf.stats().total.waiting_samplers == 1
-                add(buf, "stale", 0)  # wakes the parked sample, which evicts and refills
-            uids = results[0]
-        else:
-            add(buf, "stale", 0)
-            uids = (await buf.sample(4, 1))[0].uids
-        assert refills == ["restale"]
-        assert uids == ["restale"]
-        assert_conserved(buf)
-        assert buf.stats().total.admitted_groups == 2
-
-
-@pytest.mark.anyio
-async def test_on_evict_cannot_smuggle_a_stale_group_into_a_drop_batch() -> None:
-    """Regression: _evaluate evicted once, then selected a group on_evict had just finished."""
-    with anyio.fail_after(LIMIT):
-        buf: ReplayBuffer
-
-        def on_evict(event: EvictionEvent) -> None:
-            if "late" in buf._groups:
-                buf.mark_finished_nowait("late")  # in flight since step 0: s = 6 > T = 1
-
-        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
-        add(buf, "late", 0, end="running")
-        add(buf, "old", 0)
-        add(buf, "fresh", 5)
-        batch, _ = await buf.sample(5, 1)
-        assert batch.staleness.max() <= 1, f"drop returned {batch.uids} with staleness {batch.staleness}"
-
-
-@pytest.mark.anyio
-async def test_group_failed_inside_on_evict_of_a_parked_sample_is_evicted() -> None:
-    """Regression: a wake-up sent during the head's own evaluation was discarded."""
-    with anyio.fail_after(LIMIT):
-        seen: list[tuple[str, list[str]]] = []
-        buf: ReplayBuffer
-
-        def on_evict(event: EvictionEvent) -> None:
-            seen.append((event.reason, [g.uid for g in event.groups]))
-            if "sibling" in buf._groups:
-                buf.mark_failed_nowait("sibling")  # e.g. abandon the rest of a failed batch
-
-        buf = make(on_evict=on_evict, failure_strategy="evict")
-        add(buf, "sibling", 0, end="running")
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(buf.sample, 0, 2)
-            await settle()
-            add(buf, "first", 0, end="fail")  # wakes the parked sample: it evicts "first"
-            await settle()
-            try:
-                assert seen == [("failure", ["first"]), ("failure", ["sibling"])], seen
-                assert buf.stats().total.failure == 0
-            finally:
-                tg.cancel_scope.cancel()
+    with pytest.raises(BackendMismatchError):
+        anyio.run(sample_elsewhere, backend=other)
+    assert snapshot(buf) == before
 
 
 @pytest.mark.parametrize(("bound", "other"), [("asyncio", "trio"), ("trio", "asyncio")])
@@ -569,5 +386,5 @@ def test_sample_under_the_wrong_backend_leaves_no_ghost_waiter(bound: str, other
     with pytest.raises(BackendMismatchError, match=r"bound to \w+"):
         anyio.run(wait_briefly, backend=other)  # the misuse fails with a clear error
     assert buf.stats().total.waiting_samplers == 0, "a failed sample left its waiter queued"
-    add(buf, "a", 0)
+    add_group(buf, "a", 0)
     assert anyio.run(take_now, backend=bound) == ["a"]

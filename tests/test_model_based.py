@@ -38,7 +38,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from stalebuf import Batch, EvictionEvent, Group, PartitionStats, ReplayBuffer, SamplerConfig, Status
+from _helpers import ready_order, resident_groups
+from stalebuf import Batch, EvictionEvent, PartitionStats, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
     DuplicateGroupError,
@@ -46,7 +47,6 @@ from stalebuf.errors import (
     InvalidTransitionError,
     UnknownGroupError,
 )
-from stalebuf.partition import OpenGroup
 
 PROFILES: dict[str, settings] = {
     "ci": settings(
@@ -222,12 +222,6 @@ def check_error(exc: BaseException | None, expected: type[Exception] | None, wha
         assert exc is not None, f"{what}: expected {expected.__name__}, nothing was raised"
         assert type(exc) is expected, f"{what}: expected {expected.__name__}, got {type(exc).__name__}: {exc}"
         assert str(exc), f"{what}: {type(exc).__name__} without a message"
-
-
-def group_keys(group: OpenGroup | Group) -> list[str]:
-    if isinstance(group, OpenGroup):
-        return list(group.trajectories)
-    return [t.key for t in group.trajectories]
 
 
 # Bad calls that leave the buffer untouched: (name, call, error when open, error when closed).
@@ -663,16 +657,15 @@ class BufferMachine(RuleBasedStateMachine):
             return
         m, b = self.m, self.b
         resident = {g.uid: g for g in m.groups}
-        assert set(b._groups) == set(resident), "resident uids differ"
-        for uid, real in b._groups.items():
+        groups = resident_groups(b)
+        assert set(groups) == set(resident), "resident uids differ"
+        for uid, real in groups.items():
             want = resident[uid]
             assert real.status is want.status, f"{uid}: {real.status} != {want.status}"
-            assert real.global_steps == want.step
-            part = real.partition.name if isinstance(real, OpenGroup) else real.partition
-            assert part == want.partition
-            assert group_keys(real) == want.keys, f"{uid}: trajectories differ"
-        for name, part in b._partitions.items():
-            order = [x.uid for x in part.iter_ready()]
+            assert real.dispatch_step == want.step
+            assert real.partition == want.partition
+            assert [t.key for t in real.trajectories] == want.keys, f"{uid}: trajectories differ"
+        for name, order in ready_order(b).items():
             assert order == [x.uid for x in m.sampleable(name)], f"ready order differs in {name!r}"
 
     @invariant()

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import numpy as np
 import pytest
 
-from _helpers import add_group, snapshot
-from stalebuf import Batch, EvictionEvent, ReplayBuffer, SamplerConfig, Status
-
-
-def sample_now(buf: ReplayBuffer, g: int, b: int, partition: str = "train") -> tuple[Batch, dict[str, float]]:
-    """Evaluate once, without waiting (raises TimeoutError if no batch)."""
-
-    async def run() -> tuple[Batch, dict[str, float]]:
-        return await buf.sample(g, b, partition=partition, timeout=0)
-
-    return anyio.run(run)
-
-
-def make(**kwargs: Any) -> ReplayBuffer:
-    on_evict = kwargs.pop("on_evict", None)
-    return ReplayBuffer(SamplerConfig(**kwargs), on_evict=on_evict, status_log_interval=None)
+from _helpers import (
+    add_group,
+    in_flight_heap_size,
+    in_flight_step_count,
+    make,
+    oldest_in_flight,
+    ready_steps,
+    ready_uids,
+    resident_groups,
+    resident_uids,
+    sample_now,
+    snapshot,
+    spent_slots,
+)
+from stalebuf import EvictionEvent, Status
 
 
 def test_oldest_first_with_fifo_ties_across_finished_and_failed() -> None:
@@ -61,7 +58,7 @@ def test_whole_groups_exact_batch_and_surplus_stays() -> None:
     stats = buf.stats().partitions["train"]
     assert stats.finished == 2
     assert stats.trajectories == 4 + 5
-    assert sorted(buf._groups) == ["g3", "g4"]
+    assert sorted(resident_uids(buf)) == ["g3", "g4"]
 
 
 def test_not_enough_groups_returns_nothing() -> None:
@@ -98,8 +95,10 @@ def test_drop_evicts_failed_groups_under_sample_strategy_and_ignores_in_flight()
     add_group(buf, "fresh", 5)
     batch, _ = sample_now(buf, 5, 1)
     assert batch.uids == ["fresh"]
-    assert "oldfail" not in buf._groups
-    assert buf._groups["oldrun"].status is Status.RUNNING  # in-flight groups are not the drop's business
+    assert "oldfail" not in buf
+    assert (
+        resident_groups(buf)["oldrun"].status is Status.RUNNING
+    )  # in-flight groups are not the drop's business
 
 
 def test_evictions_stay_when_no_batch_is_returned() -> None:
@@ -108,7 +107,7 @@ def test_evictions_stay_when_no_batch_is_returned() -> None:
     add_group(buf, "a", 0)
     with pytest.raises(TimeoutError):
         sample_now(buf, 5, 1)
-    assert "a" not in buf._groups
+    assert "a" not in buf
     assert [(e.reason, [g.uid for g in e.groups], e.global_steps) for e in events] == [("stale", ["a"], 5)]
     assert buf.stats().total.evicted_stale_groups == 1
 
@@ -201,7 +200,7 @@ def test_failure_strategy_evict_under_wait_strategy() -> None:
     with pytest.raises(TimeoutError):
         sample_now(buf, 0, 1)
     assert [e.reason for e in events] == ["failure"]
-    assert "f" not in buf._groups
+    assert "f" not in buf
 
 
 def test_failure_strategy_sample_returns_failed_groups() -> None:
@@ -325,9 +324,8 @@ def test_in_flight_step_heap_stays_bounded_below_a_stuck_group() -> None:
     for i in range(500):  # each step enters and leaves flight below the stuck group
         add_group(buf, f"g{i}", 1 + i % 3, status=Status.PENDING)
         buf.mark_failed_nowait(f"g{i}")
-    part = buf._partitions["train"]
-    assert part.oldest_in_flight() == 0
-    assert len(part.in_flight_steps) <= 2 * len(part.in_flight) + 9
+    assert oldest_in_flight(buf) == 0
+    assert in_flight_heap_size(buf) <= 2 * in_flight_step_count(buf) + 9
 
 
 def test_partly_taken_bucket_keeps_fifo_order_with_late_finishers() -> None:
@@ -337,13 +335,12 @@ def test_partly_taken_bucket_keeps_fifo_order_with_late_finishers() -> None:
     for i in (0, 1, 2, 5, 6, 7, 8, 9):  # g3 and g4 finish late
         buf.mark_finished_nowait(f"g{i}")
     assert sample_now(buf, 0, 3)[0].uids == ["g0", "g1", "g2"]
-    bucket = buf._partitions["train"].ready[0]
-    assert all(entry[1] is None for entry in bucket.entries[: bucket.head])  # taken groups not kept
+    assert all(group is None for group in spent_slots(buf, "train", 0))  # taken groups not kept
     buf.mark_finished_nowait("g4")
     buf.mark_finished_nowait("g3")
     assert sample_now(buf, 0, 4)[0].uids == ["g3", "g4", "g5", "g6"]
     assert sample_now(buf, 0, 3)[0].uids == ["g7", "g8", "g9"]
-    assert buf._partitions["train"].ready == {}
+    assert ready_steps(buf) == []
 
 
 def test_one_group_per_step_is_served_oldest_first() -> None:
@@ -354,4 +351,4 @@ def test_one_group_per_step_is_served_oldest_first() -> None:
     assert sample_now(buf, 9, 4)[0].uids == ["s0", "s1", "s2", "s3"]
     add_group(buf, "late1", 1)
     assert sample_now(buf, 9, 3)[0].uids == ["late1", "s4", "s5"]
-    assert [g.uid for g in buf._partitions["train"].iter_ready()] == ["s6", "s7", "s8", "s9"]
+    assert ready_uids(buf) == ["s6", "s7", "s8", "s9"]

@@ -21,8 +21,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from _helpers import resident_groups, resident_uids
 from stalebuf import Batch, EvictionEvent, ReplayBuffer, SamplerConfig, Status
-from stalebuf.partition import OpenGroup
 
 pytestmark = pytest.mark.anyio
 
@@ -157,9 +157,9 @@ class Stress:
             ages = [g - group.global_steps + 1 for group in batch.groups]
             assert max(ages) <= self.limit, f"drop returned s > T: ages {ages}"
         if partition == "train" and self.s.strategy == "wait":
-            for group in self.buf._groups.values():
-                if isinstance(group, OpenGroup) and group.partition.name == partition:
-                    assert g - group.global_steps + 1 < self.limit, "wait returned with a blocking group"
+            for group in resident_groups(self.buf).values():
+                if group.in_flight and group.partition == partition:
+                    assert g - group.dispatch_step + 1 < self.limit, "wait returned with a blocking group"
         ledger.batches += 1
         ledger.sampled_uids.extend(batch.uids)
         ledger.sampled_keys.extend(batch.keys)
@@ -221,7 +221,7 @@ async def test_every_trajectory_is_accounted_for_exactly_once(scenario: Scenario
     assert ledger.failed > scenario.groups * 0.05
     assert ledger.batches > 50
     # nothing left behind: every group is terminal and the drain took all that was sampleable
-    assert not buf._groups, f"{len(buf._groups)} groups left after the drain"
+    assert not resident_uids(buf), f"{len(resident_uids(buf))} groups left after the drain"
     assert stats.total.groups == stats.total.trajectories == stats.total.waiting_samplers == 0
     # every trajectory in exactly one place
     sampled, evicted = Counter(ledger.sampled_keys), ledger.evicted_keys

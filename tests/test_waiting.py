@@ -13,19 +13,11 @@ from typing import Any
 import anyio
 import pytest
 
-from _helpers import add_group, snapshot
+from _helpers import LIMIT, add_group, evaluations, make, settle, snapshot, status_timer_running
 from stalebuf import Batch, EvictionEvent, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import BufferClosedError
 
 pytestmark = pytest.mark.anyio
-
-LIMIT = 10  # seconds; a hang fails instead of stalling CI
-
-
-def make(**kwargs: Any) -> ReplayBuffer:
-    on_evict = kwargs.pop("on_evict", None)
-    interval = kwargs.pop("status_log_interval", None)
-    return ReplayBuffer(SamplerConfig(**kwargs), on_evict=on_evict, status_log_interval=interval)
 
 
 class Sampler:
@@ -52,11 +44,6 @@ class Sampler:
     def uids(self) -> list[str]:
         assert self.result is not None
         return self.result[0].uids
-
-
-async def settle() -> None:
-    """Let every task run until all are blocked."""
-    await anyio.wait_all_tasks_blocked()
 
 
 async def test_blocks_until_the_exact_call_that_completes_the_batch() -> None:
@@ -127,7 +114,7 @@ async def test_timeout_zero_behind_an_earlier_waiter_takes_nothing() -> None:
             await settle()
             with pytest.raises(TimeoutError):
                 await buf.sample(0, 1, timeout=0)
-            assert "a" in buf._groups
+            assert "a" in buf
             first.scope.cancel()
 
 
@@ -330,25 +317,17 @@ async def test_on_evict_closing_the_buffer_ends_sample() -> None:
     add_group(buf, "new", 5)
     with pytest.raises(BufferClosedError):
         await buf.sample(5, 1)
-    assert "new" in buf._groups
-
-
-class CountingBuffer(ReplayBuffer):
-    evaluations = 0
-
-    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        self.evaluations += 1
-        return super()._evaluate(*args, **kwargs)
+    assert "new" in buf
 
 
 async def test_a_waiting_sample_does_no_work_while_producers_are_irrelevant() -> None:
-    buf = CountingBuffer(SamplerConfig(max_off_policy_strategy="wait", max_off_policy_threshold=4))
+    buf = ReplayBuffer(SamplerConfig(max_off_policy_strategy="wait", max_off_policy_threshold=4))
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
             sampler = Sampler(buf, 0, 2)
             tg.start_soon(sampler.run)
             await settle()
-            assert buf.evaluations == 1  # the one evaluation before it first waits
+            assert evaluations(buf) == 1  # the one evaluation before it first waits
             await anyio.sleep(0.05)  # idle: no timer, no polling
             for i in range(20):
                 await buf.add_prompt(f"g{i}", global_steps=0)
@@ -357,11 +336,11 @@ async def test_a_waiting_sample_does_no_work_while_producers_are_irrelevant() ->
             add_group(buf, "other", 0, partition="elsewhere")
             await buf.mark_finished("g0")  # one ready group: still cannot make a batch of 2
             await settle()
-            assert buf.evaluations == 1
+            assert evaluations(buf) == 1
             await buf.mark_finished("g1")
             await settle()
             assert sampler.done
-    assert buf.evaluations == 2
+    assert evaluations(buf) == 2
     assert sampler.uids == ["g0", "g1"]
 
 
@@ -434,12 +413,12 @@ def test_coroutine_on_evict_is_rejected() -> None:
 
 
 async def test_status_line_does_not_wake_the_sampler(caplog: pytest.LogCaptureFixture) -> None:
-    buf = CountingBuffer(status_log_interval=0.01)
+    buf = ReplayBuffer(status_log_interval=0.01)
     caplog.set_level(logging.INFO, logger="stalebuf")
     with anyio.fail_after(LIMIT), pytest.raises(TimeoutError):
         await buf.sample(0, 1, timeout=0.2)  # room for two lines even on a stalled machine
     assert len([r for r in caplog.records if r.name == "stalebuf"]) >= 2  # one per interval
-    assert buf.evaluations == 1  # logging is a timer, not a wake-up that re-evaluates
+    assert evaluations(buf) == 1  # logging is a timer, not a wake-up that re-evaluates
 
 
 def test_one_status_timer_serves_every_waiter_and_every_loop(caplog: pytest.LogCaptureFixture) -> None:
@@ -501,7 +480,7 @@ def test_status_timer_stops_when_nobody_waits_and_restarts_for_the_next_wait(
                 await buf.sample(0, 1, timeout=0.05)
             seen.append(len([r for r in caplog.records if r.name == "stalebuf"]))
             await asyncio.sleep(0.05)  # nobody waits: the timer fires once more and stops
-            assert buf._status_timer is None
+            assert not status_timer_running(buf)
         return seen
 
     lines_per_wait = asyncio.run(two_waits_apart())

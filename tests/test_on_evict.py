@@ -1,0 +1,270 @@
+"""``on_evict`` callbacks that raise, close the buffer or call producers.
+
+Whatever the callback does, from a sample that returns at once or from one parked and woken,
+the buffer stays consistent (conservation holds, nothing is lost or sampled twice), the
+exception surfaces to the caller, and groups the callback adds, finishes or fails are
+handled in the same call. Every async test is bounded by ``anyio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from _helpers import LIMIT, add_group, assert_conserved, make, resident_uids, settle
+from stalebuf import EvictionEvent, ReplayBuffer, Status
+from stalebuf.errors import BufferClosedError, UnknownGroupError
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.anyio
+async def test_raising_on_evict_fast_path_leaves_buffer_consistent() -> None:
+    with anyio.fail_after(LIMIT):
+        seen: list[EvictionEvent] = []
+
+        def on_evict(event: EvictionEvent) -> None:
+            seen.append(event)
+            raise Boom(event.reason)
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
+        add_group(buf, "old", 0)
+        add_group(buf, "new1", 5)
+        add_group(buf, "new2", 5)
+        with pytest.raises(Boom):
+            await buf.sample(5, 1)
+        assert [g.uid for e in seen for g in e.groups] == ["old"]
+        stats = buf.stats().total
+        assert (stats.evicted_stale_groups, stats.sampled_groups, stats.finished) == (1, 0, 2)
+        with pytest.raises(UnknownGroupError):
+            buf.put_nowait("old", 1, session_id=9)
+        assert_conserved(buf)
+        batch, _ = await buf.sample(5, 2, timeout=0)  # nothing left to evict: no callback
+        assert batch.uids == ["new1", "new2"]
+        assert len(seen) == 1
+
+
+@pytest.mark.anyio
+async def test_raising_on_evict_in_a_waiter_passes_the_turn_on() -> None:
+    """The head waiter's callback raises: it leaves the queue and the next waiter is served."""
+    with anyio.fail_after(LIMIT):
+
+        def on_evict(event: EvictionEvent) -> None:
+            raise Boom(event.reason)
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
+        results: list[Any] = []
+
+        async def run(step: int, batch_size: int) -> None:
+            try:
+                results.append((await buf.sample(step, batch_size))[0].uids)
+            except Boom as exc:
+                results.append(f"boom:{exc}")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 5, 1)
+            await settle()
+            tg.start_soon(run, 5, 1)
+            await settle()
+            add_group(buf, "bad", 5, status=Status.FAILURE)  # wakes the head, whose callback raises
+            await settle()
+            assert results == ["boom:failure"]
+            add_group(buf, "good", 5)
+        assert results == ["boom:failure", ["good"]]
+        assert buf.stats().total.evicted_failure_groups == 1
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+async def test_on_evict_raising_for_both_reasons_reports_all_and_raises_the_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with anyio.fail_after(LIMIT):
+        reasons: list[str] = []
+
+        def on_evict(event: EvictionEvent) -> None:
+            reasons.append(event.reason)
+            raise Boom(event.reason)
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
+        add_group(buf, "failed", 5, status=Status.FAILURE)
+        add_group(buf, "stale", 0)
+        add_group(buf, "fresh", 5)
+        with caplog.at_level(logging.ERROR, logger="stalebuf"), pytest.raises(Boom, match="failure"):
+            await buf.sample(5, 1)
+        assert reasons == ["failure", "stale"]
+        assert any("on_evict raised again" in r.getMessage() for r in caplog.records)
+        stats = buf.stats().total
+        assert (stats.evicted_failure_groups, stats.evicted_stale_groups, stats.finished) == (1, 1, 1)
+        assert_conserved(buf)
+        assert (await buf.sample(5, 1, timeout=0))[0].uids == ["fresh"]
+
+
+def closing_buffer() -> ReplayBuffer:
+    """A drop buffer whose on_evict closes it."""
+    holder: list[ReplayBuffer] = []
+    buf = make(on_evict=lambda event: holder[0].close(), max_off_policy_threshold=1)
+    holder.append(buf)
+    return buf
+
+
+@pytest.mark.anyio
+async def test_on_evict_that_closes_the_buffer_fast_path() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = closing_buffer()
+        add_group(buf, "stale", 0)
+        add_group(buf, "fresh", 5)
+        with pytest.raises(BufferClosedError):
+            await buf.sample(5, 1)
+        assert buf.closed
+        assert buf.stats().total.evicted_stale_groups == 1
+        assert set(resident_uids(buf)) == {"fresh"}, "close() inside on_evict lost or sampled a group"
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+async def test_on_evict_that_closes_the_buffer_from_a_parked_waiter() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = closing_buffer()
+        add_group(buf, "fresh", 5)
+        outcomes: list[str] = []
+
+        async def queued() -> None:
+            try:
+                await buf.sample(5, 2)
+            except BufferClosedError:
+                outcomes.append("closed")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(queued)
+            await settle()
+            tg.start_soon(queued)
+            await settle()
+            add_group(buf, "stale", 0)  # wakes the head: it evicts, the callback closes
+        assert outcomes == ["closed", "closed"]
+        assert set(resident_uids(buf)) == {"fresh"}
+        assert buf.stats().total.waiting_samplers == 0
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("parked", [False, True])
+async def test_on_evict_may_refill_prompts_and_finish_fresh_groups(parked: bool) -> None:
+    """The documented use: on_evict re-dispatches evicted prompts through the *_nowait producers."""
+    with anyio.fail_after(LIMIT):
+        refills: list[str] = []
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            for group in event.groups:
+                uid = f"re{group.uid}"
+                buf.add_prompt_nowait(uid, global_steps=event.global_steps, partition=event.partition)
+                buf.put_nowait(uid, "again")
+                buf.mark_finished_nowait(uid)  # a fresh group: s = 1
+                refills.append(uid)
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
+        if parked:
+            results: list[list[str]] = []
+
+            async def run() -> None:
+                results.append((await buf.sample(4, 1))[0].uids)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await settle()
+                assert buf.stats().total.waiting_samplers == 1
+                add_group(buf, "stale", 0)  # wakes the parked sample, which evicts and refills
+            uids = results[0]
+        else:
+            add_group(buf, "stale", 0)
+            uids = (await buf.sample(4, 1))[0].uids
+        assert refills == ["restale"]
+        assert uids == ["restale"]
+        assert_conserved(buf)
+        assert buf.stats().total.admitted_groups == 2
+
+
+@pytest.mark.anyio
+async def test_put_group_nowait_from_on_evict_of_a_parked_sample() -> None:
+    """on_evict of a parked ``sample`` refills with put_group_nowait: the same call returns the
+    fresh group, a failed refill is evicted in the same call, and a refill into another
+    partition wakes the sampler parked there."""
+    with anyio.fail_after(LIMIT):
+        events: list[tuple[str, str, list[str]]] = []
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            events.append((event.partition, event.reason, [g.uid for g in event.groups]))
+            if event.reason == "stale":
+                buf.put_group_nowait("bad", [0], global_steps=event.global_steps, status="failed")
+                buf.put_group_nowait("fresh", [1, 2], global_steps=event.global_steps)
+                buf.put_group_nowait("other", [3], global_steps=0, partition="val")
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
+        results: dict[str, list[str]] = {}
+
+        async def run(partition: str, step: int) -> None:
+            results[partition] = (await buf.sample(step, 1, partition=partition))[0].uids
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "val", 0)
+            tg.start_soon(run, "train", 5)
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert buf.stats().total.waiting_samplers == 2
+            add_group(buf, "old", 0)  # stale at g=5: wakes the train sampler, which evicts it
+        assert results == {"train": ["fresh"], "val": ["other"]}
+        assert events == [("train", "stale", ["old"]), ("train", "failure", ["bad"])]
+        assert buf.stats().total.waiting_samplers == 0
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+async def test_on_evict_cannot_smuggle_a_stale_group_into_a_drop_batch() -> None:
+    """Regression: _evaluate evicted once, then selected a group on_evict had just finished."""
+    with anyio.fail_after(LIMIT):
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            if "late" in buf:
+                buf.mark_finished_nowait("late")  # in flight since step 0: s = 6 > T = 1
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
+        add_group(buf, "late", 0, status=Status.RUNNING)
+        add_group(buf, "old", 0)
+        add_group(buf, "fresh", 5)
+        batch, _ = await buf.sample(5, 1)
+        assert batch.staleness.max() <= 1, f"drop returned {batch.uids} with staleness {batch.staleness}"
+
+
+@pytest.mark.anyio
+async def test_group_failed_inside_on_evict_of_a_parked_sample_is_evicted() -> None:
+    """Regression: a wake-up sent during the head's own evaluation was discarded."""
+    with anyio.fail_after(LIMIT):
+        seen: list[tuple[str, list[str]]] = []
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            seen.append((event.reason, [g.uid for g in event.groups]))
+            if "sibling" in buf:
+                buf.mark_failed_nowait("sibling")  # e.g. abandon the rest of a failed batch
+
+        buf = make(on_evict=on_evict, failure_strategy="evict")
+        add_group(buf, "sibling", 0, status=Status.RUNNING)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(buf.sample, 0, 2)
+            await settle()
+            add_group(buf, "first", 0, status=Status.FAILURE)  # wakes the parked sample: it evicts "first"
+            await settle()
+            try:
+                assert seen == [("failure", ["first"]), ("failure", ["sibling"])], seen
+                assert buf.stats().total.failure == 0
+            finally:
+                tg.cancel_scope.cancel()
