@@ -12,8 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
+import stalebuf.cli
+import stalebuf.errors
+import stalebuf.simulate
 from stalebuf.cli import main
 from stalebuf.errors import ConfigError
 from stalebuf.simulate import Latency, MissingDependencyError, SimulationConfig, simulate
@@ -267,6 +271,78 @@ def test_json_path_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFix
     assert "is a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "field"),
+    [
+        ("--threshold", "99999999999999999999999", "threshold"),  # an int, but not a 64-bit one
+        ("--seed", "99999999999999999999999", "seed"),
+        ("--train-step-seconds", "nan", "train_step_seconds"),
+        ("--dispatch-ahead", "1e400", "dispatch_ahead"),
+    ],
+)
+def test_a_value_the_config_rejects_is_one_line_and_exit_2(
+    option: str, value: str, field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse reads these as numbers; only SimulationConfig knows they are out of range."""
+    number: Any = int(value) if value.isdigit() else float(value)
+    with pytest.raises(ConfigError) as rejected:
+        SimulationConfig(**{field: number})
+    assert main(["simulate", *SMALL, option, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"stalebuf simulate: error: argument {option}: {rejected.value}\n"
+
+
+def test_a_rule_across_fields_is_one_line_naming_no_single_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config rule about several fields: each value is fine alone, so no option is blamed."""
+
+    @attrs.frozen(kw_only=True)
+    class Picky(SimulationConfig):
+        def __attrs_post_init__(self) -> None:
+            if self.workers < self.batch_size:
+                raise ConfigError(f"workers ({self.workers}) must be >= batch_size ({self.batch_size})")
+
+    monkeypatch.setattr(stalebuf.cli, "SimulationConfig", Picky)
+    assert main(["simulate", *SMALL, "--workers", "2", "--batch-size", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "stalebuf simulate: error: workers (2) must be >= batch_size (4)\n"
+
+
+# A non-default command-line value for every SimulationConfig field, and what it must set the
+# field to. A new field must appear here, or in NOT_ON_THE_COMMAND_LINE with the reason.
+EVERY_FIELD: dict[str, tuple[list[str], object]] = {
+    "strategy": (["--strategy", "wait"], "wait"),
+    "threshold": (["--threshold", "3"], 3),
+    "parameter_sync_step": (["--parameter-sync-step", "2"], 2),
+    "failure_strategy": (["--failure-strategy", "sample"], "sample"),
+    "steps": (["--steps", "6"], 6),
+    "batch_size": (["--batch-size", "3"], 3),
+    "group_size": (["--group-size", "2"], 2),
+    "workers": (["--workers", "5"], 5),
+    "dispatch_ahead": (["--dispatch-ahead", "0.5"], 0.5),
+    "latency": (["--latency", "exponential:7"], "exponential:7"),
+    "train_step_seconds": (["--train-step-seconds", "4"], 4.0),
+    "failure_rate": (["--failure-rate", "0.25"], 0.25),
+    "seed": (["--seed", "9"], 9),
+}
+NOT_ON_THE_COMMAND_LINE: dict[str, str] = {}
+
+
+def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -> None:
+    fields = {field.name for field in attrs.fields(SimulationConfig)}
+    assert set(EVERY_FIELD) | set(NOT_ON_THE_COMMAND_LINE) == fields
+    assert not set(EVERY_FIELD) & set(NOT_ON_THE_COMMAND_LINE)
+    defaults = SimulationConfig().to_dict()
+    argv = [arg for args, _ in EVERY_FIELD.values() for arg in args]
+    config = run_json(tmp_path, *argv)["results"]["wait"]["config"]
+    for name, (_, value) in EVERY_FIELD.items():
+        assert value != defaults[name], name  # else an ignored option would go unnoticed
+        assert config[name] == value, name
+
+
 def test_help_and_version_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--help"]) == 0
     assert "--latency" in capsys.readouterr().out
@@ -316,11 +392,60 @@ def test_simulate_module_imports_without_trio() -> None:
         {"failure_strategy": "retry"},
         {"latency": "lognormal:3,1"},
         {"seed": -1},
+        {"seed": 2**63},
+        {"dispatch_ahead": 1000.5},
+        {"dispatch_ahead": True},
+        {"train_step_seconds": 0},
+        {"train_step_seconds": 10**400},  # too large for a float: still a ConfigError
+        {"failure_rate": float("nan")},
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError):
+    (field,) = kwargs
+    with pytest.raises(ConfigError, match=f"^{field} "):  # the message names the field
         SimulationConfig(**kwargs)
+
+
+def test_config_accepts_its_boundaries_and_stores_floats() -> None:
+    low = SimulationConfig(dispatch_ahead=0, train_step_seconds=1e-9, failure_rate=0, seed=0)
+    high = SimulationConfig(dispatch_ahead=1000, failure_rate=0.999, threshold=2**63 - 1)
+    assert (low.dispatch_ahead, low.failure_rate, high.dispatch_ahead) == (0.0, 0.0, 1000.0)
+    assert all(type(v) is float for v in (low.dispatch_ahead, low.failure_rate, high.dispatch_ahead))
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "needle"),
+    [
+        ("gamma", (1.0,), "latency kind"),
+        ("lognormal", (3.0,), "lognormal latency needs MU,SIGMA"),
+        ("lognormal", (31.0, 1.0), "lognormal latency MU"),
+        ("lognormal", (3.0, 5.5), "lognormal latency SIGMA"),
+        ("exponential", (0.0,), "exponential latency MEAN"),
+        ("fixed", (-1.0,), "fixed latency SECONDS"),
+        ("fixed", (10**400,), "latency params must be finite"),
+        ("fixed", "10", "latency params must be a sequence"),
+    ],
+)
+def test_latency_rejects_bad_values(kind: str, params: Any, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        Latency(kind, params)  # type: ignore[arg-type]
+
+
+def test_the_package_keeps_every_public_name() -> None:
+    before_the_split = {
+        "LATENCY_KINDS",
+        "Latency",
+        "LengthBias",
+        "MissingDependencyError",
+        "SimulationConfig",
+        "SimulationResult",
+        "StalenessSummary",
+        "StepRecord",
+        "simulate",
+    }
+    assert before_the_split <= set(stalebuf.simulate.__all__)
+    assert all(hasattr(stalebuf.simulate, name) for name in stalebuf.simulate.__all__)
+    assert stalebuf.simulate.MissingDependencyError is stalebuf.errors.MissingDependencyError
 
 
 def test_latency_parse_and_str_round_trip() -> None:

@@ -104,10 +104,15 @@ def one_of(label: str, choices: tuple[str, ...]) -> Any:
     return check
 
 
-def finite_in(label: str, low: float, high: float, *, open_low: bool = False) -> Any:
-    """Return a validator accepting a finite real number in ``[low, high]`` (``(low, high]``
-    with ``open_low``); bool rejected."""
-    interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+def finite_in(
+    label: str, low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False
+) -> Any:
+    """Return a validator accepting a finite real number in ``[low, high]``; bool rejected.
+
+    ``open_low`` / ``open_high`` exclude the bound itself; an infinite ``high`` reads as ``inf)``.
+    """
+    closing = ")" if open_high or math.isinf(high) else "]"
+    interval = f"{'(' if open_low else '['}{low:g}, {high:g}{closing}"
 
     def check(_instance: object, _attribute: object, value: object) -> None:
         ok = False
@@ -116,7 +121,11 @@ def finite_in(label: str, low: float, high: float, *, open_low: bool = False) ->
                 number = float(value)
             except OverflowError:
                 number = math.inf
-            ok = math.isfinite(number) and (low < number if open_low else low <= number) and number <= high
+            ok = (
+                math.isfinite(number)
+                and (low < number if open_low else low <= number)
+                and (number < high if open_high else number <= high)
+            )
         if not ok:
             raise ConfigError(f"{label} must be a finite number in {interval}, got {describe(value)}")
 

@@ -1,0 +1,227 @@
+"""The settings of a simulated run: the latency distribution and :class:`SimulationConfig`.
+
+Both are frozen attrs records validated on construction with the shared checks of
+:mod:`stalebuf._validation`; every error is a :class:`~stalebuf.errors.ConfigError` whose
+message names the field. The command line derives its ``simulate`` options from these fields.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
+
+import attrs
+
+from .._validation import describe, finite_in, int_at_least, one_of
+from ..config import SamplerConfig
+from ..errors import ConfigError
+
+__all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
+
+LatencyKind = Literal["lognormal", "exponential", "fixed"]
+Strategy = Literal["drop", "wait"]
+# The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
+FailureStrategy = Literal["evict", "sample"]
+
+#: Accepted latency distribution kinds (see :meth:`Latency.parse`).
+LATENCY_KINDS: tuple[str, ...] = get_args(LatencyKind)
+
+# Each kind's parameters, by the names its spec uses, and their checks in the same order.
+_PARAM_NAMES: dict[str, tuple[str, ...]] = {
+    "lognormal": ("MU", "SIGMA"),
+    "exponential": ("MEAN",),
+    "fixed": ("SECONDS",),
+}
+_PARAM_CHECKS: dict[str, tuple[Any, ...]] = {
+    "lognormal": (
+        finite_in("lognormal latency MU (log of seconds)", -30.0, 30.0),
+        finite_in("lognormal latency SIGMA", 0.0, 5.0),
+    ),
+    "exponential": (finite_in("exponential latency MEAN (seconds)", 0.0, open_low=True),),
+    "fixed": (finite_in("fixed latency SECONDS", 0.0, open_low=True),),
+}
+
+
+def _finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _short(value: float) -> str:
+    """Format ``value`` as ``%g`` when that is exact, else as its full repr."""
+    text = f"{value:g}"
+    return text if float(text) == value else repr(value)
+
+
+def _to_params(value: object) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"latency params must be a sequence of numbers, got {describe(value)}")
+    params = tuple(value)
+    if not all(_finite(p) for p in params):
+        raise ConfigError(f"latency params must be finite numbers, got {describe(params)}")
+    return tuple(float(p) for p in params)
+
+
+def _as_float(value: object) -> object:
+    # Store every accepted number as a float; leave the rest for the validator to reject.
+    return float(value) if _finite(value) else value  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class Latency:
+    """A distribution of per-group generation times, in seconds.
+
+    Attributes:
+        kind: "lognormal" (params ``(mu, sigma)`` of the natural log of the seconds, with
+            ``|mu| <= 30`` and ``0 <= sigma <= 5``; long-tailed), "exponential" (params
+            ``(mean,)``, > 0) or "fixed" (params ``(seconds,)``, > 0).
+        params: the distribution's parameters, as floats.
+
+    Raises:
+        ConfigError: on construction, for an unknown kind or invalid parameters.
+    """
+
+    kind: LatencyKind = attrs.field(validator=one_of("latency kind", LATENCY_KINDS))
+    params: tuple[float, ...] = attrs.field(converter=_to_params)
+
+    def __attrs_post_init__(self) -> None:
+        names = _PARAM_NAMES[self.kind]
+        if len(self.params) != len(names):
+            raise ConfigError(
+                f"{self.kind} latency needs {','.join(names)}, got {len(self.params)} number(s)"
+            )
+        for check, value in zip(_PARAM_CHECKS[self.kind], self.params, strict=True):
+            check(self, None, value)
+
+    @classmethod
+    def parse(cls, spec: str) -> Latency:
+        """Parse ``"lognormal:MU,SIGMA"``, ``"exponential:MEAN"`` or ``"fixed:SECONDS"``.
+
+        Raises:
+            ConfigError: if ``spec`` is not of one of those forms or a parameter is invalid.
+        """
+        kind, sep, rest = str(spec).partition(":")
+        kind = kind.strip().lower()
+        if not sep or kind not in LATENCY_KINDS:
+            raise ConfigError(
+                f"latency must look like lognormal:MU,SIGMA, exponential:MEAN or fixed:SECONDS; got {spec!r}"
+            )
+        try:
+            params = tuple(float(part) for part in rest.split(","))
+        except ValueError:
+            raise ConfigError(f"latency parameters must be numbers, got {spec!r}") from None
+        return cls(kind, params)  # type: ignore[arg-type]
+
+    def sample(self, rng: random.Random) -> float:
+        """Draw one generation time in seconds from ``rng`` (deterministic given its state)."""
+        if self.kind == "lognormal":
+            mu, sigma = self.params
+            return math.exp(mu + sigma * rng.gauss(0.0, 1.0))
+        u = rng.random()
+        if self.kind == "exponential":
+            return -self.params[0] * math.log(1.0 - u)
+        return self.params[0]
+
+    def quantile(self, q: float) -> float:
+        """Return the ``q``-quantile (0 < q < 1) of the distribution, in seconds."""
+        if self.kind == "lognormal":
+            mu, sigma = self.params
+            from statistics import NormalDist
+
+            return math.exp(mu + sigma * NormalDist().inv_cdf(q))
+        if self.kind == "exponential":
+            return -self.params[0] * math.log(1.0 - q)
+        return self.params[0]
+
+    @property
+    def mean(self) -> float:
+        """The mean generation time in seconds."""
+        if self.kind == "lognormal":
+            mu, sigma = self.params
+            return math.exp(mu + sigma * sigma / 2)
+        return self.params[0]
+
+    def __str__(self) -> str:
+        """Return the spec form, e.g. ``lognormal:3.4,1``, which :meth:`parse` reads back exactly."""
+        return f"{self.kind}:{','.join(_short(p) for p in self.params)}"
+
+
+@attrs.frozen(kw_only=True)
+class SimulationConfig:
+    """One simulated run: the buffer's settings plus the pipeline model around it.
+
+    Attributes:
+        strategy: the buffer's ``max_off_policy_strategy``, "drop" or "wait".
+        threshold: the buffer's ``max_off_policy_threshold`` ``T`` (int >= 1).
+        parameter_sync_step: the buffer's ``parameter_sync_step`` ``S`` (int >= 1).
+        failure_strategy: the buffer's ``failure_strategy``, "evict" (failed groups are
+            evicted and replaced) or "sample" (they are trained like finished ones).
+        steps: trainer steps to simulate (int >= 1).
+        batch_size: groups per trainer step (int >= 1).
+        group_size: trajectories per group, the GRPO ``n`` (int >= 1).
+        workers: concurrent rollout workers, each generating one group at a time (int >= 1).
+        dispatch_ahead: prompts dispatched beyond the batch being collected, in batches, in
+            ``[0, 1000]``: the trainer keeps ``round(batch_size * (1 + dispatch_ahead))`` prompts
+            dispatched.
+        latency: the distribution of a group's generation time (its "length").
+        train_step_seconds: the time one trainer step takes once it has its batch (> 0).
+        failure_rate: the probability that a group's generation fails, in [0, 1).
+        seed: the seed of the run's ``random.Random`` (int >= 0).
+
+    Raises:
+        ConfigError: on construction, for any invalid value (the message names the field).
+    """
+
+    strategy: Strategy = attrs.field(default="drop", validator=one_of("strategy", get_args(Strategy)))
+    threshold: int = attrs.field(default=4, validator=int_at_least("threshold", 1))
+    parameter_sync_step: int = attrs.field(default=1, validator=int_at_least("parameter_sync_step", 1))
+    failure_strategy: FailureStrategy = attrs.field(
+        default="evict", validator=one_of("failure_strategy", get_args(FailureStrategy))
+    )
+    steps: int = attrs.field(default=200, validator=int_at_least("steps", 1))
+    batch_size: int = attrs.field(default=32, validator=int_at_least("batch_size", 1))
+    group_size: int = attrs.field(default=8, validator=int_at_least("group_size", 1))
+    workers: int = attrs.field(default=64, validator=int_at_least("workers", 1))
+    dispatch_ahead: float = attrs.field(
+        default=1.0, converter=_as_float, validator=finite_in("dispatch_ahead", 0.0, 1000.0)
+    )
+    latency: Latency = attrs.field(factory=lambda: Latency("lognormal", (3.4, 1.0)))
+    train_step_seconds: float = attrs.field(
+        default=30.0, converter=_as_float, validator=finite_in("train_step_seconds", 0.0, open_low=True)
+    )
+    failure_rate: float = attrs.field(
+        default=0.01, converter=_as_float, validator=finite_in("failure_rate", 0.0, 1.0, open_high=True)
+    )
+    seed: int = attrs.field(default=0, validator=int_at_least("seed", 0))
+
+    @latency.validator
+    def _check_latency(self, _attribute: object, value: object) -> None:
+        if not isinstance(value, Latency):
+            raise ConfigError(f"latency must be a Latency, got {describe(value)}")
+
+    @property
+    def dispatch_budget(self) -> int:
+        """How many prompts the trainer keeps dispatched: ``round(B * (1 + dispatch_ahead))``."""
+        return max(self.batch_size, round(self.batch_size * (1.0 + self.dispatch_ahead)))
+
+    def sampler_config(self) -> SamplerConfig:
+        """Return the :class:`SamplerConfig` the simulated buffer is built with."""
+        return SamplerConfig(
+            max_off_policy_threshold=self.threshold,
+            max_off_policy_strategy=self.strategy,
+            parameter_sync_step=self.parameter_sync_step,
+            failure_strategy=self.failure_strategy,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the settings as JSON-ready values (the latency as its spec string)."""
+        values = attrs.asdict(self, recurse=False)
+        values["latency"] = str(self.latency)
+        values["dispatch_budget"] = self.dispatch_budget
+        return values

@@ -1,0 +1,147 @@
+"""The outcome of a simulated run: :class:`SimulationResult` and the records it holds.
+
+Plain frozen records filled in by the model (:mod:`._model`) and read by the report
+(:mod:`._report`); every time is on the simulated (virtual) clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ._config import SimulationConfig
+
+__all__ = ["LengthBias", "SimulationResult", "StalenessSummary", "StepRecord"]
+
+
+@attrs.frozen(kw_only=True)
+class StalenessSummary:
+    """The staleness ``(g - p + 1) / S`` of the groups the trainer received.
+
+    Attributes:
+        mean, p50, p95, max: over all trained groups (the percentiles are observed values).
+        histogram: ``(staleness, trained groups)`` pairs, ascending.
+    """
+
+    mean: float
+    p50: float
+    p95: float
+    max: float
+    histogram: tuple[tuple[float, int], ...]
+
+
+@attrs.frozen(kw_only=True)
+class LengthBias:
+    """Whether long prompts reach the trainer as often as they are dispatched.
+
+    Both sides count only prompts whose fate was decided by the end of the run (trained,
+    dropped as stale or evicted as failed); prompts still in the pipeline are left out.
+    A prompt's length is its generation time as drawn at dispatch.
+
+    Attributes:
+        long_seconds: the 75th percentile of those lengths; "long" means at least this.
+        long_share_dispatched: the share of long prompts among them (about 0.25).
+        long_share_trained: the share of long prompts among trained groups.
+        ratio: ``long_share_trained / long_share_dispatched``: 1 is unbiased, below 1 means
+            long prompts are under-represented in training.
+        mean_seconds_dispatched, mean_seconds_trained: mean lengths of the two sets.
+    """
+
+    long_seconds: float
+    long_share_dispatched: float
+    long_share_trained: float
+    ratio: float
+    mean_seconds_dispatched: float
+    mean_seconds_trained: float
+
+
+@attrs.frozen(kw_only=True)
+class StepRecord:
+    """One trainer step on the virtual clock (seconds since the run started).
+
+    Attributes:
+        step: the trainer step ``g``.
+        sample_start: when ``sample`` was called; the trainer is idle from here...
+        train_start: ...to here, when ``sample`` returned and training started.
+        train_end: when the step's training finished.
+        staleness_mean: mean staleness of the step's batch.
+        dropped_groups: groups evicted as stale during this step's ``sample``.
+    """
+
+    step: int
+    sample_start: float
+    train_start: float
+    train_end: float
+    staleness_mean: float
+    dropped_groups: int
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long the trainer waited in ``sample`` at this step."""
+        return self.train_start - self.sample_start
+
+
+@attrs.frozen(kw_only=True)
+class SimulationResult:
+    """The outcome of :func:`simulate`; every number refers to the simulated (virtual) clock.
+
+    Attributes:
+        config: the settings of the run.
+        simulated_seconds: virtual time from the start until the last step finished training.
+        trained_groups: groups the trainer received (``steps * batch_size``).
+        trained_groups_per_hour: trained groups per simulated hour.
+        trainer_idle_fraction: share of the simulated time the trainer spent waiting in
+            ``sample``, in [0, 1].
+        mean_wait_seconds: mean time per step spent waiting in ``sample``.
+        dispatched_groups: prompts dispatched (``add_prompt`` calls), refills included.
+        dropped_groups: groups evicted as stale (drop strategy).
+        failed_groups: groups whose generation failed (evicted or trained, by failure_strategy).
+        resolved_groups: groups trained or evicted by the end of the run.
+        dropped_fraction: ``dropped_groups / resolved_groups``.
+        wasted_generation_fraction: generation time spent on dropped groups over generation
+            time spent on all resolved groups.
+        failed_fraction: ``failed_groups`` among resolved ones, over ``resolved_groups``.
+        worker_utilization: share of the workers' time spent generating, in [0, 1].
+        staleness: the staleness of the trained groups.
+        length_bias: long prompts among trained versus dispatched groups.
+        steps: one record per trainer step: the trainer's busy/idle timeline.
+    """
+
+    config: SimulationConfig
+    simulated_seconds: float
+    trained_groups: int
+    trained_groups_per_hour: float
+    trainer_idle_fraction: float
+    mean_wait_seconds: float
+    dispatched_groups: int
+    dropped_groups: int
+    failed_groups: int
+    resolved_groups: int
+    dropped_fraction: float
+    wasted_generation_fraction: float
+    failed_fraction: float
+    worker_utilization: float
+    staleness: StalenessSummary
+    length_bias: LengthBias
+    steps: tuple[StepRecord, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return every number as JSON-ready values (the steps as parallel lists)."""
+        values: dict[str, Any] = {
+            field.name: getattr(self, field.name)
+            for field in attrs.fields(SimulationResult)
+            if field.name not in ("config", "staleness", "length_bias", "steps")
+        }
+        staleness = attrs.asdict(self.staleness)
+        staleness["histogram"] = [{"staleness": s, "groups": n} for s, n in self.staleness.histogram]
+        return {
+            "config": self.config.to_dict(),
+            **values,
+            "staleness": staleness,
+            "length_bias": attrs.asdict(self.length_bias),
+            "steps": {
+                field.name: [getattr(record, field.name) for record in self.steps]
+                for field in attrs.fields(StepRecord)
+            },
+        }
