@@ -16,15 +16,15 @@ import anyio
 from stalebuf import Batch, ReplayBuffer, SamplerConfig, Status, Trajectory
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
-from stalebuf.partition import _SPENT as SPENT
-from stalebuf.partition import OpenGroup, PartitionIndex
+from stalebuf._index import _SPENT as SPENT
+from stalebuf._partition import OpenGroup, PartitionState
 
 __all__ = [
     "LIMIT",
     "SPENT",
     "GroupView",
     "OpenGroup",
-    "PartitionIndex",
+    "PartitionState",
     "add_group",
     "assert_conserved",
     "evaluations",
@@ -149,9 +149,9 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
     }
     indexes = {
         name: (
-            [g.uid for g in part.iter_ready()],
+            [g.uid for g in part.ready.iter_groups()],
             sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
-            dict(part.in_flight),
+            dict(part.in_flight.counts),
             len(part.waiters),
             part.exempt,
             part.evict_failures,
@@ -188,7 +188,7 @@ def resident_groups(buf: ReplayBuffer) -> dict[str, GroupView]:
         views[uid] = GroupView(
             uid,
             partition,
-            group.global_steps,
+            group.dispatch_step,
             group.status,
             group.tags,
             trajectories,
@@ -212,39 +212,39 @@ def ready_uids(buf: ReplayBuffer, partition: str = "train") -> list[str]:
 
     Reads the partition's index (``buf._partitions``): its ready buckets and step heap.
     """
-    return [g.uid for g in _indexes(buf)[partition].iter_ready()]
+    return [g.uid for g in _indexes(buf)[partition].ready.iter_groups()]
 
 
 def ready_order(buf: ReplayBuffer) -> dict[str, list[str]]:
     """:func:`ready_uids` of every partition the buffer knows. Reads ``buf._partitions``."""
-    return {name: [g.uid for g in part.iter_ready()] for name, part in _indexes(buf).items()}
+    return {name: [g.uid for g in part.ready.iter_groups()] for name, part in _indexes(buf).items()}
 
 
 def ready_steps(buf: ReplayBuffer, partition: str = "train") -> list[int]:
     """The dispatch steps that have a bucket of ready groups, ascending. Reads the ready buckets."""
-    return sorted(_indexes(buf)[partition].ready)
+    return sorted(_indexes(buf)[partition].ready.buckets)
 
 
 def spent_slots(buf: ReplayBuffer, partition: str, step: int) -> list[Any]:
     """What the taken (spent) slots at the front of a ready bucket still hold: the group
     each slot references, or None once it was freed. Reads the bucket's entries and head."""
-    bucket = _indexes(buf)[partition].ready[step]
+    bucket = _indexes(buf)[partition].ready.buckets[step]
     return [entry[1] for entry in bucket.entries[: bucket.head]]
 
 
 def oldest_in_flight(buf: ReplayBuffer, partition: str = "train") -> int | None:
     """The oldest dispatch step among PENDING/RUNNING groups, as the wait gate reads it."""
-    return _indexes(buf)[partition].oldest_in_flight()
+    return _indexes(buf)[partition].in_flight.oldest()
 
 
 def in_flight_heap_size(buf: ReplayBuffer, partition: str = "train") -> int:
     """How many entries the lazily cleaned in-flight step heap holds. Reads ``in_flight_steps``."""
-    return len(_indexes(buf)[partition].in_flight_steps)
+    return len(_indexes(buf)[partition].in_flight.steps)
 
 
 def in_flight_step_count(buf: ReplayBuffer, partition: str = "train") -> int:
     """How many distinct dispatch steps have groups in flight. Reads ``in_flight``."""
-    return len(_indexes(buf)[partition].in_flight)
+    return len(_indexes(buf)[partition].in_flight.counts)
 
 
 def evaluations(buf: ReplayBuffer) -> int:
@@ -253,13 +253,13 @@ def evaluations(buf: ReplayBuffer) -> int:
 
 
 def status_timer_running(buf: ReplayBuffer) -> bool:
-    """Whether the asyncio status-line timer is scheduled. Reads ``buf._status_timer``."""
-    return buf._status_timer is not None
+    """Whether the asyncio status-line timer is scheduled. Reads ``buf._status_log.timer``."""
+    return buf._status_log is not None and buf._status_log.timer is not None
 
 
 def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:
     return buf._groups
 
 
-def _indexes(buf: ReplayBuffer) -> Mapping[str, PartitionIndex]:
+def _indexes(buf: ReplayBuffer) -> Mapping[str, PartitionState]:
     return buf._partitions

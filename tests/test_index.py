@@ -13,16 +13,16 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _helpers import SPENT, OpenGroup, PartitionIndex
+from _helpers import SPENT, OpenGroup, PartitionState
 from stalebuf import Status
 from stalebuf.records import EMPTY_TAGS, new_group, new_trajectory
 
 
 class IndexModel:
-    """A PartitionIndex with a list-based reference model next to it, checked after each step."""
+    """A PartitionState with a list-based reference model next to it, checked after each step."""
 
     def __init__(self, evict_failures: bool) -> None:
-        self.part = PartitionIndex("train", exempt=False, evict_failures=evict_failures)
+        self.part = PartitionState("train", exempt=False, evict_failures=evict_failures)
         self.evict_failures = evict_failures
         self.next_seq = 0
         self.open: dict[int, OpenGroup] = {}  # seq -> in-flight group
@@ -55,8 +55,7 @@ class IndexModel:
         for i in range(n):
             key = f"{group.uid}_{i}_0"
             group.trajectories[key] = new_trajectory(key, i, 0, EMPTY_TAGS, None)
-        self.part.trajectories += n
-        self.part.admitted_trajectories += n
+        self.part.add_trajectories(n)
         status = Status.FAILURE if failed else Status.FINISHED
         record = new_group(
             group.uid, "train", group.global_steps, status, EMPTY_TAGS, tuple(group.trajectories.values())
@@ -71,7 +70,7 @@ class IndexModel:
         count = 1 + count % len(self.ready)
         self.ready.sort(key=lambda e: (e[0], e[1]))
         expected, self.ready = self.ready[:count], self.ready[count:]
-        got = self.part.take_oldest(count)
+        got = self.part.take_sampled(None, count)
         assert [g.uid for g in got] == [e[2].uid for e in expected]
         self.sampled += count
         self.sampled_trajectories += sum(len(e[2].trajectories) for e in expected)
@@ -86,14 +85,16 @@ class IndexModel:
                 chosen.append(entry)
         for entry in chosen:
             self.ready.remove(entry)
-        self.part.take([e[2] for e in chosen])  # any subset, any order (a custom _select)
+        self.part.take_sampled(
+            [e[2] for e in chosen], len(chosen)
+        )  # any subset, any order (a custom _select)
         self.sampled += len(chosen)
         self.sampled_trajectories += sum(len(e[2].trajectories) for e in chosen)
 
     def take_stale(self, cutoff: int) -> None:
         expected = sorted((e for e in self.ready if e[0] < cutoff), key=lambda e: (e[0], e[1]))
         self.ready = [e for e in self.ready if e[0] >= cutoff]
-        got = self.part.take_stale(lambda step: step < cutoff)
+        got = self.part.take_stale(self.part.ready.stale_steps(lambda step: step < cutoff))
         assert [g.uid for g in got] == [e[2].uid for e in expected]
         self.evicted_stale += len(expected)
 
@@ -109,18 +110,18 @@ class IndexModel:
     def check(self) -> None:
         part = self.part
         order = sorted(self.ready, key=lambda e: (e[0], e[1]))
-        assert [g.uid for g in part.iter_ready()] == [e[2].uid for e in order]
-        assert part.ready_count == len(order)
-        assert (part.ready_steps[0] if part.ready_steps else None) == (order[0][0] if order else None)
+        assert [g.uid for g in part.ready.iter_groups()] == [e[2].uid for e in order]
+        assert part.ready.count == len(order)
+        assert (part.ready.steps[0] if part.ready.steps else None) == (order[0][0] if order else None)
         in_flight_steps = [g.global_steps for g in self.open.values()]
-        assert part.oldest_in_flight() == (min(in_flight_steps) if in_flight_steps else None)
-        assert list(part.steps_in_order()) == sorted(part.ready)
-        assert sorted(part.ready_steps) == sorted(part.ready)  # one heap entry per bucket
+        assert part.in_flight.oldest() == (min(in_flight_steps) if in_flight_steps else None)
+        assert list(part.ready.steps_in_order()) == sorted(part.ready.buckets)
+        assert sorted(part.ready.steps) == sorted(part.ready.buckets)  # one heap entry per bucket
         for cutoff in range(-1, 7):
-            assert part.count_ready_while(lambda step, c=cutoff: step < c) == sum(
+            assert part.ready.count_while(lambda step, c=cutoff: step < c) == sum(
                 1 for e in order if e[0] < cutoff
             )
-        for step, bucket in part.ready.items():
+        for step, bucket in part.ready.buckets.items():
             live = bucket.entries[bucket.head :]
             assert live, f"empty bucket left for step {step}"
             assert all(entry is not SPENT and entry[1] is not None for entry in live)
@@ -212,10 +213,15 @@ def test_late_finishers_land_in_order_behind_spent_slots() -> None:
         finish(seq)
     model.take_oldest(0)  # takes seq 5 of 7 entries: no compaction, one spent slot
     model.check()
-    assert model.part.ready[0].head == 1
+    assert model.part.ready.buckets[0].head == 1
     for seq in (4, 0, 2):  # each older than every live entry, inserted behind the spent slot
         finish(seq)
-    assert [g.uid for g in model.part.iter_ready()] == ["u0", "u2", "u4", *(f"u{i}" for i in range(6, 12))]
+    assert [g.uid for g in model.part.ready.iter_groups()] == [
+        "u0",
+        "u2",
+        "u4",
+        *(f"u{i}" for i in range(6, 12)),
+    ]
     model.take_oldest(1)  # 2 of 9 live: still no compaction
     model.check()
     model.take_subset([3, 0])
@@ -224,10 +230,10 @@ def test_late_finishers_land_in_order_behind_spent_slots() -> None:
         finish(seq)
     model.take_oldest(0)  # take() above compacted the bucket: spend one slot again
     model.check()
-    assert model.part.ready[0].head == 1
+    assert model.part.ready.buckets[0].head == 1
     model.take_oldest(len(model.ready) // 2)  # takes over half: compacts past the spent slot
     model.check()
-    assert model.part.ready[0].head == 0
+    assert model.part.ready.buckets[0].head == 0
 
 
 def test_in_flight_heap_stays_bounded_and_correct_behind_an_old_group() -> None:
@@ -240,7 +246,7 @@ def test_in_flight_heap_stays_bounded_and_correct_behind_an_old_group() -> None:
         if step > 1:
             model.terminate(1, 0, failed=False)  # ends step - 1
         model.check()
-        assert len(model.part.in_flight_steps) <= 2 * 3 + 9  # rebuilt, not growing with churn
+        assert len(model.part.in_flight.steps) <= 2 * 3 + 9  # rebuilt, not growing with churn
     model.terminate(0, 0, failed=False)  # step 0 ends: the oldest is now a rebuilt entry
     model.check()
     while model.open:

@@ -529,13 +529,21 @@ class BufferMachine(RuleBasedStateMachine):
             check_error(exc, BufferClosedError, "sample on closed buffer")
             assert not self.events
             return multiple()
-        return self.check_sample(name, g, batch_size, result, exc, before.total.sampled_groups)
+        return self.check_sample(name, g, batch_size, result, exc, before.total.sampled_groups, in_loop)
 
     def check_sample(
-        self, name: str, g: int, batch_size: int, result: Any, exc: BaseException | None, sampled_before: int
+        self,
+        name: str,
+        g: int,
+        batch_size: int,
+        result: Any,
+        exc: BaseException | None,
+        sampled_before: int,
+        may_wait: bool,
     ) -> Any:
         m = self.m
-        m.touch(name)  # sample registers its partition
+        if may_wait:  # a sample that may wait registers its partition; timeout=0 does not
+            m.touch(name)
         # 1. evictions: failures first, then stale groups, each oldest first
         predicted: list[tuple[str, list[str]]] = []
         if m.evicts_failures(name):

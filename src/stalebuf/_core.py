@@ -8,24 +8,38 @@ state changes: terminating a group and waking the head waiter, evaluating a part
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from . import _evaluation as rules_of
 from ._partition import OpenGroup, PartitionState
 from ._status_log import StatusLog, log_waiting, logger, next_due
-from ._validation import check_batch_size, check_partition, check_step
-from ._waiting import LoopBinding, Waiter, park_with_deadline
+from ._validation import (
+    check_batch_size,
+    check_partition,
+    check_status_log_interval,
+    check_step,
+    describe_typed,
+)
+from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .config import SamplerConfig
-from .errors import BufferClosedError, InvalidTransitionError, StalebufError, UnknownGroupError
+from .errors import (
+    BufferClosedError,
+    ConfigError,
+    InvalidTransitionError,
+    StalebufError,
+    UnknownGroupError,
+)
 from .metrics import SampleMetrics
-from .policy import StalenessPolicy
+from .policy import StalenessPolicy, SubclassHooks
 from .records import Batch, EvictionEvent, Group, Status, new_batch, new_group
 
 __all__ = ["BufferCore", "EvictCallback"]
 
 EvictCallback = Callable[[EvictionEvent], object]
-_FINISHED = Status.FINISHED
+_FINISHED, _FAILURE = Status.FINISHED, Status.FAILURE
 
 
 class BufferCore:
@@ -44,6 +58,46 @@ class BufferCore:
     _status_interval: float | None
     _status_log: StatusLog | None
     _evaluations: int
+
+    def __init__(
+        self,
+        config: SamplerConfig | None,
+        policy: StalenessPolicy | None,
+        on_evict: EvictCallback | None,
+        status_log_interval: float | None,
+    ) -> None:
+        """Check the constructor's arguments (see ``ReplayBuffer``) and set up empty state."""
+        if config is None:
+            config = SamplerConfig() if policy is None else policy.config
+        elif not isinstance(config, SamplerConfig):
+            raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
+        if policy is None:
+            policy = StalenessPolicy(config)
+        elif not isinstance(policy, StalenessPolicy):
+            raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
+        if on_evict is not None and not callable(on_evict):
+            raise ConfigError(f"on_evict must be callable or None, got {describe_typed(on_evict)}")
+        if inspect.iscoroutinefunction(on_evict):
+            raise ConfigError("on_evict must be a plain (synchronous) callable; it is called inside sample")
+        interval = check_status_log_interval(status_log_interval)
+        self._config = config
+        self._policy = policy
+        hooks = ("_is_stale", "_must_wait_for", "_select")
+        overridden = any(getattr(type(self), hook) is not getattr(BufferCore, hook) for hook in hooks)
+        # The rules the buffer asks: the policy itself, or the subclass's hooks in front of it.
+        self._rules = SubclassHooks(policy, self) if overridden else policy
+        self._sync_step = config.parameter_sync_step
+        self._on_evict = on_evict
+        self._groups: dict[str, OpenGroup | Group] = {}
+        self._partitions: dict[str, PartitionState] = {}
+        self._next_seq = 0
+        self._closed = False
+        self._binding = LoopBinding()
+        self._status_interval = interval
+        self._status_log: StatusLog | None = None
+        # How often a sample evaluated a partition: tests and benchmarks read it to prove an
+        # idle wait does no work.
+        self._evaluations = 0
 
     # -- checks -----------------------------------------------------------------------
 
@@ -99,6 +153,14 @@ class BufferCore:
 
     # -- producers ----------------------------------------------------------------------
 
+    def _admit(self, uid: str, step: int, part: PartitionState, tags: Mapping[str, Any]) -> OpenGroup:
+        """Register a new PENDING group (its arguments were checked)."""
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        group = self._groups[uid] = OpenGroup(uid, part, step, seq, tags)
+        part.admit(step)
+        return group
+
     def _terminate(self, group: OpenGroup, status: Status) -> None:
         part = group.partition
         record = new_group(
@@ -143,13 +205,13 @@ class BufferCore:
         """
         self._evaluations += 1
         rules = self._rules
-        refilled_from = -1  # groups admitted at or after this seq came from the last on_evict
+        readmitted_from, evicted_before = -1, frozenset[str]()
         while True:
             stale = rules_of.stale_steps(rules, part, global_steps)
             if not stale and not part.failed:
                 break
-            if refilled_from >= 0:
-                self._check_not_readmitted(part, stale, refilled_from)
+            if evicted_before:
+                self._check_not_readmitted(part, stale, readmitted_from, evicted_before)
             events: list[EvictionEvent] = []
             if part.failed:
                 failed = part.take_failed()
@@ -159,7 +221,8 @@ class BufferCore:
                 dropped = part.take_stale(stale)
                 metrics.add_dropped(dropped, global_steps)
                 events.append(self._evicted(part, "stale", dropped, global_steps))
-            refilled_from = self._next_seq
+            readmitted_from = self._next_seq
+            evicted_before = frozenset(group.uid for event in events for group in event.groups)
             self._emit(events)
             self._check_open()  # on_evict may have closed the buffer
         chosen, oldest = rules_of.choose_batch(rules, part, global_steps, batch_size)
@@ -172,16 +235,19 @@ class BufferCore:
         return groups
 
     @staticmethod
-    def _check_not_readmitted(part: PartitionState, stale: list[int], refilled_from: int) -> None:
-        """Refuse a round that would evict only what ``on_evict`` just added: it would loop."""
+    def _check_not_readmitted(
+        part: PartitionState, stale: list[int], readmitted_from: int, evicted_before: frozenset[str]
+    ) -> None:
+        """Refuse a round that would evict exactly what ``on_evict`` re-admitted in the round
+        before (same uids, added since): it would loop forever. They stay in the buffer."""
         buckets = part.ready.buckets
-        seqs = [entry[0] for step in stale for entry in buckets[step].entries[buckets[step].head :]]
-        seqs += [entry[1] for entry in part.failed]
-        if seqs and min(seqs) >= refilled_from:
+        entries = [entry for step in stale for entry in buckets[step].entries[buckets[step].head :]]
+        entries += [(seq, group) for _, seq, group in part.failed]
+        if all(seq >= readmitted_from and group.uid in evicted_before for seq, group in entries):
             raise StalebufError(
-                f"on_evict keeps adding groups to partition {part.name!r} that are evicted at once "
+                f"on_evict re-admitted groups of partition {part.name!r} that are evicted again at once "
                 "(stale at their dispatch step, or failed under failure_strategy='evict'), so sample "
-                "would never finish; they stay in the buffer. Refill with groups at the current step."
+                "would never finish; they stay in the buffer. Re-admit at the current step instead."
             )
 
     def _evicted(
@@ -249,6 +315,47 @@ class BufferCore:
         elif waiter in waiters:  # not there if dropped as abandoned
             waiters.remove(waiter)
 
+    async def _wait_for_batch(
+        self,
+        part: PartitionState,
+        global_steps: int,
+        batch_size: int,
+        timeout: float | None,
+        metrics: SampleMetrics,
+    ) -> tuple[list[Group], float]:
+        """Park in ``part``'s queue until a batch may be taken; return it and the seconds waited.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            BufferClosedError: the buffer was closed meanwhile.
+        """
+        binding = self._binding
+        backend = binding.bind()
+        started = backend.current_time()
+        waiter = binding.new_waiter(global_steps, batch_size)
+        interval = self._status_interval
+        timer_logs = interval is not None and binding.on_asyncio
+        if timer_logs:
+            if self._status_log is None:
+                self._status_log = StatusLog(interval, self._partitions.values())  # type: ignore[arg-type]
+            self._status_log.watch(waiter, started)
+
+        def attempt() -> list[Group] | None:
+            self._check_open()
+            if part.waiters[0] is not waiter:
+                return None
+            return self._evaluate(part, global_steps, batch_size, metrics)
+
+        part.waiters.append(waiter)  # from here on, the finally below must remove it
+        try:
+            if timeout is None and (interval is None or timer_logs):
+                groups = await park(waiter, attempt)  # no deadline: no cancel scope
+            else:
+                groups = await self._park_with_deadlines(part, waiter, attempt, started, timeout, timer_logs)
+        finally:
+            self._leave(part, waiter)
+        return groups, backend.current_time() - started
+
     async def _park_with_deadlines(
         self,
         part: PartitionState,
@@ -278,3 +385,21 @@ class BufferCore:
                 f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
             )
         return groups
+
+    # -- hooks for verl-style subclasses (see stalebuf.policy for the cost model) ------
+
+    def _is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Whether a terminal group is dropped; defaults to ``policy.is_stale``. Must be monotone."""
+        return self._policy.is_stale(global_steps, dispatch_step, partition)
+
+    def _must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Whether an in-flight group blocks the sample; defaults to ``policy.must_wait_for``."""
+        return self._policy.must_wait_for(global_steps, dispatch_step, partition)
+
+    def _select(
+        self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
+    ) -> Sequence[Group]:
+        """Choose the batch from ``candidates`` (oldest first, lazily); defaults to
+        ``policy.select``, which takes the first ``batch_size`` in O(batch_size); any other
+        choice costs O(N)."""
+        return self._policy.select(candidates, batch_size, global_steps, partition)

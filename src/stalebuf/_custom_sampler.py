@@ -15,11 +15,55 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from .config import SamplerConfig
 from .errors import ConfigError
+from .policy import StalenessPolicy
 
-__all__ = ["load_custom_sampler"]
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+_Buffer = TypeVar("_Buffer", bound="ReplayBuffer")
+
+
+def build_from_config(
+    cls: type[_Buffer],
+    base: type[ReplayBuffer],
+    config: SamplerConfig | Mapping[str, Any],
+    options: Mapping[str, Any],
+) -> ReplayBuffer:
+    """Build what ``ReplayBuffer.from_config`` promises (see its docs); ``base`` is ReplayBuffer.
+
+    Raises:
+        ConfigError: for an invalid config, a custom sampler that cannot be loaded or is
+            neither kind of subclass, or sampler_kwargs its constructor rejects.
+    """
+    if isinstance(config, Mapping):
+        config = SamplerConfig.from_mapping(config)
+    elif not isinstance(config, SamplerConfig):
+        raise ConfigError(f"config must be a SamplerConfig or a mapping, got {type(config).__name__}")
+    target: Any = cls
+    if config.custom_sampler is not None:
+        target = load_custom_sampler(config.custom_sampler)
+        if not (isinstance(target, type) and issubclass(target, (base, StalenessPolicy))):
+            raise ConfigError(
+                f"custom_sampler {config.custom_sampler!r} must name a subclass of "
+                f"stalebuf.ReplayBuffer or stalebuf.StalenessPolicy, got {type(target).__name__}"
+            )
+    kwargs = dict(config.sampler_kwargs)
+    try:
+        if issubclass(target, StalenessPolicy):
+            return cls(config, policy=target(config, **kwargs), **options)
+        built: ReplayBuffer = target(config, **kwargs, **options)
+    except TypeError as exc:
+        raise ConfigError(f"{target.__qualname__} rejected sampler_kwargs {kwargs!r}: {exc}") from exc
+    return built
+
+
+__all__ = ["build_from_config", "load_custom_sampler"]
 
 
 def load_custom_sampler(spec: str) -> object:

@@ -1,0 +1,302 @@
+"""The producer half of the buffer: groups move PENDING -> RUNNING -> FINISHED | FAILURE.
+
+Each ``*_nowait`` method checks everything before it changes anything, so a failed call leaves
+the buffer as it was; its awaitable twin of the same name has the same checks, errors and
+effect. Completing a group wakes the partition's head waiting ``sample`` when it may now get
+a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Literal
+
+from ._core import BufferCore
+from ._partition import OpenGroup
+from ._validation import (
+    check_group_payloads,
+    check_index,
+    check_partition,
+    check_step,
+    check_tags,
+    check_uid,
+    describe,
+)
+from .errors import DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
+from .records import EMPTY_TAGS, Group, Status, new_trajectory
+
+__all__ = ["GroupStatus", "Producers"]
+
+#: What ``put_group(status=...)`` accepts: a terminal Status, its value, or "failed".
+GroupStatus = Status | Literal["finished", "failure", "failed"]
+_FINISHED, _FAILURE, _PENDING, _RUNNING = Status.FINISHED, Status.FAILURE, Status.PENDING, Status.RUNNING
+# What ``put_group(status=...)`` accepts: a terminal Status or its value ("failed" too).
+_TERMINAL: dict[object, Status] = {
+    _FINISHED: _FINISHED,
+    _FAILURE: _FAILURE,
+    "finished": _FINISHED,
+    "failure": _FAILURE,
+    "failed": _FAILURE,
+}
+
+
+class Producers(BufferCore):
+    """The producer methods of ``ReplayBuffer`` (documented there)."""
+
+    # -- producers --------------------------------------------------------------------
+
+    def add_prompt_nowait(
+        self,
+        uid: str,
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new group ``uid`` dispatched at trainer step ``global_steps``, as PENDING.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
+            DuplicateGroupError: a group with this uid is in the buffer.
+        """
+        self._check_usable()
+        # The hot path: each check is inlined, the slow helpers only build the error.
+        if type(uid) is not str or not uid or "_" in uid:
+            check_uid(uid)
+        if type(global_steps) is not int or not 0 <= global_steps < 1 << 63:
+            check_step(global_steps)
+        part = self._partitions.get(partition) if type(partition) is str else None
+        if part is None:
+            check_partition(partition)
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        if uid in self._groups:
+            raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
+        self._admit(uid, global_steps, part or self._partition(partition), frozen_tags)
+
+    def mark_running_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING to RUNNING.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is not PENDING.
+        """
+        self._check_usable()
+        group = self._open_group(uid, "mark running")
+        if group.status is not _PENDING:
+            raise InvalidTransitionError(f"cannot mark group {uid!r} running: it is already running")
+        group.status = _RUNNING
+        group.partition.start()
+
+    def put_nowait(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory to the PENDING or RUNNING group ``uid``; return its key,
+        ``f"{uid}_{session_id}_{index}"``.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, or ``tags`` is
+                not a mapping.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is terminal (a late write).
+            DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
+        """
+        self._check_usable()
+        if type(session_id) is not int or not 0 <= session_id < 1 << 63:
+            check_index(session_id, "session_id")
+        if type(index) is not int or not 0 <= index < 1 << 63:
+            check_index(index, "index")
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        group = self._open_group(uid, "put into")
+        key = f"{uid}_{session_id}_{index}"
+        trajectories = group.trajectories
+        if key in trajectories:
+            raise DuplicateTrajectoryError(
+                f"group {uid!r} already holds session_id={session_id}, index={index} ({key!r})"
+            )
+        trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
+        group.partition.add_trajectories(1)
+        return key
+
+    def mark_finished_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is already terminal.
+        """
+        self._check_usable()
+        self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
+
+    def mark_failed_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING or RUNNING to FAILURE.
+
+        Under ``failure_strategy="sample"`` (or in an exempt partition) it becomes
+        sampleable; under "evict" the next ``sample`` of its partition evicts it.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is already terminal.
+        """
+        self._check_usable()
+        self._terminate(self._open_group(uid, "mark failed"), _FAILURE)
+
+    def put_group_nowait(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
+
+        Does what ``add_prompt`` + one ``put`` per payload + ``mark_finished`` (or
+        ``mark_failed``) would, all or nothing: everything is checked before anything changes.
+        Trajectory ``i`` gets ``session_ids[i]`` (default ``i``), ``indices[i]`` (default 0)
+        and ``trajectory_tags[i]``. If the group is already in flight, it must have the same
+        ``global_steps`` and ``partition``, the payloads are added to what it holds, and
+        ``tags`` is ignored (group tags are set when a group is added). ``status`` is
+        ``Status.FINISHED`` or ``Status.FAILURE`` or their values ("failed" also works).
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: an argument is invalid, ``payloads`` is not a collection, a
+                per-trajectory collection has another length than ``payloads``, or ``status``
+                is not a terminal status.
+            InvalidTransitionError: the group is already terminal (a late write).
+            DuplicateGroupError: the group is in flight with another step or partition.
+            DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
+        """
+        self._check_usable()
+        return self._put_group(
+            uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
+        )
+
+    async def add_prompt(
+        self,
+        uid: str,
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new PENDING group; the async twin of :meth:`add_prompt_nowait` (same errors)."""
+        self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+
+    async def mark_running(self, uid: str) -> None:
+        """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
+        self.mark_running_nowait(uid)
+
+    async def put(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same errors)."""
+        return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
+
+    async def mark_finished(self, uid: str) -> None:
+        """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait` (same errors)."""
+        self.mark_finished_nowait(uid)
+
+    async def mark_failed(self, uid: str) -> None:
+        """Mark a group FAILURE; the async twin of :meth:`mark_failed_nowait` (same errors)."""
+        self.mark_failed_nowait(uid)
+
+    async def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add, fill and end a whole group; the async twin of :meth:`put_group_nowait` (same errors)."""
+        return self.put_group_nowait(
+            uid,
+            payloads,
+            global_steps=global_steps,
+            partition=partition,
+            tags=tags,
+            trajectory_tags=trajectory_tags,
+            session_ids=session_ids,
+            indices=indices,
+            status=status,
+        )
+
+    def _put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        global_steps: int,
+        partition: str,
+        tags: Mapping[str, Any] | None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
+        session_ids: Sequence[int] | None,
+        indices: Sequence[int] | None,
+        status: object,
+    ) -> list[str]:
+        """``put_group_nowait`` after the open/thread check: check everything, then change."""
+        check_uid(uid)
+        check_step(global_steps)
+        check_partition(partition)
+        group_tags = check_tags(tags)
+        terminal = _TERMINAL.get(status) if type(status) in (str, Status) else None
+        if terminal is None:
+            raise ValueError(
+                f"status must be Status.FINISHED or Status.FAILURE (or its value), got {describe(status)}"
+            )
+        keys, rows = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
+        group: OpenGroup | Group | None = self._groups.get(uid)
+        if group is not None:
+            group = self._open_group(uid, "put a group into")
+            if group.dispatch_step != global_steps or group.partition.name != partition:
+                raise DuplicateGroupError(
+                    f"group {uid!r} is already in the buffer with global_steps={group.dispatch_step}, "
+                    f"partition={group.partition.name!r}; put_group got global_steps={global_steps}, "
+                    f"partition={partition!r}"
+                )
+            for key in keys:
+                if key in group.trajectories:
+                    raise DuplicateTrajectoryError(f"group {uid!r} already holds trajectory {key!r}")
+        # Everything is valid: from here on nothing raises, so the group lands whole.
+        if group is None:
+            group = self._admit(uid, global_steps, self._partition(partition), group_tags)
+        group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
+        group.partition.add_trajectories(len(rows))
+        self._terminate(group, terminal)
+        return keys
