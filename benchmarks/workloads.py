@@ -1,7 +1,7 @@
 """Workloads shared by ``compare.py`` and the pytest-benchmark files.
 
-Everything here drives the public API of :class:`stalebuf.ReplayBuffer` (plus, for the
-idle-cost target, a subclass that counts calls of the private ``_evaluate`` hook), or
+Everything here drives the public API of :class:`stalebuf.ReplayBuffer` (the idle-cost
+target also reads the buffer's internal evaluation counter, see :func:`evaluations`), or
 one of the baselines the issue asks to compare against:
 
 - :class:`PollingBuffer`, a minimal buffer with verl-like semantics: a dict of metadata
@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
+import statistics
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 from stalebuf import ReplayBuffer, SamplerConfig
-from stalebuf.metrics import SampleMetrics
-from stalebuf.partition import PartitionIndex
 
 __all__ = [
     "BASE_STEP",
@@ -33,17 +31,18 @@ __all__ = [
     "GATE_STEP",
     "PER_STEP",
     "TRAJECTORIES_PER_GROUP",
-    "CountingBuffer",
     "Gated",
     "PollingBuffer",
     "Resident",
     "add_group_nowait",
     "add_polling_group",
     "drive",
+    "evaluations",
     "gc_paused",
-    "percentile",
+    "interleaved",
     "pipeline_stalebuf",
     "queue_pipeline",
+    "settle",
 ]
 
 #: Trajectories per group in every workload (the issue's "8 x put").
@@ -64,17 +63,6 @@ T = TypeVar("T")
 # -- small helpers -----------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Return the ``q``-quantile (0..1) of ``values`` by linear interpolation."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Disable the cyclic GC while building a large resident set (setup, never timed).
@@ -92,6 +80,27 @@ def gc_paused() -> Iterator[None]:
         gc.freeze()
         if was_enabled:
             gc.enable()
+
+
+async def settle(condition: Callable[[], bool]) -> None:
+    """Yield until ``condition`` holds, then a couple of times more (so a waiter is parked)."""
+    while not condition():
+        await anyio.lowlevel.checkpoint()
+    for _ in range(2):
+        await anyio.lowlevel.checkpoint()
+
+
+async def interleaved(
+    reference: Callable[[], Awaitable[int]], measured: Callable[[], Awaitable[int]], reps: int
+) -> tuple[float, float]:
+    """Time ``reference()`` then ``measured()``, ``reps`` times over (ABAB..., so that load
+    from other processes hits both alike); return the medians (measured, reference)."""
+    mine: list[int] = []
+    theirs: list[int] = []
+    for _ in range(reps):
+        theirs.append(await reference())
+        mine.append(await measured())
+    return statistics.median(mine), statistics.median(theirs)
 
 
 def drive(coro: Coroutine[Any, Any, T]) -> T:
@@ -123,18 +132,13 @@ def add_group_nowait(
         buf.mark_finished_nowait(uid)
 
 
-class CountingBuffer(ReplayBuffer):
-    """A ReplayBuffer that counts how often a ``sample`` call evaluates its partition."""
+def evaluations(buf: ReplayBuffer) -> int:
+    """How many times ``sample`` calls on ``buf`` have evaluated a partition so far.
 
-    def __init__(self, config: SamplerConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.evaluations = 0
-
-    def _evaluate(
-        self, part: PartitionIndex, global_steps: int, batch_size: int, metrics: SampleMetrics
-    ) -> Any:
-        self.evaluations += 1
-        return super()._evaluate(part, global_steps, batch_size, metrics)
+    Reads ``ReplayBuffer._evaluations``, an internal counter kept for exactly this: proving
+    that a parked ``sample`` does no work while nothing it waits for changes.
+    """
+    return buf._evaluations
 
 
 class Resident:
