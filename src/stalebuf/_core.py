@@ -106,7 +106,11 @@ class BufferCore:
             raise BufferClosedError("the buffer is closed")
 
     def _check_usable(self) -> None:
-        """Raise unless a producer may change the buffer now: open, and on the right thread."""
+        """Raise unless a producer may change the buffer now: on the right thread, and open.
+
+        Callers inline the cheap test ``self._closed or self._binding.thread is not None``
+        and call this only when it holds.
+        """
         self._binding.check_thread()
         if self._closed:
             raise BufferClosedError("the buffer is closed")

@@ -61,7 +61,8 @@ class Producers(BufferCore):
             TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
             DuplicateGroupError: a group with this uid is in the buffer.
         """
-        self._check_usable()
+        if self._closed or self._binding.thread is not None:
+            self._check_usable()
         # The hot path: each check is inlined, the slow helpers only build the error.
         if type(uid) is not str or not uid or "_" in uid:
             check_uid(uid)
@@ -85,7 +86,8 @@ class Producers(BufferCore):
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is not PENDING.
         """
-        self._check_usable()
+        if self._closed or self._binding.thread is not None:
+            self._check_usable()
         group = self._open_group(uid, "mark running")
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {uid!r} running: it is already running")
@@ -113,7 +115,8 @@ class Producers(BufferCore):
             InvalidTransitionError: the group is terminal (a late write).
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
         """
-        self._check_usable()
+        if self._closed or self._binding.thread is not None:
+            self._check_usable()
         if type(session_id) is not int or not 0 <= session_id < 1 << 63:
             check_index(session_id, "session_id")
         if type(index) is not int or not 0 <= index < 1 << 63:
@@ -140,7 +143,8 @@ class Producers(BufferCore):
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
         """
-        self._check_usable()
+        if self._closed or self._binding.thread is not None:
+            self._check_usable()
         self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
 
     def mark_failed_nowait(self, uid: str) -> None:
@@ -156,7 +160,8 @@ class Producers(BufferCore):
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
         """
-        self._check_usable()
+        if self._closed or self._binding.thread is not None:
+            self._check_usable()
         self._terminate(self._open_group(uid, "mark failed"), _FAILURE)
 
     def put_group_nowait(
@@ -192,7 +197,8 @@ class Producers(BufferCore):
             DuplicateGroupError: the group is in flight with another step or partition.
             DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
         """
-        self._check_usable()
+        if self._closed or self._binding.thread is not None:
+            self._check_usable()
         return self._put_group(
             uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
         )

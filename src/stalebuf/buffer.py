@@ -18,16 +18,14 @@ import anyio.lowlevel
 from ._core import EvictCallback
 from ._custom_sampler import build_from_config
 from ._producers import GroupStatus, Producers
+from ._threadsafe import ThreadsafeProducer
 from ._validation import (
     check_partition,
     check_step,
     check_timeout,
 )
 from .config import SamplerConfig
-from .errors import (
-    BatchNotReadyError,
-    ConfigError,
-)
+from .errors import BatchNotReadyError, ConfigError, WrongThreadError
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
 from .records import Batch
@@ -122,6 +120,32 @@ class ReplayBuffer(Producers):
     def closed(self) -> bool:
         """Whether ``close()`` was called."""
         return self._closed
+
+    def threadsafe(self) -> ThreadsafeProducer:
+        """Return a handle whose producer methods may be called from any thread.
+
+        Call it on the event loop's thread, inside the running loop (asyncio or trio): it
+        binds the buffer to that loop. Each handle method (``add_prompt``, ``mark_running``,
+        ``put``, ``mark_finished``, ``mark_failed``, ``put_group``) runs the ``*_nowait``
+        method of that name on the loop and blocks its thread until it ran; wake-ups are
+        immediate.
+
+        Raises:
+            WrongThreadError: no event loop runs in this thread, or the buffer is bound to
+                the loop of another thread.
+            BackendMismatchError: the buffer is bound to another async backend.
+        """
+        binding = self._binding
+        binding.check_thread()
+        binding.check_backend()
+        try:
+            token = anyio.lowlevel.current_token()
+        except RuntimeError as exc:  # no async backend runs here (sniffio could not tell)
+            raise WrongThreadError(
+                "threadsafe() must be called inside the buffer's running event loop"
+            ) from exc
+        binding.bind()
+        return ThreadsafeProducer(self, token.native_token, binding.loop_running)
 
     def __contains__(self, uid: object) -> bool:
         """Whether a group with this uid is in the buffer (in flight or terminal)."""
