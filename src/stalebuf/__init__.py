@@ -7,21 +7,52 @@ batch qualifies under the staleness rules, then returns it oldest first.
 
 from __future__ import annotations
 
-from .buffer import ReplayBuffer
+from ._threadsafe import ThreadsafeProducer
+from .buffer import GroupStatus, ReplayBuffer
 from .config import SamplerConfig
+from .errors import (
+    BackendMismatchError,
+    BatchNotReadyError,
+    BufferClosedError,
+    BufferUnavailableError,
+    ConfigError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+    MissingDependencyError,
+    StalebufError,
+    UnknownGroupError,
+    WrongThreadError,
+)
+from .policy import StalenessPolicy
 from .records import Batch, EvictionEvent, Group, Status, Trajectory
 from .stats import BufferStats, PartitionStats
 
 __all__ = [
+    "BackendMismatchError",
     "Batch",
+    "BatchNotReadyError",
+    "BufferClosedError",
     "BufferStats",
+    "BufferUnavailableError",
+    "ConfigError",
+    "DuplicateGroupError",
+    "DuplicateTrajectoryError",
     "EvictionEvent",
     "Group",
+    "GroupStatus",
+    "InvalidTransitionError",
+    "MissingDependencyError",
     "PartitionStats",
     "ReplayBuffer",
     "SamplerConfig",
+    "StalebufError",
+    "StalenessPolicy",
     "Status",
+    "ThreadsafeProducer",
     "Trajectory",
+    "UnknownGroupError",
+    "WrongThreadError",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -108,8 +108,8 @@ class BufferCore:
     def _check_usable(self) -> None:
         """Raise unless a producer may change the buffer now: on the right thread, and open.
 
-        Callers inline the cheap test ``self._closed or self._binding.thread is not None``
-        and call this only when it holds.
+        Producers inline the cheap test (closed, or bound to another thread) and call this
+        only when it holds: the common case costs one ``get_ident()`` comparison.
         """
         self._binding.check_thread()
         if self._closed:

@@ -9,6 +9,7 @@ a batch.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from threading import get_ident
 from typing import Any, Literal
 
 from ._core import BufferCore
@@ -61,7 +62,8 @@ class Producers(BufferCore):
             TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
             DuplicateGroupError: a group with this uid is in the buffer.
         """
-        if self._closed or self._binding.thread is not None:
+        thread = self._binding.thread
+        if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
         # The hot path: each check is inlined, the slow helpers only build the error.
         if type(uid) is not str or not uid or "_" in uid:
@@ -86,7 +88,8 @@ class Producers(BufferCore):
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is not PENDING.
         """
-        if self._closed or self._binding.thread is not None:
+        thread = self._binding.thread
+        if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
         group = self._open_group(uid, "mark running")
         if group.status is not _PENDING:
@@ -115,7 +118,8 @@ class Producers(BufferCore):
             InvalidTransitionError: the group is terminal (a late write).
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
         """
-        if self._closed or self._binding.thread is not None:
+        thread = self._binding.thread
+        if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
         if type(session_id) is not int or not 0 <= session_id < 1 << 63:
             check_index(session_id, "session_id")
@@ -143,7 +147,8 @@ class Producers(BufferCore):
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
         """
-        if self._closed or self._binding.thread is not None:
+        thread = self._binding.thread
+        if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
         self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
 
@@ -160,7 +165,8 @@ class Producers(BufferCore):
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
         """
-        if self._closed or self._binding.thread is not None:
+        thread = self._binding.thread
+        if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
         self._terminate(self._open_group(uid, "mark failed"), _FAILURE)
 
@@ -197,7 +203,8 @@ class Producers(BufferCore):
             DuplicateGroupError: the group is in flight with another step or partition.
             DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
         """
-        if self._closed or self._binding.thread is not None:
+        thread = self._binding.thread
+        if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
         return self._put_group(
             uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
