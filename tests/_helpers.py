@@ -151,7 +151,7 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
         name: (
             [g.uid for g in part.ready.iter_groups()],
             sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
-            dict(part.in_flight.counts),
+            {step: len(at) for step, at in part.in_flight.groups.items()},
             len(part.waiters),
             part.exempt,
             part.evict_failures,
@@ -244,7 +244,7 @@ def in_flight_heap_size(buf: ReplayBuffer, partition: str = "train") -> int:
 
 def in_flight_step_count(buf: ReplayBuffer, partition: str = "train") -> int:
     """How many distinct dispatch steps have groups in flight. Reads ``in_flight``."""
-    return len(_indexes(buf)[partition].in_flight.counts)
+    return len(_indexes(buf)[partition].in_flight.groups)
 
 
 def evaluations(buf: ReplayBuffer) -> int:

@@ -277,10 +277,10 @@ CASES: tuple[Case, ...] = (
         "global_steps.*-1",
     ),
     C(
-        "step-None",
-        lambda c: c.buf.add_prompt_nowait("new", global_steps=None),
+        "step-str-None",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps="None"),  # type: ignore[arg-type]
         TypeError,
-        "global_steps.*None",
+        "global_steps.*'None'",
     ),
     C(
         "step-bool",

@@ -36,8 +36,8 @@ class IndexModel:
     def admit(self, step: int) -> None:
         seq = self.next_seq
         self.next_seq += 1
-        group = OpenGroup(f"u{seq}", self.part, step, seq, EMPTY_TAGS)
-        self.part.admit(step)
+        group = OpenGroup(f"u{seq}", self.part, step, seq, EMPTY_TAGS, 0.0)
+        self.part.admit(group)
         self.open[seq] = group
 
     def start(self, pick: int) -> None:
@@ -58,7 +58,14 @@ class IndexModel:
         self.part.add_trajectories(n)
         status = Status.FAILURE if failed else Status.FINISHED
         record = new_group(
-            group.uid, "train", group.global_steps, status, EMPTY_TAGS, tuple(group.trajectories.values())
+            group.uid,
+            "train",
+            group.global_steps,
+            status,
+            EMPTY_TAGS,
+            tuple(group.trajectories.values()),
+            group.global_steps,
+            0.0,
         )
         self.part.terminate(group, record)
         entry = (group.global_steps, group.seq, record)

@@ -126,7 +126,7 @@ ERRORS: list[tuple[str, Call, type[Exception], str]] = [
     ("int uid", lambda b: b.add_prompt_nowait(5, global_steps=0), TypeError, "uid must be a str"),
     ("negative step", lambda b: b.add_prompt_nowait("x", global_steps=-1), ValueError, "global_steps"),
     ("bool step", lambda b: b.add_prompt_nowait("x", global_steps=True), TypeError, "global_steps"),
-    ("None step", lambda b: b.add_prompt_nowait("x", global_steps=None), TypeError, "global_steps"),
+    ("str step", lambda b: b.add_prompt_nowait("x", global_steps="1"), TypeError, "global_steps"),
     ("float step", lambda b: b.add_prompt_nowait("x", global_steps=1.0), TypeError, "global_steps"),
     (
         "empty partition",

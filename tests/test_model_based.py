@@ -237,7 +237,7 @@ BAD_CALLS: tuple[BadCall, ...] = (
     ("int uid", lambda b: b.add_prompt_nowait(3, global_steps=0), TypeError, BufferClosedError),
     ("bool step", lambda b: b.add_prompt_nowait("zz", global_steps=True), TypeError, BufferClosedError),
     ("negative step", lambda b: b.add_prompt_nowait("zz", global_steps=-1), ValueError, BufferClosedError),
-    ("None step", lambda b: b.add_prompt_nowait("zz", global_steps=None), TypeError, BufferClosedError),
+    ("str step", lambda b: b.add_prompt_nowait("zz", global_steps="1"), TypeError, BufferClosedError),
     (
         "empty partition",
         lambda b: b.add_prompt_nowait("zz", global_steps=0, partition=""),

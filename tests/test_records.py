@@ -18,9 +18,10 @@ def test_fast_constructors_build_what_the_classes_build() -> None:
     trajectory = new_trajectory("u_1_2", 1, 2, {"r": 1}, [1, 2])
     assert type(trajectory) is Trajectory
     assert fields(trajectory) == fields(Trajectory("u_1_2", 1, 2, {"r": 1}, [1, 2]))
-    group = new_group("u", "train", 3, Status.FINISHED, EMPTY_TAGS, (trajectory,))
+    group = new_group("u", "train", 3, Status.FINISHED, EMPTY_TAGS, (trajectory,), 4, 1.5)
     assert type(group) is Group
-    assert fields(group) == fields(Group("u", "train", 3, Status.FINISHED, EMPTY_TAGS, (trajectory,)))
+    assert fields(group) == fields(Group("u", "train", 3, Status.FINISHED, EMPTY_TAGS, (trajectory,), 4, 1.5))
+    assert group.global_steps == group.dispatch_step == 3  # the verl name is an alias
     batch = new_batch("train", 5, (group,), 2)
     assert type(batch) is Batch
     assert fields(batch) == fields(Batch("train", 5, (group,), 2))
@@ -30,7 +31,7 @@ def test_fast_constructors_build_what_the_classes_build() -> None:
     "record",
     [
         new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, None),
-        new_group("u", "train", 0, Status.FAILURE, EMPTY_TAGS, ()),
+        new_group("u", "train", 0, Status.FAILURE, EMPTY_TAGS, (), 0, 0.0),
         new_batch("train", 0, (), 1),
     ],
 )
@@ -41,8 +42,8 @@ def test_fast_built_records_are_frozen(record: object) -> None:
 
 def test_batch_views_and_staleness() -> None:
     t = [new_trajectory(f"g_{i}_0", i, 0, {"i": i}, i * 10) for i in range(3)]
-    g1 = new_group("a", "train", 4, Status.FINISHED, EMPTY_TAGS, (t[0], t[1]))
-    g2 = new_group("b", "train", 6, Status.FAILURE, EMPTY_TAGS, (t[2],))
+    g1 = new_group("a", "train", 4, Status.FINISHED, EMPTY_TAGS, (t[0], t[1]), 5, 0.0)
+    g2 = new_group("b", "train", 6, Status.FAILURE, EMPTY_TAGS, (t[2],), 6, 0.0)
     batch = new_batch("train", 7, (g1, g2), 2)
     assert len(batch) == 2
     assert batch.uids == ["a", "b"]

@@ -170,8 +170,11 @@ def test_exempt_partition_never_evicts_and_never_waits(strategy: str) -> None:
         "validation/off_policy/sampled_staleness/mean",
         "validation/off_policy/sampled_staleness/max",
         "validation/off_policy/sampled_staleness/min",
+        "validation/off_policy/sampled_generation_steps/mean",
+        "validation/off_policy/sampled_queue_steps/mean",
+        "validation/off_policy/sampled_generation_seconds/mean",
         "validation/off_policy/wait_seconds",
-    }
+    }  # nothing dropped or evicted; the keys that are always there
 
 
 def test_failure_strategy_evict_reports_failure_even_when_stale() -> None:
@@ -220,6 +223,8 @@ def test_metrics_values() -> None:
     batch, metrics = sample_now(buf, 6, 2)
     assert batch.uids == ["k1", "k2"]
     np.testing.assert_allclose(batch.staleness, [2.0, 1.0])
+    assert metrics.pop("training/off_policy/sampled_generation_seconds/mean") >= 0.0  # wall clock
+    assert metrics.pop("training/off_policy/dropped_generation_seconds/mean") >= 0.0
     assert metrics == pytest.approx(
         {
             "training/off_policy/dropped_samples": 4.0,
@@ -230,6 +235,9 @@ def test_metrics_values() -> None:
             "training/off_policy/sampled_staleness/mean": 1.5,
             "training/off_policy/sampled_staleness/max": 2.0,
             "training/off_policy/sampled_staleness/min": 1.0,
+            # no sample ran before: the clock was 0, so each finished at its own dispatch step
+            "training/off_policy/sampled_generation_steps/mean": 0.0,
+            "training/off_policy/sampled_queue_steps/mean": 6 - (3 + 5) / 2,
             "training/off_policy/wait_seconds": 0.0,
         }
     )

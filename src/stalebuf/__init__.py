@@ -7,6 +7,7 @@ batch qualifies under the staleness rules, then returns it oldest first.
 
 from __future__ import annotations
 
+from ._rollout import RolloutGroup
 from ._threadsafe import ThreadsafeProducer
 from .buffer import GroupStatus, ReplayBuffer
 from .config import SamplerConfig
@@ -14,10 +15,12 @@ from .errors import (
     BackendMismatchError,
     BatchNotReadyError,
     BufferClosedError,
+    BufferFullError,
     BufferUnavailableError,
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    GroupEvictedError,
     InvalidTransitionError,
     MissingDependencyError,
     StalebufError,
@@ -33,6 +36,7 @@ __all__ = [
     "Batch",
     "BatchNotReadyError",
     "BufferClosedError",
+    "BufferFullError",
     "BufferStats",
     "BufferUnavailableError",
     "ConfigError",
@@ -40,11 +44,13 @@ __all__ = [
     "DuplicateTrajectoryError",
     "EvictionEvent",
     "Group",
+    "GroupEvictedError",
     "GroupStatus",
     "InvalidTransitionError",
     "MissingDependencyError",
     "PartitionStats",
     "ReplayBuffer",
+    "RolloutGroup",
     "SamplerConfig",
     "StalebufError",
     "StalenessPolicy",

@@ -1,40 +1,42 @@
 """The buffer's private state and the steps its public methods share.
 
-:class:`BufferCore` holds the groups, partitions, rules and binding of a buffer and does the
-state changes: terminating a group and waking the head waiter, evaluating a partition
-(evict, then gate and select), reporting evictions, leaving the waiting queue.
-``ReplayBuffer`` is the public facade over it.
+:class:`BufferCore` holds the groups, partitions, rules, clocks and binding of a buffer, the
+checks every public method shares, and the two state changes everything else builds on:
+admitting a group and terminating it (which wakes the head waiting ``sample``). Admission
+(``_admission.py``), sampling (``_sampling.py``) and the producers (``_producers.py``) build on
+it, in that order; ``ReplayBuffer`` (``buffer.py``) is the public facade over them.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from time import monotonic
 from typing import Any
 
 from . import _evaluation as rules_of
 from ._partition import OpenGroup, PartitionState
-from ._status_log import StatusLog, log_waiting, logger, next_due
+from ._status_log import StatusLog, logger
 from ._validation import (
     check_batch_size,
     check_partition,
     check_status_log_interval,
     check_step,
+    describe,
     describe_typed,
 )
-from ._waiting import LoopBinding, Waiter, park, park_with_deadline
+from ._waiting import LoopBinding
 from .config import SamplerConfig
 from .errors import (
     BufferClosedError,
     ConfigError,
+    GroupEvictedError,
     InvalidTransitionError,
-    StalebufError,
     UnknownGroupError,
 )
-from .metrics import SampleMetrics
 from .policy import StalenessPolicy, SubclassHooks
-from .records import Batch, EvictionEvent, Group, Status, new_batch, new_group
+from .records import EvictionEvent, Group, Status, new_group
 
 __all__ = ["BufferCore", "EvictCallback"]
 
@@ -91,6 +93,10 @@ class BufferCore:
         self._groups: dict[str, OpenGroup | Group] = {}
         self._partitions: dict[str, PartitionState] = {}
         self._next_seq = 0
+        # The dispatch clock of each partition: the largest step a sample was called with.
+        self._clocks: dict[str, int] = {}
+        # uids evicted while in flight, most recent last, so a late producer learns why.
+        self._evicted_in_flight: OrderedDict[str, None] = OrderedDict()
         self._closed = False
         self._binding = LoopBinding()
         self._status_interval = interval
@@ -138,8 +144,12 @@ class BufferCore:
             if type(uid) is not str:
                 raise TypeError(f"uid must be a str, got {type(uid).__name__}")
             if group is None:
+                if uid in self._evicted_in_flight:
+                    raise GroupEvictedError(
+                        f"group {describe(uid)} was evicted as stale while in flight: stop generating"
+                    )
                 raise UnknownGroupError(
-                    f"no group {uid!r} in the buffer (never added, or already sampled or evicted)"
+                    f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
                 )
             raise InvalidTransitionError(
                 f"cannot {action} group {uid!r}: it is already {group.status.value} (a late write)"
@@ -150,25 +160,39 @@ class BufferCore:
         part = self._partitions.get(name)
         if part is None:
             rules = self._rules
-            exempt = rules.is_exempt(name)
-            part = PartitionState(name, exempt=exempt, evict_failures=rules.evicts_failures(name))
+            part = PartitionState(
+                name,
+                exempt=rules.is_exempt(name),
+                evict_failures=rules.evicts_failures(name),
+                evict_in_flight=rules.evicts_in_flight(name),
+                cap=rules.admission_batch_size(name),
+            )
             self._partitions[name] = part
         return part
 
     # -- producers ----------------------------------------------------------------------
 
     def _admit(self, uid: str, step: int, part: PartitionState, tags: Mapping[str, Any]) -> OpenGroup:
-        """Register a new PENDING group (its arguments were checked)."""
+        """Register a new PENDING group (its arguments were checked, its slot granted)."""
         seq = self._next_seq
         self._next_seq = seq + 1
-        group = self._groups[uid] = OpenGroup(uid, part, step, seq, tags)
-        part.admit(step)
+        group = self._groups[uid] = OpenGroup(uid, part, step, seq, tags, monotonic())
+        part.admit(group)
+        if self._evicted_in_flight:
+            self._evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
         return group
 
     def _terminate(self, group: OpenGroup, status: Status) -> None:
         part = group.partition
         record = new_group(
-            group.uid, part.name, group.dispatch_step, status, group.tags, tuple(group.trajectories.values())
+            group.uid,
+            part.name,
+            group.dispatch_step,
+            status,
+            group.tags,
+            tuple(group.trajectories.values()),
+            max(self._clocks.get(part.name, 0), group.dispatch_step),  # not before its dispatch
+            monotonic() - group.admitted_at,
         )
         self._groups[group.uid] = record
         part.terminate(group, record)
@@ -184,7 +208,7 @@ class BufferCore:
         """
         if self._closed:
             return
-        self._drop_abandoned(part)
+        part.drop_abandoned()
         if not part.waiters:
             return
         head = part.waiters[0]
@@ -195,200 +219,6 @@ class BufferCore:
             wake = True
         if wake:
             head.wake()
-
-    # -- sampling -----------------------------------------------------------------------
-
-    def _evaluate(
-        self, part: PartitionState, global_steps: int, batch_size: int, metrics: SampleMetrics
-    ) -> list[Group] | None:
-        """Evict what must go, then take a batch if one may be returned; else None.
-
-        Eviction repeats until a round evicts nothing, because ``on_evict`` may finish or
-        fail groups (a stale one must not slip into the batch; a failed one must not wait
-        for an unrelated wake-up). Each step asks the rules first and changes state after.
-        """
-        self._evaluations += 1
-        rules = self._rules
-        readmitted_from, evicted_before = -1, frozenset[str]()
-        while True:
-            stale = rules_of.stale_steps(rules, part, global_steps)
-            if not stale and not part.failed:
-                break
-            if evicted_before:
-                self._check_not_readmitted(part, stale, readmitted_from, evicted_before)
-            events: list[EvictionEvent] = []
-            if part.failed:
-                failed = part.take_failed()
-                metrics.failed_groups += len(failed)
-                events.append(self._evicted(part, "failure", failed, global_steps))
-            if stale:
-                dropped = part.take_stale(stale)
-                metrics.add_dropped(dropped, global_steps)
-                events.append(self._evicted(part, "stale", dropped, global_steps))
-            readmitted_from = self._next_seq
-            evicted_before = frozenset(group.uid for event in events for group in event.groups)
-            self._emit(events)
-            self._check_open()  # on_evict may have closed the buffer
-        chosen, oldest = rules_of.choose_batch(rules, part, global_steps, batch_size)
-        if chosen is None:
-            return None
-        groups = part.take_sampled(None if oldest else chosen, batch_size)
-        groups_by_uid = self._groups
-        for group in groups:
-            del groups_by_uid[group.uid]
-        return groups
-
-    @staticmethod
-    def _check_not_readmitted(
-        part: PartitionState, stale: list[int], readmitted_from: int, evicted_before: frozenset[str]
-    ) -> None:
-        """Refuse a round that would evict exactly what ``on_evict`` re-admitted in the round
-        before (same uids, added since): it would loop forever. They stay in the buffer."""
-        buckets = part.ready.buckets
-        entries = [entry for step in stale for entry in buckets[step].entries[buckets[step].head :]]
-        entries += [(seq, group) for _, seq, group in part.failed]
-        if all(seq >= readmitted_from and group.uid in evicted_before for seq, group in entries):
-            raise StalebufError(
-                f"on_evict re-admitted groups of partition {part.name!r} that are evicted again at once "
-                "(stale at their dispatch step, or failed under failure_strategy='evict'), so sample "
-                "would never finish; they stay in the buffer. Re-admit at the current step instead."
-            )
-
-    def _evicted(
-        self, part: PartitionState, reason: str, groups: list[Group], global_steps: int
-    ) -> EvictionEvent:
-        """Unregister evicted ``groups`` and return the event that reports them."""
-        groups_by_uid = self._groups
-        for group in groups:
-            del groups_by_uid[group.uid]
-        return EvictionEvent(part.name, reason, tuple(groups), global_steps)  # type: ignore[arg-type]
-
-    def _emit(self, events: list[EvictionEvent]) -> None:
-        """Call ``on_evict`` for every event; re-raise the first error after all were called.
-
-        BaseExceptions (KeyboardInterrupt, cancellation) too: every evicted group was counted,
-        so every event is delivered before anything propagates.
-        """
-        callback = self._on_evict
-        if callback is None:
-            return
-        error: BaseException | None = None
-        for event in events:
-            try:
-                callback(event)
-            except BaseException as exc:
-                if error is None:
-                    error = exc
-                else:
-                    logger.exception("on_evict raised again while reporting %s", event.reason)
-        if error is not None:
-            raise error
-
-    def _result(
-        self,
-        part: PartitionState,
-        global_steps: int,
-        groups: list[Group],
-        metrics: SampleMetrics,
-        wait_seconds: float,
-    ) -> tuple[Batch, dict[str, float]]:
-        batch = new_batch(part.name, global_steps, tuple(groups), self._sync_step)
-        return batch, metrics.render(part.name, groups, global_steps, self._sync_step, wait_seconds)
-
-    # -- waiting ------------------------------------------------------------------------
-
-    @staticmethod
-    def _drop_abandoned(part: PartitionState) -> None:
-        """Forget waiters whose event loop was closed under them: they will never run."""
-        waiters = part.waiters
-        if waiters and any(waiter.abandoned() for waiter in waiters):
-            part.waiters = type(waiters)(waiter for waiter in waiters if not waiter.abandoned())
-
-    def _has_live_waiter(self, part: PartitionState) -> bool:
-        if not part.waiters:
-            return False
-        self._drop_abandoned(part)
-        return bool(part.waiters)
-
-    def _leave(self, part: PartitionState, waiter: Waiter) -> None:
-        """Take ``waiter`` out of its queue; if it was the head, pass the turn on."""
-        waiters = part.waiters
-        if waiters and waiters[0] is waiter:
-            waiters.popleft()
-            self._wake_head(part)  # whether we succeeded or not
-        elif waiter in waiters:  # not there if dropped as abandoned
-            waiters.remove(waiter)
-
-    async def _wait_for_batch(
-        self,
-        part: PartitionState,
-        global_steps: int,
-        batch_size: int,
-        timeout: float | None,
-        metrics: SampleMetrics,
-    ) -> tuple[list[Group], float]:
-        """Park in ``part``'s queue until a batch may be taken; return it and the seconds waited.
-
-        Raises:
-            TimeoutError: ``timeout`` passed first.
-            BufferClosedError: the buffer was closed meanwhile.
-        """
-        binding = self._binding
-        backend = binding.bind()
-        started = backend.current_time()
-        waiter = binding.new_waiter(global_steps, batch_size)
-        interval = self._status_interval
-        timer_logs = interval is not None and binding.on_asyncio
-        if timer_logs:
-            if self._status_log is None:
-                self._status_log = StatusLog(interval, self._partitions.values())  # type: ignore[arg-type]
-            self._status_log.watch(waiter, started)
-
-        def attempt() -> list[Group] | None:
-            self._check_open()
-            if part.waiters[0] is not waiter:
-                return None
-            return self._evaluate(part, global_steps, batch_size, metrics)
-
-        part.waiters.append(waiter)  # from here on, the finally below must remove it
-        try:
-            if timeout is None and (interval is None or timer_logs):
-                groups = await park(waiter, attempt)  # no deadline: no cancel scope
-            else:
-                groups = await self._park_with_deadlines(part, waiter, attempt, started, timeout, timer_logs)
-        finally:
-            self._leave(part, waiter)
-        return groups, backend.current_time() - started
-
-    async def _park_with_deadlines(
-        self,
-        part: PartitionState,
-        waiter: Waiter,
-        attempt: Callable[[], list[Group] | None],
-        started: float,
-        timeout: float | None,
-        timer_logs: bool,
-    ) -> list[Group]:
-        """Park under a deadline: raise TimeoutError at ``timeout`` and, where no loop timer
-        does it, log a status line every interval."""
-        backend = self._binding.backend
-        assert backend is not None  # bound before any wait
-        interval = self._status_interval
-        deadline = math.inf if timeout is None else started + timeout
-        next_log = math.inf if timer_logs or interval is None else started + interval
-
-        def log_line(now: float) -> float:
-            nonlocal next_log
-            log_waiting(part, waiter, next_log - started)
-            next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
-            return next_log
-
-        groups = await park_with_deadline(waiter, attempt, backend, deadline, log_line, next_log)
-        if groups is None:
-            raise TimeoutError(
-                f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
-            )
-        return groups
 
     # -- hooks for verl-style subclasses (see stalebuf.policy for the cost model) ------
 

@@ -15,7 +15,14 @@ from .errors import StalebufError
 from .policy import StalenessPolicy, select_label
 from .records import Group
 
-__all__ = ["choose_batch", "gate_open", "has_work_for", "oldest_is_stale", "stale_steps"]
+__all__ = [
+    "choose_batch",
+    "gate_open",
+    "has_work_for",
+    "oldest_is_stale",
+    "stale_in_flight_steps",
+    "stale_steps",
+]
 
 
 def oldest_is_stale(rules: StalenessPolicy, part: PartitionState, global_steps: int) -> bool:
@@ -40,6 +47,15 @@ def stale_steps(rules: StalenessPolicy, part: PartitionState, global_steps: int)
     return part.ready.stale_steps(lambda step: rules.is_stale(global_steps, step, name))
 
 
+def stale_in_flight_steps(rules: StalenessPolicy, part: PartitionState, global_steps: int) -> list[int]:
+    """Return the dispatch steps, oldest first, whose in-flight groups no later sample could
+    return (only with in-flight eviction): the drop rule already holds for them."""
+    if not part.evict_in_flight:
+        return []
+    name = part.name
+    return part.in_flight.stale_steps(lambda step: rules.is_stale(global_steps, step, name))
+
+
 def gate_open(rules: StalenessPolicy, part: PartitionState, global_steps: int) -> bool:
     """The wait gate: no in-flight group the sample at ``global_steps`` must wait for."""
     if rules.drops or part.exempt:
@@ -56,6 +72,10 @@ def has_work_for(rules: StalenessPolicy, part: PartitionState, waiter: Waiter) -
     """
     if part.failed or oldest_is_stale(rules, part, waiter.global_steps):
         return True
+    if part.evict_in_flight:
+        oldest = part.in_flight.oldest()
+        if oldest is not None and rules.is_stale(waiter.global_steps, oldest, part.name):
+            return True
     return part.ready.count >= waiter.batch_size and gate_open(rules, part, waiter.global_steps)
 
 

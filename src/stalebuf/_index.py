@@ -20,9 +20,12 @@ import bisect
 import heapq
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from .records import Group
+
+if TYPE_CHECKING:
+    from ._partition import OpenGroup
 
 __all__ = ["Bucket", "InFlightIndex", "ReadyIndex"]
 
@@ -208,43 +211,70 @@ class ReadyIndex:
 
 
 class InFlightIndex:
-    """PENDING/RUNNING groups of one partition, counted per dispatch step."""
+    """PENDING/RUNNING groups of one partition, by dispatch step (each step in admission order)."""
 
-    __slots__ = ("counts", "steps")
+    __slots__ = ("groups", "steps")
 
     def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-        self.steps: list[int] = []  # a lazily cleaned min-heap of the keys of ``counts``
+        self.groups: dict[int, dict[str, OpenGroup]] = {}
+        self.steps: list[int] = []  # a lazily cleaned min-heap of the keys of ``groups``
 
-    def add(self, step: int) -> None:
-        """Count one more in-flight group dispatched at ``step``."""
-        counts = self.counts
-        count = counts.get(step)
-        if count is None:
-            counts[step] = 1
+    def add(self, step: int, uid: str, group: OpenGroup) -> None:
+        """Record one more in-flight group dispatched at ``step``."""
+        by_step = self.groups
+        at_step = by_step.get(step)
+        if at_step is None:
+            by_step[step] = {uid: group}
             steps = self.steps
-            if len(steps) > 2 * len(counts) + 8:
+            if len(steps) > 2 * len(by_step) + 8:
                 # Ended steps are dropped lazily only from the top; when an old group stays in
                 # flight they pile up below it. Rebuilding here keeps the heap O(live steps).
-                steps[:] = counts
+                steps[:] = by_step
                 heapq.heapify(steps)
             else:
                 heapq.heappush(steps, step)
         else:
-            counts[step] = count + 1
+            at_step[uid] = group
 
-    def remove(self, step: int) -> None:
-        """Count one in-flight group dispatched at ``step`` less (it ended or left)."""
-        counts = self.counts
-        count = counts[step] - 1
-        if count:
-            counts[step] = count
-        else:
-            del counts[step]  # its heap entry is dropped lazily
+    def remove(self, step: int, uid: str) -> None:
+        """Forget the in-flight group ``uid`` dispatched at ``step`` (it ended or left)."""
+        at_step = self.groups[step]
+        del at_step[uid]
+        if not at_step:
+            del self.groups[step]  # its heap entry is dropped lazily
 
     def oldest(self) -> int | None:
         """Return the smallest dispatch step of an in-flight group, or None."""
-        steps, counts = self.steps, self.counts
-        while steps and steps[0] not in counts:
+        steps, by_step = self.steps, self.groups
+        while steps and steps[0] not in by_step:
             heapq.heappop(steps)  # a step whose last in-flight group ended
         return steps[0] if steps else None
+
+    def stale_steps(self, is_stale: Callable[[int], bool]) -> list[int]:
+        """Return the steps, oldest first, that ``is_stale`` accepts before the first it rejects;
+        changes nothing. O(j log S) for j returned steps."""
+        stale: list[int] = []
+        if self.oldest() is None:
+            return stale
+        heap = self.steps
+        frontier = [(heap[0], 0)]
+        size = len(heap)
+        by_step = self.groups
+        while frontier:
+            step, i = heapq.heappop(frontier)
+            if step in by_step and not (stale and stale[-1] == step):  # skip deleted, duplicates
+                if not is_stale(step):
+                    break
+                stale.append(step)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < size:
+                    heapq.heappush(frontier, (heap[child], child))
+        return stale
+
+    def pop_steps(self, steps: list[int]) -> list[OpenGroup]:
+        """Remove and return the in-flight groups of ``steps``, oldest first (admission order)."""
+        by_step = self.groups
+        groups: list[OpenGroup] = []
+        for step in steps:
+            groups.extend(by_step.pop(step).values())
+        return groups

@@ -7,7 +7,7 @@ A :class:`PartitionState` only records what happened; it never decides what shou
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._index import InFlightIndex, ReadyIndex
@@ -25,10 +25,26 @@ _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 class OpenGroup:
     """A PENDING or RUNNING group: the only mutable group state the buffer keeps."""
 
-    __slots__ = ("dispatch_step", "partition", "seq", "status", "tags", "trajectories", "uid")
+    __slots__ = (
+        "admitted_at",
+        "dispatch_step",
+        "partition",
+        "seq",
+        "status",
+        "tags",
+        "trajectories",
+        "uid",
+        "watchers",
+    )
 
     def __init__(
-        self, uid: str, partition: PartitionState, dispatch_step: int, seq: int, tags: Mapping[str, Any]
+        self,
+        uid: str,
+        partition: PartitionState,
+        dispatch_step: int,
+        seq: int,
+        tags: Mapping[str, Any],
+        admitted_at: float,
     ) -> None:
         self.uid = uid
         self.partition = partition
@@ -36,6 +52,10 @@ class OpenGroup:
         self.seq = seq
         self.status = _PENDING
         self.tags = tags
+        self.admitted_at = admitted_at
+        # Called once if the group is evicted in flight or the buffer closes (rollout() cancels
+        # its body this way); None for the common group nobody watches.
+        self.watchers: list[Callable[[], object]] | None = None
         # Keyed by trajectory key: keeps put order and detects duplicates in one structure.
         self.trajectories: dict[str, Trajectory] = {}
 
@@ -48,17 +68,22 @@ class OpenGroup:
 class PartitionState:
     """Everything the buffer tracks for one partition.
 
-    ``exempt`` and ``evict_failures`` are the policy's answers for this partition, asked
-    once when the partition is created. ``waiters`` are the blocked ``sample`` calls in
-    arrival order; only the head may take groups.
+    ``exempt``, ``evict_failures``, ``evict_in_flight`` and ``cap`` (the admission control's
+    per-dispatch-step bound ``b``, None without it) are the policy's answers for this
+    partition, asked once when the partition is created. ``waiters`` are the blocked
+    ``sample`` calls and ``producers`` the producer calls blocked on admission, each in
+    arrival order; only a head may proceed.
     """
 
     __slots__ = (
         "admitted_groups",
         "admitted_trajectories",
+        "cap",
         "evict_failures",
+        "evict_in_flight",
         "evicted_failure_groups",
         "evicted_failure_trajectories",
+        "evicted_in_flight_groups",
         "evicted_stale_groups",
         "evicted_stale_trajectories",
         "exempt",
@@ -66,9 +91,13 @@ class PartitionState:
         "failure",
         "finished",
         "in_flight",
+        "last_sampled",
         "name",
         "pending",
+        "producer_wait_seconds",
+        "producers",
         "ready",
+        "resident_at",
         "running",
         "sampled_groups",
         "sampled_trajectories",
@@ -76,28 +105,49 @@ class PartitionState:
         "waiters",
     )
 
-    def __init__(self, name: str, *, exempt: bool, evict_failures: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        exempt: bool,
+        evict_failures: bool,
+        evict_in_flight: bool = False,
+        cap: int | None = None,
+    ) -> None:
         self.name = name
         self.exempt = exempt
         self.evict_failures = evict_failures and not exempt
+        self.evict_in_flight = evict_in_flight and not exempt
+        self.cap = None if exempt else cap
         self.ready = ReadyIndex()
         self.in_flight = InFlightIndex()
         self.failed: list[tuple[int, int, Group]] = []  # (step, seq, group): failed, to evict
         self.waiters: deque[Waiter] = deque()
+        self.producers: deque[Waiter] = deque()
+        # Resident groups per dispatch step, kept only under admission control. Every group
+        # leaves through _forget, which decrements it: the count cannot drift from the truth.
+        self.resident_at: dict[int, int] | None = None if self.cap is None else {}
+        self.last_sampled = -1  # the largest step a sample returned a batch at
+        self.producer_wait_seconds = 0.0  # since the last sample, by producers that waited
         self.pending = self.running = self.finished = self.failure = 0
         self.trajectories = 0
         self.admitted_groups = self.admitted_trajectories = 0
         self.sampled_groups = self.sampled_trajectories = 0
         self.evicted_stale_groups = self.evicted_stale_trajectories = 0
         self.evicted_failure_groups = self.evicted_failure_trajectories = 0
+        self.evicted_in_flight_groups = 0
 
     # -- in-flight groups -------------------------------------------------------------
 
-    def admit(self, step: int) -> None:
-        """Record a new PENDING group dispatched at ``step``."""
+    def admit(self, group: OpenGroup) -> None:
+        """Record a new PENDING group."""
         self.pending += 1
         self.admitted_groups += 1
-        self.in_flight.add(step)
+        step = group.dispatch_step
+        self.in_flight.add(step, group.uid, group)
+        resident_at = self.resident_at
+        if resident_at is not None:
+            resident_at[step] = resident_at.get(step, 0) + 1
 
     def start(self) -> None:
         """Record that a PENDING group became RUNNING."""
@@ -116,7 +166,7 @@ class PartitionState:
         else:
             self.running -= 1
         step = group.dispatch_step
-        self.in_flight.remove(step)
+        self.in_flight.remove(step, group.uid)
         if record.status is _FINISHED:
             self.finished += 1
         else:
@@ -126,15 +176,45 @@ class PartitionState:
                 return
         self.ready.push(step, group.seq, record)
 
+    def take_stale_in_flight(self, steps: list[int]) -> list[OpenGroup]:
+        """Evict and return the in-flight groups of the oldest ``steps`` (the policy chose them)."""
+        groups = self.in_flight.pop_steps(steps)
+        trajectories = running = 0
+        for group in groups:
+            trajectories += len(group.trajectories)
+            if group.status is not _PENDING:
+                running += 1
+            self._release(group.dispatch_step)
+        self.running -= running
+        self.pending -= len(groups) - running
+        self.trajectories -= trajectories
+        self.evicted_stale_trajectories += trajectories
+        self.evicted_stale_groups += len(groups)
+        self.evicted_in_flight_groups += len(groups)
+        return groups
+
     # -- terminal groups leaving ------------------------------------------------------
 
+    def _release(self, step: int) -> None:
+        """Free a group's admission slot at ``step``."""
+        resident_at = self.resident_at
+        if resident_at is not None:
+            count = resident_at[step] - 1
+            if count:
+                resident_at[step] = count
+            else:
+                del resident_at[step]
+
     def _forget(self, groups: list[Group]) -> int:
-        """Drop ``groups`` from the resident counts; return their trajectory count."""
+        """Drop terminal ``groups`` from the resident counts; return their trajectory count."""
         trajectories = failures = 0
+        release = self.resident_at is not None
         for group in groups:
             trajectories += len(group.trajectories)
             if group.status is _FAILURE:
                 failures += 1
+            if release:
+                self._release(group.dispatch_step)
         self.finished -= len(groups) - failures
         self.failure -= failures
         self.trajectories -= trajectories
@@ -168,7 +248,29 @@ class PartitionState:
         self.sampled_groups += len(chosen)
         return chosen
 
-    def stats(self) -> PartitionStats:
+    # -- waiting ------------------------------------------------------------------------
+
+    def drop_abandoned(self) -> None:
+        """Forget waiters whose event loop was closed under them: they will never run."""
+        for name in ("waiters", "producers"):
+            queue: deque[Waiter] = getattr(self, name)
+            if queue and any(waiter.abandoned() for waiter in queue):
+                setattr(self, name, deque(waiter for waiter in queue if not waiter.abandoned()))
+
+    def has_live_waiter(self) -> bool:
+        """Whether a ``sample`` that can still run waits on this partition."""
+        if not self.waiters:
+            return False
+        self.drop_abandoned()
+        return bool(self.waiters)
+
+    # -- admission ----------------------------------------------------------------------
+
+    def resident_at_step(self, step: int) -> int:
+        """How many resident groups are tagged ``step`` (only under admission control)."""
+        return self.resident_at.get(step, 0) if self.resident_at is not None else 0
+
+    def stats(self, capacity: int | None) -> PartitionStats:
         """Return a snapshot of this partition's counts."""
         return PartitionStats(
             pending=self.pending,
@@ -185,4 +287,7 @@ class PartitionState:
             evicted_stale_trajectories=self.evicted_stale_trajectories,
             evicted_failure_groups=self.evicted_failure_groups,
             evicted_failure_trajectories=self.evicted_failure_trajectories,
+            evicted_in_flight_groups=self.evicted_in_flight_groups,
+            waiting_producers=len(self.producers),
+            capacity=capacity,
         )

@@ -12,8 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from threading import get_ident
 from typing import Any, Literal
 
-from ._core import BufferCore
 from ._partition import OpenGroup
+from ._sampling import Sampling
 from ._validation import (
     check_group_payloads,
     check_index,
@@ -23,7 +23,7 @@ from ._validation import (
     check_uid,
     describe,
 )
-from .errors import DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
+from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
 from .records import EMPTY_TAGS, Group, Status, new_trajectory
 
 __all__ = ["GroupStatus", "Producers"]
@@ -41,7 +41,7 @@ _TERMINAL: dict[object, Status] = {
 }
 
 
-class Producers(BufferCore):
+class Producers(Sampling):
     """The producer methods of ``ReplayBuffer`` (documented there)."""
 
     # -- producers --------------------------------------------------------------------
@@ -50,17 +50,19 @@ class Producers(BufferCore):
         self,
         uid: str,
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
     ) -> None:
-        """Admit a new group ``uid`` dispatched at trainer step ``global_steps``, as PENDING.
+        """Admit a new group ``uid`` as PENDING, tagged ``global_steps`` (its dispatch step;
+        None: the partition's dispatch clock, :meth:`dispatch_step`, at this moment).
 
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
             TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
             DuplicateGroupError: a group with this uid is in the buffer.
+            BufferFullError: admission control has no slot for it now; nothing changed.
         """
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
@@ -68,7 +70,7 @@ class Producers(BufferCore):
         # The hot path: each check is inlined, the slow helpers only build the error.
         if type(uid) is not str or not uid or "_" in uid:
             check_uid(uid)
-        if type(global_steps) is not int or not 0 <= global_steps < 1 << 63:
+        if global_steps is not None and (type(global_steps) is not int or not 0 <= global_steps < 1 << 63):
             check_step(global_steps)
         part = self._partitions.get(partition) if type(partition) is str else None
         if part is None:
@@ -76,7 +78,16 @@ class Producers(BufferCore):
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         if uid in self._groups:
             raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
+        if part is None or part.cap is not None or global_steps is None:
+            global_steps = self._admission_tag(partition, part, global_steps)
         self._admit(uid, global_steps, part or self._partition(partition), frozen_tags)
+
+    def _add_prompt_at(self, uid: str, tag: int, partition: str, tags: Mapping[str, Any] | None) -> None:
+        """Admit ``uid`` at ``tag``, a slot the caller was granted (a waiting producer's turn)."""
+        self._check_usable()
+        if uid in self._groups:
+            raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
+        self._admit(uid, tag, self._partition(partition), check_tags(tags))
 
     def mark_running_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING to RUNNING.
@@ -175,7 +186,7 @@ class Producers(BufferCore):
         uid: str,
         payloads: Collection[Any],
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
@@ -190,7 +201,8 @@ class Producers(BufferCore):
         Trajectory ``i`` gets ``session_ids[i]`` (default ``i``), ``indices[i]`` (default 0)
         and ``trajectory_tags[i]``. If the group is already in flight, it must have the same
         ``global_steps`` and ``partition``, the payloads are added to what it holds, and
-        ``tags`` is ignored (group tags are set when a group is added). ``status`` is
+        ``tags`` is ignored (group tags are set when a group is added); ``global_steps=None``
+        means the group's own step, or the dispatch clock for a new group. ``status`` is
         ``Status.FINISHED`` or ``Status.FAILURE`` or their values ("failed" also works).
 
         Raises:
@@ -202,6 +214,7 @@ class Producers(BufferCore):
             InvalidTransitionError: the group is already terminal (a late write).
             DuplicateGroupError: the group is in flight with another step or partition.
             DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
+            BufferFullError: the group is new and admission control has no slot for it now.
         """
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
@@ -214,12 +227,28 @@ class Producers(BufferCore):
         self,
         uid: str,
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
     ) -> None:
-        """Admit a new PENDING group; the async twin of :meth:`add_prompt_nowait` (same errors)."""
-        self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+        """Admit a new PENDING group; like :meth:`add_prompt_nowait`, but under admission
+        control it waits (FIFO per partition, cancellable) for a slot instead of raising
+        BufferFullError; with ``global_steps=None`` the group is tagged when it is admitted.
+
+        Raises:
+            The errors of :meth:`add_prompt_nowait` except BufferFullError.
+            BufferClosedError: the buffer was closed while it waited.
+        """
+        try:
+            self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+            return
+        except BufferFullError:
+            pass
+
+        def admit(tag: int) -> None:
+            self._add_prompt_at(uid, tag, partition, tags)
+
+        await self._wait_for_slot(self._partition(partition), global_steps, admit)
 
     async def mark_running(self, uid: str) -> None:
         """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
@@ -250,7 +279,7 @@ class Producers(BufferCore):
         uid: str,
         payloads: Collection[Any],
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
@@ -258,34 +287,66 @@ class Producers(BufferCore):
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
     ) -> list[str]:
-        """Add, fill and end a whole group; the async twin of :meth:`put_group_nowait` (same errors)."""
-        return self.put_group_nowait(
+        """Add (if absent), fill and end a whole group; like :meth:`put_group_nowait`, but a
+        group that must be added waits under admission control (FIFO, cancellable) for a slot
+        instead of raising BufferFullError. A group already in the buffer never waits.
+
+        Raises:
+            The errors of :meth:`put_group_nowait` except BufferFullError.
+            BufferClosedError: the buffer was closed while it waited.
+        """
+        arguments = (
             uid,
             payloads,
-            global_steps=global_steps,
-            partition=partition,
-            tags=tags,
-            trajectory_tags=trajectory_tags,
-            session_ids=session_ids,
-            indices=indices,
-            status=status,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
         )
+        try:
+            return self.put_group_nowait(
+                uid,
+                payloads,
+                global_steps=global_steps,
+                partition=partition,
+                tags=tags,
+                trajectory_tags=trajectory_tags,
+                session_ids=session_ids,
+                indices=indices,
+                status=status,
+            )
+        except BufferFullError:
+            pass
+
+        def admit(tag: int) -> list[str]:
+            self._check_usable()
+            return self._put_group(*arguments, granted=tag)
+
+        return await self._wait_for_slot(self._partition(partition), global_steps, admit)
 
     def _put_group(
         self,
         uid: str,
         payloads: Collection[Any],
-        global_steps: int,
+        global_steps: int | None,
         partition: str,
         tags: Mapping[str, Any] | None,
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
         session_ids: Sequence[int] | None,
         indices: Sequence[int] | None,
         status: object,
+        granted: int | None = None,
     ) -> list[str]:
-        """``put_group_nowait`` after the open/thread check: check everything, then change."""
+        """``put_group_nowait`` after the open/thread check: check everything, then change.
+
+        ``granted`` is the admission slot a waiting producer was given (its dispatch step).
+        """
         check_uid(uid)
-        check_step(global_steps)
+        if global_steps is not None:
+            check_step(global_steps)
         check_partition(partition)
         group_tags = check_tags(tags)
         terminal = _TERMINAL.get(status) if type(status) in (str, Status) else None
@@ -297,7 +358,8 @@ class Producers(BufferCore):
         group: OpenGroup | Group | None = self._groups.get(uid)
         if group is not None:
             group = self._open_group(uid, "put a group into")
-            if group.dispatch_step != global_steps or group.partition.name != partition:
+            step = group.dispatch_step
+            if (global_steps is not None and step != global_steps) or group.partition.name != partition:
                 raise DuplicateGroupError(
                     f"group {uid!r} is already in the buffer with global_steps={group.dispatch_step}, "
                     f"partition={group.partition.name!r}; put_group got global_steps={global_steps}, "
@@ -306,9 +368,13 @@ class Producers(BufferCore):
             for key in keys:
                 if key in group.trajectories:
                     raise DuplicateTrajectoryError(f"group {uid!r} already holds trajectory {key!r}")
+        elif granted is not None:
+            step = granted
+        else:
+            step = self._admission_tag(partition, self._partitions.get(partition), global_steps)
         # Everything is valid: from here on nothing raises, so the group lands whole.
         if group is None:
-            group = self._admit(uid, global_steps, self._partition(partition), group_tags)
+            group = self._admit(uid, step, self._partition(partition), group_tags)
         group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
         group.partition.add_trajectories(len(rows))
         self._terminate(group, terminal)

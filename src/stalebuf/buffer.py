@@ -10,6 +10,7 @@ signal, re-check. The rules live in :mod:`stalebuf.policy`, the indexes in ``_in
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ import anyio.lowlevel
 from ._core import EvictCallback
 from ._custom_sampler import build_from_config
 from ._producers import GroupStatus, Producers
+from ._rollout import RolloutGroup, rollout
 from ._threadsafe import ThreadsafeProducer
 from ._validation import (
     check_partition,
@@ -171,7 +173,8 @@ class ReplayBuffer(Producers):
             Exception: whatever a policy hook or ``on_evict`` raised, with the buffer consistent.
         """
         part = self._check_sample(global_steps, batch_size, partition)
-        if part is not None and not self._has_live_waiter(part):
+        self._advance_clock(partition, global_steps)
+        if part is not None and not part.has_live_waiter():
             metrics = SampleMetrics()
             groups = self._evaluate(part, global_steps, batch_size, metrics)
             if groups is not None:
@@ -218,10 +221,11 @@ class ReplayBuffer(Producers):
             # changes. (One with timeout=0 never touches the backend, so any caller may check.)
             binding.check_backend()
         part = self._check_sample(global_steps, batch_size, partition)
+        self._advance_clock(partition, global_steps)
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
             part = self._partition(partition)
         metrics = SampleMetrics()
-        if part is not None and not self._has_live_waiter(part):
+        if part is not None and not part.has_live_waiter():
             groups = self._evaluate(part, global_steps, batch_size, metrics)
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
@@ -230,6 +234,72 @@ class ReplayBuffer(Producers):
         assert part is not None  # created above for a call that may wait
         groups, waited = await self._wait_for_batch(part, global_steps, batch_size, timeout, metrics)
         return self._result(part, global_steps, groups, metrics, waited)
+
+    # -- flow control -------------------------------------------------------------------
+
+    def dispatch_step(self, partition: str = "train") -> int:
+        """Return the step a group dispatched now is tagged with: the largest ``global_steps``
+        any ``sample`` on ``partition`` has been called with (0 before the first).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        check_partition(partition)
+        return self._clocks.get(partition, 0)
+
+    def capacity(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident groups under admission control,
+        ``T * S * admission_batch_size``; None without admission or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        check_partition(partition)
+        return self._capacity(self._partitions.get(partition), partition)
+
+    def free_slots(self, partition: str = "train") -> int | None:
+        """Return how many groups ``add_prompt`` would admit now at the clock's step without
+        waiting; None without admission control or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            Exception: whatever the policy's ``admits`` raised.
+        """
+        check_partition(partition)
+        part = self._partitions.get(partition)
+        if part is None:
+            cap = self._rules.admission_batch_size(partition)
+            return None if cap is None else cap  # an unused partition: every slot at its clock step
+        return self._free_slots(part)
+
+    def full(self, partition: str = "train") -> bool:
+        """Return whether ``free_slots(partition) == 0`` (never True without admission control).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        return self.free_slots(partition) == 0
+
+    def rollout(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> AbstractAsyncContextManager[RolloutGroup]:
+        """Return an ``async with`` block that generates one group: the recommended producer.
+
+        Entering waits for admission (like :meth:`add_prompt`), then the group is PENDING and
+        marked RUNNING; ``group.put(...)`` adds trajectories. When the body returns the group
+        is FINISHED; when it raises, FAILED, and the error propagates. If the group is evicted
+        while the body runs (in-flight eviction, or ``close()``), the body is cancelled, the
+        block exits without raising and ``group.evicted`` is True. Works under asyncio and trio.
+
+        Raises:
+            The errors of :meth:`add_prompt` (on entering).
+        """
+        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags)
 
     def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
         """Return how many groups ``sample`` could select from right now; changes nothing.
@@ -259,8 +329,10 @@ class ReplayBuffer(Producers):
     def stats(self) -> BufferStats:
         """Return an immutable snapshot of per-partition and total counts (works after close)."""
         for part in self._partitions.values():
-            self._drop_abandoned(part)
-        partitions = {name: part.stats() for name, part in sorted(self._partitions.items())}
+            part.drop_abandoned()
+        partitions = {
+            name: part.stats(self._capacity(part, name)) for name, part in sorted(self._partitions.items())
+        }
         total = PartitionStats()
         for item in partitions.values():
             total = total + item
@@ -280,9 +352,14 @@ class ReplayBuffer(Producers):
             return
         self._closed = True
         for part in self._partitions.values():
-            self._drop_abandoned(part)
-            for waiter in part.waiters:
+            part.drop_abandoned()
+            for waiter in (*part.waiters, *part.producers):
                 waiter.wake()
+        for group in list(self._groups.values()):
+            watchers = getattr(group, "watchers", None)  # in-flight groups only
+            if watchers:
+                for watcher in watchers:
+                    watcher()
 
     async def aclose(self) -> None:
         """Close the buffer (see :meth:`close`) and yield once to the scheduler."""

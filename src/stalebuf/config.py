@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._validation import int_at_least, one_of
+from ._validation import describe, int_at_least, one_of
 from .errors import ConfigError
 
 __all__ = ["FAILURE_STRATEGIES", "STRATEGIES", "SamplerConfig"]
@@ -57,6 +57,23 @@ def _check_custom_sampler(_instance: object, _attribute: attrs.Attribute[str | N
         )
 
 
+def _check_admission_batch_size(
+    _instance: object, attribute: attrs.Attribute[int | None], value: object
+) -> None:
+    if value is not None:
+        int_at_least("admission_batch_size", 1)(_instance, attribute, value)
+
+
+def _check_evict_stale_in_flight(instance: SamplerConfig, _attribute: object, value: object) -> None:
+    if type(value) is not bool:
+        raise ConfigError(f"evict_stale_in_flight must be a bool, got {describe(value)}")
+    if value and instance.max_off_policy_strategy != "drop":
+        raise ConfigError(
+            "evict_stale_in_flight=True needs max_off_policy_strategy='drop' (under 'wait' every "
+            "in-flight group is waited for, never evicted)"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class SamplerConfig:
     """How ``sample`` treats stale and failed groups.
@@ -74,6 +91,11 @@ class SamplerConfig:
             builds: ``"package.module:ClassName"``, ``"path/to/file.py:ClassName"``,
             ``"pkg://package.module:ClassName"`` or ``"file://path/to/file.py:ClassName"``.
         sampler_kwargs: extra keyword arguments for the custom sampler's constructor.
+        admission_batch_size: None (no admission control) or ``b`` (int >= 1), the number of
+            groups the trainer takes per ``sample``: each non-exempt partition then admits at most
+            ``b`` resident groups per dispatch step (see the README's "Flow control").
+        evict_stale_in_flight: with "drop" only: ``sample`` also evicts PENDING/RUNNING groups
+            that no later sample could return (their staleness already exceeds ``T``).
 
     Raises:
         ConfigError: on construction, for any invalid value (the message names the field).
@@ -94,6 +116,8 @@ class SamplerConfig:
     sampler_kwargs: Mapping[str, Any] = attrs.field(
         factory=lambda: MappingProxyType({}), converter=_to_kwargs
     )
+    admission_batch_size: int | None = attrs.field(default=None, validator=_check_admission_batch_size)
+    evict_stale_in_flight: bool = attrs.field(default=False, validator=_check_evict_stale_in_flight)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> SamplerConfig:

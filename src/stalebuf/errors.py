@@ -11,10 +11,12 @@ __all__ = [
     "BackendMismatchError",
     "BatchNotReadyError",
     "BufferClosedError",
+    "BufferFullError",
     "BufferUnavailableError",
     "ConfigError",
     "DuplicateGroupError",
     "DuplicateTrajectoryError",
+    "GroupEvictedError",
     "InvalidTransitionError",
     "MissingDependencyError",
     "StalebufError",
@@ -78,4 +80,18 @@ class MissingDependencyError(StalebufError, ImportError):
     """An optional dependency (trio for simulating, matplotlib for plotting) is not installed.
 
     The message says which ``pip install 'stalebuf[...]'`` fixes it.
+    """
+
+
+class BufferFullError(StalebufError):
+    """A ``*_nowait`` producer found no admission slot (the analogue of ``asyncio.QueueFull``).
+
+    Nothing changed; the awaitable form of the call waits for a slot instead.
+    """
+
+
+class GroupEvictedError(UnknownGroupError):
+    """The group was evicted as stale while still in flight: stop generating for it.
+
+    Raised by a producer call on such a group (``evict_stale_in_flight=True``).
     """

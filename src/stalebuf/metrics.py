@@ -1,8 +1,9 @@
-"""Per-``sample`` metrics, with verl-compatible names."""
+"""Per-``sample`` metrics, with verl-compatible names (and a few of our own)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from .records import Group
 from .staleness import age as staleness_age
@@ -15,25 +16,51 @@ def metric_prefix(partition: str) -> str:
     return "training" if partition == "train" else "validation"
 
 
-_KEYS: dict[str, tuple[str, ...]] = {}
+class _Keys(NamedTuple):
+    dropped_samples: str
+    dropped_groups: str
+    dropped_mean: str
+    dropped_max: str
+    dropped_min: str
+    dropped_seconds: str
+    evicted_in_flight: str
+    failed_groups: str
+    sampled_mean: str
+    sampled_max: str
+    sampled_min: str
+    generation_steps: str
+    queue_steps: str
+    generation_seconds: str
+    wait: str
+    free_slots: str
+    producer_wait: str
 
 
-def _keys(prefix: str) -> tuple[str, ...]:
+_KEYS: dict[str, _Keys] = {}
+
+
+def _keys(prefix: str) -> _Keys:
     keys = _KEYS.get(prefix)
     if keys is None:  # built once per prefix: f-strings on every sample add up
-        dropped = f"{prefix}/off_policy/dropped_samples_staleness"
-        sampled = f"{prefix}/off_policy/sampled_staleness"
-        keys = _KEYS[prefix] = (
-            f"{prefix}/off_policy/dropped_samples",
-            f"{prefix}/off_policy/dropped_groups",
-            f"{dropped}/mean",
-            f"{dropped}/max",
-            f"{dropped}/min",
-            f"{prefix}/rollout_failure/evicted_groups",
-            f"{sampled}/mean",
-            f"{sampled}/max",
-            f"{sampled}/min",
-            f"{prefix}/off_policy/wait_seconds",
+        off = f"{prefix}/off_policy"
+        keys = _KEYS[prefix] = _Keys(
+            dropped_samples=f"{off}/dropped_samples",
+            dropped_groups=f"{off}/dropped_groups",
+            dropped_mean=f"{off}/dropped_samples_staleness/mean",
+            dropped_max=f"{off}/dropped_samples_staleness/max",
+            dropped_min=f"{off}/dropped_samples_staleness/min",
+            dropped_seconds=f"{off}/dropped_generation_seconds/mean",
+            evicted_in_flight=f"{off}/evicted_in_flight_groups",
+            failed_groups=f"{prefix}/rollout_failure/evicted_groups",
+            sampled_mean=f"{off}/sampled_staleness/mean",
+            sampled_max=f"{off}/sampled_staleness/max",
+            sampled_min=f"{off}/sampled_staleness/min",
+            generation_steps=f"{off}/sampled_generation_steps/mean",
+            queue_steps=f"{off}/sampled_queue_steps/mean",
+            generation_seconds=f"{off}/sampled_generation_seconds/mean",
+            wait=f"{off}/wait_seconds",
+            free_slots=f"{prefix}/admission/free_slots",
+            producer_wait=f"{prefix}/admission/producer_wait_seconds",
         )
     return keys
 
@@ -48,6 +75,8 @@ class SampleMetrics:
 
     dropped_groups = 0
     dropped_samples = 0
+    dropped_seconds = 0.0
+    in_flight_groups = 0
     failed_groups = 0
     group_age_sum = 0
     group_age_max = 0
@@ -68,6 +97,7 @@ class SampleMetrics:
                 self.group_age_min = min(self.group_age_min, age)
             self.dropped_groups += 1
             self.group_age_sum += age
+            self.dropped_seconds += group.generation_seconds
             if n:
                 if self.dropped_samples == 0:
                     self.sample_age_max = self.sample_age_min = age
@@ -84,40 +114,43 @@ class SampleMetrics:
         global_steps: int,
         sync_step: int,
         wait_seconds: float,
+        admission: tuple[int, float] | None = None,
     ) -> dict[str, float]:
-        """Return the metrics dict for a call that returned ``sampled`` at ``global_steps``."""
-        (
-            dropped_samples,
-            dropped_groups,
-            dropped_mean,
-            dropped_max,
-            dropped_min,
-            failed_groups,
-            sampled_mean,
-            sampled_max,
-            sampled_min,
-            wait_key,
-        ) = _keys(metric_prefix(partition))
+        """Return the metrics dict for a call that returned ``sampled`` at ``global_steps``;
+        ``admission`` is ``(free_slots, producer_wait_seconds)`` on a partition with admission."""
+        keys = _keys(metric_prefix(partition))
         metrics: dict[str, float] = {}
         if self.dropped_groups:
-            metrics[dropped_samples] = float(self.dropped_samples)
-            metrics[dropped_groups] = float(self.dropped_groups)
+            metrics[keys.dropped_samples] = float(self.dropped_samples)
+            metrics[keys.dropped_groups] = float(self.dropped_groups)
             if self.dropped_samples:
                 total, count = self.sample_age_sum, self.dropped_samples
                 high, low = self.sample_age_max, self.sample_age_min
             else:  # only empty groups were dropped: report their staleness instead
                 total, count = self.group_age_sum, self.dropped_groups
                 high, low = self.group_age_max, self.group_age_min
-            metrics[dropped_mean] = total / count / sync_step
-            metrics[dropped_max] = high / sync_step
-            metrics[dropped_min] = low / sync_step
+            metrics[keys.dropped_mean] = total / count / sync_step
+            metrics[keys.dropped_max] = high / sync_step
+            metrics[keys.dropped_min] = low / sync_step
+            metrics[keys.dropped_seconds] = self.dropped_seconds / self.dropped_groups
+        if self.in_flight_groups:
+            metrics[keys.evicted_in_flight] = float(self.in_flight_groups)
         if self.failed_groups:
-            metrics[failed_groups] = float(self.failed_groups)
+            metrics[keys.failed_groups] = float(self.failed_groups)
         # Builtins over a list beat numpy's per-call overhead at batch sizes up to thousands.
+        n = len(sampled)
         steps = [group.dispatch_step for group in sampled]
+        finished = sum(group.finish_step for group in sampled)
+        dispatched = sum(steps)
         origin = global_steps + 1
-        metrics[sampled_mean] = (origin - sum(steps) / len(steps)) / sync_step
-        metrics[sampled_max] = (origin - min(steps)) / sync_step
-        metrics[sampled_min] = (origin - max(steps)) / sync_step
-        metrics[wait_key] = float(wait_seconds)
+        metrics[keys.sampled_mean] = (origin - dispatched / n) / sync_step
+        metrics[keys.sampled_max] = (origin - min(steps)) / sync_step
+        metrics[keys.sampled_min] = (origin - max(steps)) / sync_step
+        metrics[keys.generation_steps] = (finished - dispatched) / n
+        metrics[keys.queue_steps] = global_steps - finished / n
+        metrics[keys.generation_seconds] = sum(group.generation_seconds for group in sampled) / n
+        metrics[keys.wait] = float(wait_seconds)
+        if admission is not None:
+            metrics[keys.free_slots] = float(admission[0])
+            metrics[keys.producer_wait] = float(admission[1])
         return metrics

@@ -76,6 +76,10 @@ class Group:
         status: FINISHED or FAILURE.
         tags: read-only metadata given to ``add_prompt``.
         trajectories: the group's trajectories, in ``put`` order.
+        finish_step: the partition's dispatch clock when the group finished (or was evicted in
+            flight), and at least ``dispatch_step``; ``finish_step - dispatch_step`` is how many
+            trainer steps it generated for.
+        generation_seconds: wall-clock seconds from ``add_prompt`` to finish (or eviction).
     """
 
     uid: str
@@ -84,6 +88,8 @@ class Group:
     status: Status
     tags: Mapping[str, Any]
     trajectories: tuple[Trajectory, ...]
+    finish_step: int = 0
+    generation_seconds: float = 0.0
 
     @property
     def global_steps(self) -> int:
@@ -158,7 +164,8 @@ class EvictionEvent:
 
     Attributes:
         partition: the partition they were evicted from.
-        reason: "stale" (drop strategy) or "failure" (``failure_strategy="evict"``).
+        reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``) or
+            "failure" (``failure_strategy="evict"``).
         groups: the evicted groups, oldest first.
         global_steps: the trainer step of the ``sample`` call that evicted them.
     """
@@ -178,9 +185,16 @@ _new = object.__new__
 _set_key, _set_session, _set_index, _set_ttags, _set_payload = (
     Trajectory.__dict__[field.name].__set__ for field in attrs.fields(Trajectory)
 )
-_set_uid, _set_partition, _set_steps, _set_status, _set_gtags, _set_trajectories = (
-    Group.__dict__[field.name].__set__ for field in attrs.fields(Group)
-)
+(
+    _set_uid,
+    _set_partition,
+    _set_steps,
+    _set_status,
+    _set_gtags,
+    _set_trajectories,
+    _set_finish,
+    _set_seconds,
+) = (Group.__dict__[field.name].__set__ for field in attrs.fields(Group))
 _set_bpartition, _set_bsteps, _set_groups, _set_sync = (
     Batch.__dict__[field.name].__set__ for field in attrs.fields(Batch)
 )
@@ -206,8 +220,11 @@ def new_group(
     status: Status,
     tags: Mapping[str, Any],
     trajectories: tuple[Trajectory, ...],
+    finish_step: int,
+    generation_seconds: float,
 ) -> Group:
-    """Return ``Group(uid, partition, dispatch_step, status, tags, trajectories)``, built faster."""
+    """Return ``Group(uid, partition, dispatch_step, status, tags, trajectories, finish_step,
+    generation_seconds)``, built faster."""
     group = _new(Group)
     _set_uid(group, uid)
     _set_partition(group, partition)
@@ -215,6 +232,8 @@ def new_group(
     _set_status(group, status)
     _set_gtags(group, tags)
     _set_trajectories(group, trajectories)
+    _set_finish(group, finish_step)
+    _set_seconds(group, generation_seconds)
     return group
 
 

@@ -23,6 +23,11 @@ class PartitionStats:
         sampled_groups, sampled_trajectories: cumulative, returned by ``sample``.
         evicted_stale_groups, evicted_stale_trajectories: cumulative, dropped as stale.
         evicted_failure_groups, evicted_failure_trajectories: cumulative, evicted as failed.
+        evicted_in_flight_groups: cumulative, evicted as stale while PENDING or RUNNING (included
+            in ``evicted_stale_groups``).
+        waiting_producers: producer calls currently blocked on admission.
+        capacity: the bound on resident groups under admission control, ``T*S*b``; None without
+            admission or for an exempt partition (in ``total``: the sum of the bounded partitions).
 
     Conservation, for groups and for trajectories alike:
     ``admitted == resident + sampled + evicted_stale + evicted_failure``.
@@ -42,6 +47,9 @@ class PartitionStats:
     evicted_stale_trajectories: int = 0
     evicted_failure_groups: int = 0
     evicted_failure_trajectories: int = 0
+    evicted_in_flight_groups: int = 0
+    waiting_producers: int = 0
+    capacity: int | None = None
 
     @property
     def groups(self) -> int:
@@ -57,9 +65,13 @@ class PartitionStats:
         """Return the field-wise sum (used to build totals)."""
         if not isinstance(other, PartitionStats):
             return NotImplemented
-        return PartitionStats(
-            **{name: getattr(self, name) + getattr(other, name) for name in attrs.fields_dict(PartitionStats)}
-        )
+        values = {
+            name: getattr(self, name) + getattr(other, name)
+            for name in attrs.fields_dict(PartitionStats)
+            if name != "capacity"
+        }
+        bounded = [c for c in (self.capacity, other.capacity) if c is not None]
+        return PartitionStats(**values, capacity=sum(bounded) if bounded else None)
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,156 @@
+"""Admission control: the dispatch clock, admission slots, and producers waiting for one.
+
+The rule (how many groups per dispatch step, and which steps are still open) is the policy's
+``admits``; this module keeps the clock, asks the rule, and parks producers in arrival order
+until a slot opens. Slots are never counted separately from the groups: a slot frees the
+moment its group leaves the buffer (see ``PartitionState._release``), so nothing can drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from ._core import BufferCore
+from ._partition import PartitionState
+from ._status_log import logger
+from ._waiting import Waiter, park
+from .errors import BufferFullError
+
+__all__ = ["Admission"]
+
+_T = TypeVar("_T")
+
+
+class _Admitted(Generic[_T]):
+    """What a woken producer's attempt returns: its call's result (which may be None)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: _T) -> None:
+        self.value = value
+
+
+class Admission(BufferCore):
+    """The admission half of ``ReplayBuffer``'s state (documented there)."""
+
+    def _advance_clock(self, name: str, global_steps: int) -> None:
+        """Move partition ``name``'s dispatch clock to ``global_steps`` if that is later."""
+        if global_steps > self._clocks.get(name, 0):
+            self._clocks[name] = global_steps
+            part = self._partitions.get(name)
+            if part is not None and part.producers:
+                self._wake_producer(part)  # a new step: fresh slots
+
+    def _admission_tag(
+        self, name: str, part: PartitionState | None, requested: int | None, *, head: bool = False
+    ) -> int:
+        """Return the dispatch step a group added now gets (``requested``, or the clock).
+
+        Raises:
+            BufferFullError: admission control has no slot at that step for it now (or other
+                producers wait first and ``head`` is False).
+            Exception: whatever the policy's ``admits`` raised.
+        """
+        tag = self._clocks.get(name, 0) if requested is None else requested
+        if part is None:  # not created yet: nothing is resident there
+            cap = self._rules.admission_batch_size(name)
+            if cap is None:
+                return tag
+            resident, last_sampled = 0, -1
+        else:
+            cap = part.cap
+            if cap is None:
+                return tag
+            if not head and part.producers:
+                part.drop_abandoned()
+                if part.producers:
+                    raise BufferFullError(f"producers are waiting for admission to partition {name!r}")
+            resident, last_sampled = part.resident_at_step(tag), part.last_sampled
+        if not self._rules.admits(tag, resident, last_sampled, cap, name):
+            raise BufferFullError(
+                f"partition {name!r} admits no more groups at dispatch step {tag} now "
+                f"({resident} resident there, at most {cap} per step)"
+            )
+        return tag
+
+    def _free_slots(self, part: PartitionState) -> int | None:
+        """How many groups ``add_prompt`` would admit at the clock's step without waiting."""
+        cap = part.cap
+        if cap is None:
+            return None
+        try:
+            tag = self._admission_tag(part.name, part, None)
+        except BufferFullError:
+            return 0
+        return max(cap - part.resident_at_step(tag), 0)
+
+    def _capacity(self, part: PartitionState | None, name: str) -> int | None:
+        cap = self._rules.admission_batch_size(name) if part is None else part.cap
+        if cap is None:
+            return None
+        return cap * self._rules.threshold * self._rules.sync_step
+
+    async def _wait_for_slot(
+        self, part: PartitionState, requested: int | None, admit: Callable[[int], _T]
+    ) -> _T:
+        """Park in ``part``'s producer queue until a slot at the requested step (or the clock's)
+        opens, then call ``admit(step)`` at once, in the same step of the loop.
+
+        Raises:
+            BufferClosedError: the buffer was closed meanwhile.
+            Exception: whatever ``admit`` raised (the producer leaves the queue either way).
+        """
+        binding = self._binding
+        binding.check_backend()
+        backend = binding.bind()
+        started = backend.current_time()
+        waiter = binding.new_waiter(-1 if requested is None else requested, 0)
+
+        def attempt() -> _Admitted[_T] | None:
+            self._check_open()
+            if part.producers[0] is not waiter:
+                return None
+            try:
+                tag = self._admission_tag(part.name, part, requested, head=True)
+            except BufferFullError:
+                return None
+            return _Admitted(admit(tag))
+
+        part.producers.append(waiter)  # from here on, the finally below must remove it
+        try:
+            admitted = await park(waiter, attempt)
+        finally:
+            part.producer_wait_seconds += backend.current_time() - started
+            self._leave_producers(part, waiter)
+        return admitted.value
+
+    def _leave_producers(self, part: PartitionState, waiter: Waiter) -> None:
+        """Take ``waiter`` out of the producer queue; if it was the head, pass the turn on."""
+        producers = part.producers
+        if producers and producers[0] is waiter:
+            producers.popleft()
+            self._wake_producer(part)
+        elif waiter in producers:  # not there if dropped as abandoned
+            producers.remove(waiter)
+
+    def _wake_producer(self, part: PartitionState) -> None:
+        """Wake the head waiting producer if a slot is open for it.
+
+        Runs after another call's state change: a policy hook that raises here is logged and
+        the producer woken, to raise it from its own call.
+        """
+        if self._closed:
+            return
+        part.drop_abandoned()
+        if not part.producers:
+            return
+        head = part.producers[0]
+        requested = None if head.global_steps < 0 else head.global_steps
+        try:
+            self._admission_tag(part.name, part, requested, head=True)
+        except BufferFullError:
+            return
+        except Exception:
+            logger.exception("a staleness policy hook raised while checking a waiting producer")
+        head.wake()

@@ -1,0 +1,274 @@
+"""What ``sample`` does: evict by the rules until nothing more goes, select, or park.
+
+Each evaluation asks the rules first (``_evaluation.py``) and changes state after, so a hook
+that raises leaves the buffer as it was. A parked call re-checks everything when woken; when
+it leaves the head of its partition's queue, for any reason, it passes the wake-up on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from time import monotonic
+
+from . import _evaluation as rules_of
+from ._admission import Admission
+from ._partition import OpenGroup, PartitionState
+from ._status_log import StatusLog, log_waiting, logger, next_due
+from ._waiting import Waiter, park, park_with_deadline
+from .errors import StalebufError
+from .metrics import SampleMetrics
+from .records import Batch, EvictionEvent, Group, new_batch, new_group
+
+__all__ = ["EVICTED_UIDS_REMEMBERED", "Sampling"]
+
+#: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
+#: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
+EVICTED_UIDS_REMEMBERED = 65_536
+
+
+class Sampling(Admission):
+    """The consumer side of ``ReplayBuffer``: evaluation, eviction, parking."""
+
+    def _evaluate(
+        self, part: PartitionState, global_steps: int, batch_size: int, metrics: SampleMetrics
+    ) -> list[Group] | None:
+        """Evict what must go, then take a batch if one may be returned; else None.
+
+        Eviction repeats until a round evicts nothing, because ``on_evict`` may finish or
+        fail groups (a stale one must not slip into the batch; a failed one must not wait
+        for an unrelated wake-up). Each step asks the rules first and changes state after.
+        """
+        self._evaluations += 1
+        rules = self._rules
+        readmitted_from, evicted_before = -1, frozenset[str]()
+        left = False  # whether any group left: admission slots to hand out
+        while True:
+            stale = rules_of.stale_steps(rules, part, global_steps)
+            stale_in_flight = rules_of.stale_in_flight_steps(rules, part, global_steps)
+            if not stale and not stale_in_flight and not part.failed:
+                break
+            if evicted_before:
+                self._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before)
+            events = self._evict(part, global_steps, stale, stale_in_flight, metrics)
+            left = True
+            readmitted_from = self._next_seq
+            evicted_before = frozenset(group.uid for event in events for group in event.groups)
+            self._emit(events)
+            self._check_open()  # on_evict may have closed the buffer
+        chosen, oldest = rules_of.choose_batch(rules, part, global_steps, batch_size)
+        if chosen is None:
+            if left and part.producers:
+                self._wake_producer(part)
+            return None
+        groups = part.take_sampled(None if oldest else chosen, batch_size)
+        groups_by_uid = self._groups
+        for group in groups:
+            del groups_by_uid[group.uid]
+        if global_steps > part.last_sampled:
+            part.last_sampled = global_steps
+        if part.producers:
+            self._wake_producer(part)
+        return groups
+
+    def _evict(
+        self,
+        part: PartitionState,
+        global_steps: int,
+        stale: list[int],
+        stale_in_flight: list[int],
+        metrics: SampleMetrics,
+    ) -> list[EvictionEvent]:
+        """Evict what the rules chose (nothing here raises); return the events to report."""
+        events: list[EvictionEvent] = []
+        if part.failed:
+            failed = part.take_failed()
+            metrics.failed_groups += len(failed)
+            events.append(self._evicted(part, "failure", failed, global_steps))
+        if stale or stale_in_flight:
+            dropped = part.take_stale(stale)
+            if stale_in_flight:
+                in_flight = self._in_flight_records(part, part.take_stale_in_flight(stale_in_flight))
+                metrics.in_flight_groups += len(in_flight)
+                dropped = sorted(dropped + in_flight, key=lambda group: group.dispatch_step)
+            metrics.add_dropped(dropped, global_steps)
+            events.append(self._evicted(part, "stale", dropped, global_steps))
+        return events
+
+    def _in_flight_records(self, part: PartitionState, groups: list[OpenGroup]) -> list[Group]:
+        """Records of groups evicted in flight; remember their uids and tell their watchers."""
+        clock, now = self._clocks.get(part.name, 0), monotonic()
+        remembered = self._evicted_in_flight
+        records = []
+        for group in groups:
+            records.append(
+                new_group(
+                    group.uid,
+                    part.name,
+                    group.dispatch_step,
+                    group.status,
+                    group.tags,
+                    tuple(group.trajectories.values()),
+                    max(clock, group.dispatch_step),
+                    now - group.admitted_at,
+                )
+            )
+            remembered[group.uid] = None
+            if group.watchers:
+                for watcher in group.watchers:
+                    watcher()
+        while len(remembered) > EVICTED_UIDS_REMEMBERED:
+            remembered.popitem(last=False)
+        return records
+
+    @staticmethod
+    def _check_not_readmitted(
+        part: PartitionState,
+        stale: list[int],
+        stale_in_flight: list[int],
+        readmitted_from: int,
+        evicted_before: frozenset[str],
+    ) -> None:
+        """Refuse a round that would evict exactly what ``on_evict`` re-admitted in the round
+        before (same uids, added since): it would loop forever. They stay in the buffer."""
+        buckets, in_flight = part.ready.buckets, part.in_flight.groups
+        entries = [
+            (seq, group.uid) for step in stale for seq, group in buckets[step].entries[buckets[step].head :]
+        ]
+        entries += [(group.seq, uid) for step in stale_in_flight for uid, group in in_flight[step].items()]
+        entries += [(seq, group.uid) for _, seq, group in part.failed]
+        if all(seq >= readmitted_from and uid in evicted_before for seq, uid in entries):
+            raise StalebufError(
+                f"on_evict re-admitted groups of partition {part.name!r} that are evicted again at once "
+                "(stale at their dispatch step, or failed under failure_strategy='evict'), so sample "
+                "would never finish; they stay in the buffer. Re-admit at the current step instead."
+            )
+
+    def _evicted(
+        self, part: PartitionState, reason: str, groups: list[Group], global_steps: int
+    ) -> EvictionEvent:
+        """Unregister evicted ``groups`` and return the event that reports them."""
+        groups_by_uid = self._groups
+        for group in groups:
+            del groups_by_uid[group.uid]
+        return EvictionEvent(part.name, reason, tuple(groups), global_steps)  # type: ignore[arg-type]
+
+    def _emit(self, events: list[EvictionEvent]) -> None:
+        """Call ``on_evict`` for every event; re-raise the first error after all were called.
+
+        BaseExceptions (KeyboardInterrupt, cancellation) too: every evicted group was counted,
+        so every event is delivered before anything propagates.
+        """
+        callback = self._on_evict
+        if callback is None:
+            return
+        error: BaseException | None = None
+        for event in events:
+            try:
+                callback(event)
+            except BaseException as exc:
+                if error is None:
+                    error = exc
+                else:
+                    logger.exception("on_evict raised again while reporting %s", event.reason)
+        if error is not None:
+            raise error
+
+    def _result(
+        self,
+        part: PartitionState,
+        global_steps: int,
+        groups: list[Group],
+        metrics: SampleMetrics,
+        wait_seconds: float,
+    ) -> tuple[Batch, dict[str, float]]:
+        batch = new_batch(part.name, global_steps, tuple(groups), self._sync_step)
+        admission = None
+        if part.cap is not None:
+            admission = (self._free_slots(part) or 0, part.producer_wait_seconds)
+            part.producer_wait_seconds = 0.0
+        return batch, metrics.render(
+            part.name, groups, global_steps, self._sync_step, wait_seconds, admission
+        )
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def _leave(self, part: PartitionState, waiter: Waiter) -> None:
+        """Take ``waiter`` out of its queue; if it was the head, pass the turn on."""
+        waiters = part.waiters
+        if waiters and waiters[0] is waiter:
+            waiters.popleft()
+            self._wake_head(part)  # whether we succeeded or not
+        elif waiter in waiters:  # not there if dropped as abandoned
+            waiters.remove(waiter)
+
+    async def _wait_for_batch(
+        self,
+        part: PartitionState,
+        global_steps: int,
+        batch_size: int,
+        timeout: float | None,
+        metrics: SampleMetrics,
+    ) -> tuple[list[Group], float]:
+        """Park in ``part``'s queue until a batch may be taken; return it and the seconds waited.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            BufferClosedError: the buffer was closed meanwhile.
+        """
+        binding = self._binding
+        backend = binding.bind()
+        started = backend.current_time()
+        waiter = binding.new_waiter(global_steps, batch_size)
+        interval = self._status_interval
+        timer_logs = interval is not None and binding.on_asyncio
+        if timer_logs:
+            if self._status_log is None:
+                self._status_log = StatusLog(interval, self._partitions.values())  # type: ignore[arg-type]
+            self._status_log.watch(waiter, started)
+
+        def attempt() -> list[Group] | None:
+            self._check_open()
+            if part.waiters[0] is not waiter:
+                return None
+            return self._evaluate(part, global_steps, batch_size, metrics)
+
+        part.waiters.append(waiter)  # from here on, the finally below must remove it
+        try:
+            if timeout is None and (interval is None or timer_logs):
+                groups = await park(waiter, attempt)  # no deadline: no cancel scope
+            else:
+                groups = await self._park_with_deadlines(part, waiter, attempt, started, timeout, timer_logs)
+        finally:
+            self._leave(part, waiter)
+        return groups, backend.current_time() - started
+
+    async def _park_with_deadlines(
+        self,
+        part: PartitionState,
+        waiter: Waiter,
+        attempt: Callable[[], list[Group] | None],
+        started: float,
+        timeout: float | None,
+        timer_logs: bool,
+    ) -> list[Group]:
+        """Park under a deadline: raise TimeoutError at ``timeout`` and, where no loop timer
+        does it, log a status line every interval."""
+        backend = self._binding.backend
+        assert backend is not None  # bound before any wait
+        interval = self._status_interval
+        deadline = math.inf if timeout is None else started + timeout
+        next_log = math.inf if timer_logs or interval is None else started + interval
+
+        def log_line(now: float) -> float:
+            nonlocal next_log
+            log_waiting(part, waiter, next_log - started)
+            next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
+            return next_log
+
+        groups = await park_with_deadline(waiter, attempt, backend, deadline, log_line, next_log)
+        if groups is None:
+            raise TimeoutError(
+                f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
+            )
+        return groups
