@@ -84,6 +84,8 @@ class PartitionState:
         "evicted_failure_groups",
         "evicted_failure_trajectories",
         "evicted_in_flight_groups",
+        "evicted_restart_groups",
+        "evicted_restart_trajectories",
         "evicted_stale_groups",
         "evicted_stale_trajectories",
         "exempt",
@@ -97,6 +99,8 @@ class PartitionState:
         "producer_wait_seconds",
         "producers",
         "ready",
+        "reissued_groups",
+        "reissued_trajectories",
         "resident_at",
         "running",
         "sampled_groups",
@@ -136,6 +140,8 @@ class PartitionState:
         self.evicted_stale_groups = self.evicted_stale_trajectories = 0
         self.evicted_failure_groups = self.evicted_failure_trajectories = 0
         self.evicted_in_flight_groups = 0
+        self.evicted_restart_groups = self.evicted_restart_trajectories = 0
+        self.reissued_groups = self.reissued_trajectories = 0
 
     # -- in-flight groups -------------------------------------------------------------
 
@@ -288,6 +294,10 @@ class PartitionState:
             evicted_failure_groups=self.evicted_failure_groups,
             evicted_failure_trajectories=self.evicted_failure_trajectories,
             evicted_in_flight_groups=self.evicted_in_flight_groups,
+            evicted_restart_groups=self.evicted_restart_groups,
+            evicted_restart_trajectories=self.evicted_restart_trajectories,
+            reissued_groups=self.reissued_groups,
+            reissued_trajectories=self.reissued_trajectories,
             waiting_producers=len(self.producers),
             capacity=capacity,
         )

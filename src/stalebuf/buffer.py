@@ -9,15 +9,18 @@ signal, re-check. The rules live in :mod:`stalebuf.policy`, the indexes in ``_in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
 import anyio.lowlevel
+import anyio.to_thread
 
+from ._checkpoint_file import PayloadCodec, write_checkpoint
 from ._core import EvictCallback
-from ._custom_sampler import build_from_config
+from ._custom_sampler import build_from_config, restore_buffer
 from ._producers import GroupStatus, Producers
 from ._rollout import RolloutGroup, rollout
 from ._threadsafe import ThreadsafeProducer
@@ -26,6 +29,7 @@ from ._validation import (
     check_step,
     check_timeout,
 )
+from .checkpoint import BufferCheckpoint, InFlightMode, RestoreResult, capture
 from .config import SamplerConfig
 from .errors import BatchNotReadyError, ConfigError, WrongThreadError
 from .metrics import SampleMetrics
@@ -107,6 +111,60 @@ class ReplayBuffer(Producers):
         if status_log_interval is not _UNSET:
             options["status_log_interval"] = status_log_interval
         return build_from_config(cls, ReplayBuffer, config, options)
+
+    @classmethod
+    def restore(
+        cls,
+        source: BufferCheckpoint | str | os.PathLike[str],
+        *,
+        in_flight: InFlightMode = "reissue",
+        on_evict: EvictCallback | None = None,
+        status_log_interval: float | None = 60.0,
+        payload_codec: PayloadCodec | None = None,
+    ) -> RestoreResult:
+        """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous.
+
+        The class built is what :meth:`from_config` builds from the saved config (``cls``
+        unless it names a custom sampler). Its ``stats()`` equal the checkpointed buffer's
+        (waiting callers are not saved), apart from what ``in_flight`` does with groups that
+        were PENDING or RUNNING: "reissue" keeps them PENDING at their place in the order, with
+        their trajectories discarded (counted in ``reissued_*``) and lists them in the result's
+        ``reissue``; "keep" keeps them exactly; "evict" evicts them (reason "restart", one
+        event per partition to ``on_evict``, counted in ``evicted_restart_*``).
+
+        Raises:
+            CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must
+                not have) a payload codec; or the checkpoint cannot be rebuilt. Nothing is built.
+            ConfigError: ``in_flight``, ``on_evict`` or ``status_log_interval`` is invalid.
+            OSError: the file cannot be read.
+            Exception: whatever ``on_evict`` raised (under "evict").
+        """
+        return restore_buffer(cls, source, in_flight, on_evict, status_log_interval, payload_codec)
+
+    def checkpoint(self) -> BufferCheckpoint:
+        """Return the buffer's whole state as a frozen, picklable value; synchronous, so it is
+        consistent with respect to every coroutine on the loop. It copies references only.
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self._binding.check_thread()
+        return capture(self)
+
+    async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
+        """Take :meth:`checkpoint` at once, then write it to ``path`` in a worker thread,
+        atomically (the previous file or the new one survives a crash, never a torn one).
+
+        Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
+        the file holds no pickle at all (see the README's trust model).
+
+        Raises:
+            CheckpointError: with a codec, a value JSON cannot hold (the message names it), or
+                ``encode`` failed.
+            OSError: the file could not be written.
+        """
+        checkpoint = self.checkpoint()
+        await anyio.to_thread.run_sync(write_checkpoint, path, checkpoint, payload_codec)
 
     @property
     def config(self) -> SamplerConfig:

@@ -119,6 +119,12 @@ class SamplerConfig:
     admission_batch_size: int | None = attrs.field(default=None, validator=_check_admission_batch_size)
     evict_stale_in_flight: bool = attrs.field(default=False, validator=_check_evict_stale_in_flight)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: rebuilt through the constructor (and so validated again)."""
+        fields = attrs.asdict(self, recurse=False)
+        fields["sampler_kwargs"] = dict(self.sampler_kwargs)
+        return (_config_from_fields, (fields,))
+
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> SamplerConfig:
         """Build a config from a dict or any Mapping shaped like verl's ``trainer.v1.sampler``.
@@ -179,3 +185,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         return [_plain(item) for item in value]
     return value
+
+
+def _config_from_fields(fields: dict[str, Any]) -> SamplerConfig:
+    return SamplerConfig(**fields)

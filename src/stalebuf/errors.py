@@ -13,6 +13,7 @@ __all__ = [
     "BufferClosedError",
     "BufferFullError",
     "BufferUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "DuplicateGroupError",
     "DuplicateTrajectoryError",
@@ -95,3 +96,8 @@ class GroupEvictedError(UnknownGroupError):
 
     Raised by a producer call on such a group (``evict_stale_in_flight=True``).
     """
+
+
+class CheckpointError(StalebufError):
+    """A checkpoint cannot be written or read: a value the format cannot hold, or a file that is
+    truncated, corrupt, foreign, of a newer format version, or needs a payload codec."""

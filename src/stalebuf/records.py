@@ -64,6 +64,10 @@ class Trajectory:
     tags: Mapping[str, Any]
     payload: Any
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the read-only tags travel as a plain dict."""
+        return (_trajectory, (self.key, self.session_id, self.index, _plain(self.tags), self.payload))
+
 
 @attrs.frozen(eq=False, weakref_slot=False)
 class Group:
@@ -90,6 +94,22 @@ class Group:
     trajectories: tuple[Trajectory, ...]
     finish_step: int = 0
     generation_seconds: float = 0.0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the read-only tags travel as a plain dict."""
+        return (
+            _group,
+            (
+                self.uid,
+                self.partition,
+                self.dispatch_step,
+                self.status,
+                _plain(self.tags),
+                self.trajectories,
+                self.finish_step,
+                self.generation_seconds,
+            ),
+        )
 
     @property
     def global_steps(self) -> int:
@@ -155,7 +175,7 @@ class Batch:
         return (self.global_steps + 1 - dispatch) / self.parameter_sync_step
 
 
-EvictionReason = Literal["stale", "failure"]
+EvictionReason = Literal["stale", "failure", "restart"]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -164,10 +184,12 @@ class EvictionEvent:
 
     Attributes:
         partition: the partition they were evicted from.
-        reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``) or
-            "failure" (``failure_strategy="evict"``).
+        reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``),
+            "failure" (``failure_strategy="evict"``) or "restart" (in-flight groups evicted by
+            ``ReplayBuffer.restore(..., in_flight="evict")``).
         groups: the evicted groups, oldest first.
-        global_steps: the trainer step of the ``sample`` call that evicted them.
+        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart",
+            the partition's dispatch clock).
     """
 
     partition: str
@@ -247,3 +269,39 @@ def new_batch(
     _set_groups(batch, groups)
     _set_sync(batch, parameter_sync_step)
     return batch
+
+
+def _plain(tags: Mapping[str, Any]) -> dict[str, Any] | None:
+    return dict(tags) if tags else None
+
+
+def _frozen_tags(tags: dict[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(tags) if tags else EMPTY_TAGS
+
+
+def _trajectory(
+    key: str, session_id: int, index: int, tags: dict[str, Any] | None, payload: Any
+) -> Trajectory:
+    return new_trajectory(key, session_id, index, _frozen_tags(tags), payload)
+
+
+def _group(
+    uid: str,
+    partition: str,
+    dispatch_step: int,
+    status: Status,
+    tags: dict[str, Any] | None,
+    trajectories: tuple[Trajectory, ...],
+    finish_step: int,
+    generation_seconds: float,
+) -> Group:
+    return new_group(
+        uid,
+        partition,
+        dispatch_step,
+        status,
+        _frozen_tags(tags),
+        trajectories,
+        finish_step,
+        generation_seconds,
+    )

@@ -25,12 +25,19 @@ class PartitionStats:
         evicted_failure_groups, evicted_failure_trajectories: cumulative, evicted as failed.
         evicted_in_flight_groups: cumulative, evicted as stale while PENDING or RUNNING (included
             in ``evicted_stale_groups``).
+        evicted_restart_groups, evicted_restart_trajectories: cumulative, evicted by
+            ``ReplayBuffer.restore(..., in_flight="evict")`` (in-flight groups at the checkpoint).
+        reissued_groups, reissued_trajectories: cumulative, in-flight groups that
+            ``restore(..., in_flight="reissue")`` kept (as PENDING, to be generated again) and the
+            partial trajectories it discarded from them. Informational for groups: they stay
+            resident.
         waiting_producers: producer calls currently blocked on admission.
         capacity: the bound on resident groups under admission control, ``T*S*b``; None without
             admission or for an exempt partition (in ``total``: the sum of the bounded partitions).
 
-    Conservation, for groups and for trajectories alike:
-    ``admitted == resident + sampled + evicted_stale + evicted_failure``.
+    Conservation, for groups:
+    ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart``;
+    for trajectories the same plus ``reissued_trajectories``.
     """
 
     pending: int = 0
@@ -48,6 +55,10 @@ class PartitionStats:
     evicted_failure_groups: int = 0
     evicted_failure_trajectories: int = 0
     evicted_in_flight_groups: int = 0
+    evicted_restart_groups: int = 0
+    evicted_restart_trajectories: int = 0
+    reissued_groups: int = 0
+    reissued_trajectories: int = 0
     waiting_producers: int = 0
     capacity: int | None = None
 

@@ -92,7 +92,7 @@ class _Run:
     def on_evict(self, event: EvictionEvent) -> None:
         """Record the evicted groups and dispatch one fresh prompt for each."""
         for group in event.groups:
-            self.in_buffer.pop(group.uid).fate = event.reason
+            self.in_buffer.pop(group.uid).fate = "stale" if event.reason == "stale" else "failure"
             self.dispatch(event.global_steps)
         if event.reason == "stale":
             self.step_dropped += len(event.groups)

@@ -1,0 +1,321 @@
+"""The checkpoint file: atomic, checksummed, pickle by default or plain data with a codec.
+
+Layout: a magic line, then ``version (u32), flags (u32), body length (u64), sha256 (32 bytes)``,
+then the body, a sequence of length-prefixed frames. Pickle files (flags 0): a manifest, then
+chunks of groups, each pickled on its own (protocol 5, buffers such as numpy arrays out of
+band, in their own frames), so the writer never holds the GIL for long. Codec files (flags 1):
+JSON for everything, and one frame per payload made by the user's ``encode``; nothing in them
+is ever unpickled. A write goes to a temporary file in the same directory, is flushed and
+fsynced, then renamed over the target and the directory fsynced: a crash at any moment leaves
+the previous file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import pickle
+import struct
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, Any
+
+import attrs
+
+from ._validation import check_tags
+from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
+from .config import SamplerConfig
+from .errors import CheckpointError
+from .records import Group, Status, new_group, new_trajectory
+
+__all__ = ["PayloadCodec", "read_checkpoint", "write_checkpoint"]
+
+#: ``(encode, decode)``: ``encode(payload) -> bytes`` and ``decode(bytes) -> payload``.
+PayloadCodec = tuple[Callable[[Any], bytes], Callable[[bytes], Any]]
+
+MAGIC = b"STALEBUF CHECKPOINT\n"
+_HEADER = struct.Struct(">IIQ32s")
+_FRAME = struct.Struct(">Q")
+_COUNT = struct.Struct(">I")
+_PICKLE, _CODEC = 0, 1
+# Groups per pickled or JSON chunk: small enough that one chunk holds the GIL for milliseconds.
+_CHUNK = 256
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+class _Body:
+    """Frames written to a file, hashed on the way."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+        self.length = 0
+
+    def frame(self, data: bytes | memoryview) -> None:
+        for piece in (_FRAME.pack(len(data)), data):
+            self.file.write(piece)
+            self.digest.update(piece)
+            self.length += len(piece)
+
+
+def write_checkpoint(
+    path: str | os.PathLike[str], checkpoint: BufferCheckpoint, codec: PayloadCodec | None
+) -> None:
+    """Write ``checkpoint`` to ``path`` atomically (see the module docs).
+
+    Raises:
+        CheckpointError: with a codec, a value that JSON cannot hold (named), or ``encode``
+            failed or returned something other than bytes.
+        OSError: the file could not be written (the previous file, if any, is untouched).
+    """
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    handle, temporary = tempfile.mkstemp(prefix=".stalebuf-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
+            body = _Body(file)
+            if codec is None:
+                _write_pickled(body, checkpoint)
+            else:
+                _write_plain(body, checkpoint, codec[0])
+            file.seek(len(MAGIC))
+            flags = _PICKLE if codec is None else _CODEC
+            file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, body.digest.digest()))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def _write_pickled(body: _Body, checkpoint: BufferCheckpoint) -> None:
+    manifest = attrs.evolve(checkpoint, groups=())
+    body.frame(pickle.dumps((manifest, len(checkpoint.groups)), protocol=5))
+    for chunk in _chunks(checkpoint.groups):
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(chunk, protocol=5, buffer_callback=buffers.append)
+        body.frame(_COUNT.pack(len(buffers)) + data)
+        for buffer in buffers:
+            body.frame(buffer.raw())
+
+
+def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[Any], bytes]) -> None:
+    config = attrs.asdict(checkpoint.config)
+    config["exempt_partitions"] = sorted(config["exempt_partitions"])
+    config["sampler_kwargs"] = dict(config["sampler_kwargs"])
+    manifest = {
+        "config": config,
+        "policy": checkpoint.policy,
+        "partitions": [[p.name, p.last_sampled, dict(p.counters)] for p in checkpoint.partitions],
+        "clocks": dict(checkpoint.clocks),
+        "evicted_in_flight": list(checkpoint.evicted_in_flight),
+        "groups": len(checkpoint.groups),
+    }
+    body.frame(_to_json(manifest, "the config"))
+    for chunk in _chunks(checkpoint.groups):
+        rows = [_group_row(group) for group in chunk]
+        body.frame(_to_json(rows, f"group {chunk[0].uid!r} or the next {len(chunk) - 1}"))
+        for group in chunk:
+            for trajectory in group.trajectories:
+                try:
+                    data = encode(trajectory.payload)
+                except Exception as exc:
+                    raise CheckpointError(f"encode failed for trajectory {trajectory.key!r}: {exc}") from exc
+                if not isinstance(data, (bytes, bytearray, memoryview)):
+                    raise CheckpointError(
+                        f"encode must return bytes, got {type(data).__name__} "
+                        f"for trajectory {trajectory.key!r}"
+                    )
+                body.frame(data)
+
+
+def _group_row(group: Group) -> list[Any]:
+    trajectories = [[t.key, t.session_id, t.index, dict(t.tags)] for t in group.trajectories]
+    return [
+        group.uid,
+        group.partition,
+        group.dispatch_step,
+        group.status.value,
+        dict(group.tags),
+        group.finish_step,
+        group.generation_seconds,
+        trajectories,
+    ]
+
+
+def _to_json(value: Any, where: str) -> bytes:
+    _check_plain(value, where)
+    return json.dumps(value, allow_nan=True, separators=(",", ":")).encode()
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Raise CheckpointError naming the first value JSON cannot hold exactly."""
+    kind = type(value)
+    if value is None or kind in (str, int, bool):
+        return
+    if kind is float:
+        return
+    if kind is list:
+        for item in value:
+            _check_plain(item, where)
+        return
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise CheckpointError(
+                    f"{where}: a mapping key of type {type(key).__name__} cannot be saved as JSON"
+                )
+            _check_plain(item, f"{where}, key {key!r}")
+        return
+    raise CheckpointError(
+        f"{where}: a value of type {kind.__name__} cannot be saved as JSON (a plain format)"
+    )
+
+
+def _chunks(groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
+    for start in range(0, len(groups), _CHUNK):
+        yield groups[start : start + _CHUNK]
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory fds: the rename is as durable as it gets
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) -> BufferCheckpoint:
+    """Read and verify the checkpoint file at ``path``.
+
+    Raises:
+        CheckpointError: the file is truncated, corrupt, not a checkpoint, of a newer format,
+            a codec file read without a codec (or a pickle file read with one), or ``decode``
+            failed.
+        OSError: the file cannot be read (FileNotFoundError for a missing one).
+    """
+    with open(path, "rb") as file:
+        data = bytearray(file.read())
+    name = os.fspath(path)
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
+    start = len(MAGIC) + _HEADER.size
+    if len(data) < start:
+        raise CheckpointError(f"{name!r} is truncated (no complete header)")
+    version, flags, length, digest = _HEADER.unpack_from(data, len(MAGIC))
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
+            f"{FORMAT_VERSION}: upgrade it"
+        )
+    if len(data) - start != length:
+        raise CheckpointError(
+            f"{name!r} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
+        )
+    body = memoryview(data)[start:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
+    frames = _frames(body, name)
+    try:
+        if flags == _PICKLE:
+            if codec is not None:
+                raise CheckpointError(
+                    f"{name!r} holds pickled payloads; refusing to unpickle it with a codec given"
+                )
+            return _read_pickled(frames)
+        if flags == _CODEC:
+            if codec is None:
+                raise CheckpointError(
+                    f"{name!r} was saved with a payload codec: pass payload_codec= to restore it"
+                )
+            return _read_plain(frames, codec[1])
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a checksum-valid file that does not parse: written by something else
+        raise CheckpointError(f"{name!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+    raise CheckpointError(f"{name!r} has unknown flags {flags}")
+
+
+def _frames(body: memoryview, name: str) -> Iterator[memoryview]:
+    offset = 0
+    while offset < len(body):
+        if offset + _FRAME.size > len(body):
+            raise CheckpointError(f"{name!r} is corrupt (a frame header is cut)")
+        (size,) = _FRAME.unpack_from(body, offset)
+        offset += _FRAME.size
+        if offset + size > len(body):
+            raise CheckpointError(f"{name!r} is corrupt (a frame is cut)")
+        yield body[offset : offset + size]
+        offset += size
+
+
+def _read_pickled(frames: Iterator[memoryview]) -> BufferCheckpoint:
+    manifest, count = pickle.loads(next(frames))
+    groups: list[Group] = []
+    while len(groups) < count:
+        frame = next(frames)
+        (buffers,) = _COUNT.unpack_from(frame)
+        oob = [next(frames) for _ in range(buffers)]
+        groups.extend(pickle.loads(frame[_COUNT.size :], buffers=oob))
+    if not isinstance(manifest, BufferCheckpoint):
+        raise CheckpointError("the checkpoint's manifest is not a BufferCheckpoint")
+    return attrs.evolve(manifest, groups=tuple(groups))
+
+
+def _read_plain(frames: Iterator[memoryview], decode: Callable[[bytes], Any]) -> BufferCheckpoint:
+    manifest = json.loads(bytes(next(frames)))
+    config = SamplerConfig(**manifest["config"])
+    groups: list[Group] = []
+    while len(groups) < manifest["groups"]:
+        for row in json.loads(bytes(next(frames))):
+            groups.append(_group_from_row(row, frames, decode))
+    partitions = tuple(
+        PartitionCheckpoint(name, last, counters) for name, last, counters in manifest["partitions"]
+    )
+    return BufferCheckpoint(
+        FORMAT_VERSION,
+        config,
+        manifest["policy"],
+        tuple(groups),
+        partitions,
+        manifest["clocks"],
+        tuple(manifest["evicted_in_flight"]),
+    )
+
+
+def _group_from_row(row: list[Any], frames: Iterator[memoryview], decode: Callable[[bytes], Any]) -> Group:
+    uid, partition, step, status, tags, finish_step, seconds, rows = row
+    trajectories = []
+    for key, session_id, index, trajectory_tags in rows:
+        try:
+            payload = decode(bytes(next(frames)))
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"decode failed for trajectory {key!r}: {exc}") from exc
+        trajectories.append(new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload))
+    if not math.isfinite(seconds):
+        seconds = 0.0
+    return new_group(
+        uid, partition, step, Status(status), _frozen(tags), tuple(trajectories), finish_step, seconds
+    )
+
+
+def _frozen(tags: Mapping[str, Any]) -> Mapping[str, Any]:
+    return check_tags(tags)

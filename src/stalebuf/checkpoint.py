@@ -1,0 +1,266 @@
+"""Checkpoint and resume: a buffer's whole state as one frozen value, and back.
+
+:func:`capture` copies references only (records are immutable; an in-flight group is
+snapshotted into a record with its PENDING/RUNNING status), so it is synchronous and consistent
+with respect to every coroutine on the loop. :func:`rebuild` puts the groups back in admission
+order, so FIFO ties, the clocks, admission state and every cumulative counter come out
+identical; what happens to groups that were in flight is the caller's choice (``in_flight``).
+The file format lives in ``_checkpoint_file.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from time import monotonic
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from ._partition import OpenGroup, PartitionState
+from .config import SamplerConfig
+from .errors import CheckpointError, ConfigError
+from .records import EvictionEvent, Group, Status, new_group
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+__all__ = [
+    "COUNTERS",
+    "FORMAT_VERSION",
+    "BufferCheckpoint",
+    "InFlightMode",
+    "PartitionCheckpoint",
+    "RestoreResult",
+]
+
+#: The version of the checkpoint format (the value and the file); a newer one is refused.
+FORMAT_VERSION = 1
+#: The cumulative per-partition counters a checkpoint carries (the resident counts are derived
+#: from the groups themselves, so they cannot disagree with them).
+COUNTERS: tuple[str, ...] = (
+    "admitted_groups",
+    "admitted_trajectories",
+    "sampled_groups",
+    "sampled_trajectories",
+    "evicted_stale_groups",
+    "evicted_stale_trajectories",
+    "evicted_failure_groups",
+    "evicted_failure_trajectories",
+    "evicted_in_flight_groups",
+    "evicted_restart_groups",
+    "evicted_restart_trajectories",
+    "reissued_groups",
+    "reissued_trajectories",
+)
+InFlightMode = Literal["reissue", "keep", "evict"]
+_IN_FLIGHT_MODES = ("reissue", "keep", "evict")
+_PENDING, _RUNNING, _FAILURE = Status.PENDING, Status.RUNNING, Status.FAILURE
+
+
+@attrs.frozen
+class PartitionCheckpoint:
+    """One partition's saved state.
+
+    Attributes:
+        name: the partition.
+        last_sampled: the largest step a ``sample`` on it returned a batch at (-1 before any);
+            part of the admission state.
+        counters: the cumulative counters named in :data:`COUNTERS`.
+    """
+
+    name: str
+    last_sampled: int
+    counters: Mapping[str, int]
+
+
+@attrs.frozen(eq=False)
+class BufferCheckpoint:
+    """A buffer's whole state: a frozen, picklable value (see ``ReplayBuffer.checkpoint``).
+
+    Attributes:
+        format_version: :data:`FORMAT_VERSION` when it was taken.
+        config: the buffer's config (it names the custom sampler, if any).
+        policy: ``"module:QualName"`` of a policy passed as ``policy=`` that the config does
+            not name, else None; ``restore`` builds it as ``Cls(config, **sampler_kwargs)``.
+        groups: every resident group, in admission order (which decides FIFO ties). In-flight
+            groups are records with status PENDING or RUNNING, the trajectories put so far, and
+            ``generation_seconds`` elapsed since their ``add_prompt``.
+        partitions: every partition's admission state and cumulative counters.
+        clocks: each partition's dispatch clock.
+        evicted_in_flight: uids of groups evicted in flight that the buffer remembers.
+    """
+
+    format_version: int
+    config: SamplerConfig
+    policy: str | None
+    groups: tuple[Group, ...]
+    partitions: tuple[PartitionCheckpoint, ...]
+    clocks: Mapping[str, int]
+    evicted_in_flight: tuple[str, ...]
+
+
+@attrs.frozen(eq=False)
+class RestoreResult:
+    """What ``ReplayBuffer.restore`` returns.
+
+    Attributes:
+        buffer: the restored buffer.
+        reissue: under ``in_flight="reissue"``, the groups that were in flight at the
+            checkpoint (uid, partition, dispatch step, tags; no trajectories), oldest first: they
+            are in the buffer as PENDING, to be generated again under the same uid.
+    """
+
+    buffer: ReplayBuffer
+    reissue: tuple[Group, ...]
+
+
+def capture(buffer: ReplayBuffer) -> BufferCheckpoint:
+    """Return ``buffer``'s state; copies references, never payloads."""
+    now = monotonic()
+    clocks = buffer._clocks
+    groups = tuple(
+        group if isinstance(group, Group) else _snapshot(group, clocks.get(group.partition.name, 0), now)
+        for group in buffer._groups.values()
+    )
+    partitions = tuple(
+        PartitionCheckpoint(name, part.last_sampled, {key: getattr(part, key) for key in COUNTERS})
+        for name, part in buffer._partitions.items()
+    )
+    policy = buffer._policy
+    policy_name = None
+    if type(policy).__module__ != "stalebuf.policy" and buffer.config.custom_sampler is None:
+        policy_name = f"{type(policy).__module__}:{type(policy).__qualname__}"
+    return BufferCheckpoint(
+        FORMAT_VERSION,
+        buffer.config,
+        policy_name,
+        groups,
+        partitions,
+        dict(clocks),
+        tuple(buffer._evicted_in_flight),
+    )
+
+
+def _snapshot(group: OpenGroup, clock: int, now: float) -> Group:
+    return new_group(
+        group.uid,
+        group.partition.name,
+        group.dispatch_step,
+        group.status,
+        group.tags,
+        tuple(group.trajectories.values()),
+        max(clock, group.dispatch_step),
+        now - group.admitted_at,
+    )
+
+
+def check_in_flight(in_flight: object) -> InFlightMode:
+    """Return ``in_flight`` if it is one of the modes; raise ConfigError otherwise."""
+    if type(in_flight) is not str or in_flight not in _IN_FLIGHT_MODES:
+        raise ConfigError(f"in_flight must be one of {', '.join(map(repr, _IN_FLIGHT_MODES))}")
+    return in_flight  # type: ignore[return-value]
+
+
+def rebuild(buffer: ReplayBuffer, checkpoint: BufferCheckpoint, in_flight: InFlightMode) -> tuple[Group, ...]:
+    """Fill the empty ``buffer`` with ``checkpoint``'s state; return the groups to reissue.
+
+    Raises:
+        CheckpointError: the checkpoint is inconsistent (a group of an unknown partition, a
+            duplicate uid).
+    """
+    buffer._clocks.update(checkpoint.clocks)
+    for saved in checkpoint.partitions:
+        buffer._partition(saved.name).last_sampled = saved.last_sampled
+    reissue: list[Group] = []
+    restarted: dict[str, list[Group]] = {}
+    now = monotonic()
+    for seq, group in enumerate(checkpoint.groups):
+        part = buffer._partitions.get(group.partition)
+        if part is None or group.uid in buffer._groups:
+            raise CheckpointError(f"the checkpoint is inconsistent at group {group.uid!r}")
+        if group.status is _PENDING or group.status is _RUNNING:
+            if in_flight == "evict":
+                restarted.setdefault(part.name, []).append(group)
+                continue
+            keep = in_flight == "keep"
+            _put_back_in_flight(buffer, part, group, seq, now, keep)
+            if not keep:
+                reissue.append(attrs.evolve(group, status=_PENDING, trajectories=()))
+        else:
+            _put_back_terminal(buffer, part, group, seq)
+    for saved in checkpoint.partitions:
+        part = buffer._partitions[saved.name]
+        for key in COUNTERS:  # cumulative counts are the saved ones, not what re-adding counted
+            setattr(part, key, saved.counters.get(key, 0))
+    for group in reissue:
+        part = buffer._partitions[group.partition]
+        part.reissued_groups += 1
+    for group in checkpoint.groups:
+        if in_flight == "reissue" and (group.status is _PENDING or group.status is _RUNNING):
+            buffer._partitions[group.partition].reissued_trajectories += len(group.trajectories)
+    buffer._next_seq = len(checkpoint.groups)
+    buffer._evicted_in_flight = OrderedDict.fromkeys(checkpoint.evicted_in_flight)
+    _evict_restarted(buffer, restarted)
+    return tuple(reissue)
+
+
+def _put_back_in_flight(
+    buffer: ReplayBuffer, part: PartitionState, group: Group, seq: int, now: float, keep: bool
+) -> None:
+    state = OpenGroup(group.uid, part, group.dispatch_step, seq, group.tags, now - group.generation_seconds)
+    buffer._groups[group.uid] = state
+    part.admit(state)
+    if keep:
+        if group.status is _RUNNING:
+            state.status = _RUNNING
+            part.start()
+        state.trajectories = {trajectory.key: trajectory for trajectory in group.trajectories}
+        part.add_trajectories(len(group.trajectories))
+
+
+def _put_back_terminal(buffer: ReplayBuffer, part: PartitionState, group: Group, seq: int) -> None:
+    buffer._groups[group.uid] = group
+    # What admit + put + terminate would record, without a detour through flight.
+    part.admitted_groups += 1
+    part.add_trajectories(len(group.trajectories))
+    if part.resident_at is not None:
+        part.resident_at[group.dispatch_step] = part.resident_at.get(group.dispatch_step, 0) + 1
+    if group.status is _FAILURE:
+        part.failure += 1
+        if part.evict_failures:
+            part.failed.append((group.dispatch_step, seq, group))
+            return
+    else:
+        part.finished += 1
+    part.ready.push(group.dispatch_step, seq, group)
+
+
+def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) -> None:
+    """Count and report in-flight groups evicted by ``in_flight="evict"`` (one event each)."""
+    events = []
+    for name, groups in restarted.items():
+        part = buffer._partitions[name]
+        part.evicted_restart_groups += len(groups)
+        part.evicted_restart_trajectories += sum(len(group.trajectories) for group in groups)
+        events.append(EvictionEvent(name, "restart", tuple(groups), buffer._clocks.get(name, 0)))
+    if events:
+        buffer._emit(events)
+
+
+def policy_from_name(name: str, config: SamplerConfig) -> Any:
+    """Build the policy a checkpoint names (``"module:QualName"``) as ``Cls(config, **kwargs)``.
+
+    Raises:
+        CheckpointError: it cannot be imported or built.
+    """
+    import importlib
+
+    module_name, _, qualname = name.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        return target(config, **config.sampler_kwargs)
+    except Exception as exc:
+        raise CheckpointError(f"cannot rebuild the checkpoint's policy {name!r}: {exc}") from exc
