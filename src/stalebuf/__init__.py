@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._rollout import RolloutGroup
 from ._threadsafe import ThreadsafeProducer
 from .buffer import GroupStatus, ReplayBuffer
+from .checkpoint import BufferCheckpoint, RestoreResult
 from .config import SamplerConfig
 from .errors import (
     BackendMismatchError,
@@ -17,6 +18,7 @@ from .errors import (
     BufferClosedError,
     BufferFullError,
     BufferUnavailableError,
+    CheckpointError,
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
@@ -35,10 +37,12 @@ __all__ = [
     "BackendMismatchError",
     "Batch",
     "BatchNotReadyError",
+    "BufferCheckpoint",
     "BufferClosedError",
     "BufferFullError",
     "BufferStats",
     "BufferUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "DuplicateGroupError",
     "DuplicateTrajectoryError",
@@ -50,6 +54,7 @@ __all__ = [
     "MissingDependencyError",
     "PartitionStats",
     "ReplayBuffer",
+    "RestoreResult",
     "RolloutGroup",
     "SamplerConfig",
     "StalebufError",
