@@ -173,32 +173,31 @@ def rebuild(buffer: ReplayBuffer, checkpoint: BufferCheckpoint, in_flight: InFli
     for saved in checkpoint.partitions:
         buffer._partition(saved.name).last_sampled = saved.last_sampled
     reissue: list[Group] = []
+    discarded: dict[str, int] = {}  # partition -> trajectories dropped from reissued groups
     restarted: dict[str, list[Group]] = {}
     now = monotonic()
     for seq, group in enumerate(checkpoint.groups):
         part = buffer._partitions.get(group.partition)
         if part is None or group.uid in buffer._groups:
             raise CheckpointError(f"the checkpoint is inconsistent at group {group.uid!r}")
-        if group.status is _PENDING or group.status is _RUNNING:
-            if in_flight == "evict":
-                restarted.setdefault(part.name, []).append(group)
-                continue
-            keep = in_flight == "keep"
-            _put_back_in_flight(buffer, part, group, seq, now, keep)
-            if not keep:
-                reissue.append(attrs.evolve(group, status=_PENDING, trajectories=()))
-        else:
+        if group.status is not _PENDING and group.status is not _RUNNING:
             _put_back_terminal(buffer, part, group, seq)
+        elif in_flight == "evict":
+            restarted.setdefault(part.name, []).append(group)
+        elif in_flight == "keep":
+            _put_back_in_flight(buffer, part, group, seq, now, keep=True)
+        else:
+            _put_back_in_flight(buffer, part, group, seq, now, keep=False)
+            reissue.append(attrs.evolve(group, status=_PENDING, trajectories=()))
+            discarded[part.name] = discarded.get(part.name, 0) + len(group.trajectories)
     for saved in checkpoint.partitions:
         part = buffer._partitions[saved.name]
         for key in COUNTERS:  # cumulative counts are the saved ones, not what re-adding counted
             setattr(part, key, saved.counters.get(key, 0))
     for group in reissue:
-        part = buffer._partitions[group.partition]
-        part.reissued_groups += 1
-    for group in checkpoint.groups:
-        if in_flight == "reissue" and (group.status is _PENDING or group.status is _RUNNING):
-            buffer._partitions[group.partition].reissued_trajectories += len(group.trajectories)
+        buffer._partitions[group.partition].reissued_groups += 1
+    for name, count in discarded.items():
+        buffer._partitions[name].reissued_trajectories += count
     buffer._next_seq = len(checkpoint.groups)
     buffer._evicted_in_flight = OrderedDict.fromkeys(checkpoint.evicted_in_flight)
     _evict_restarted(buffer, restarted)
