@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from stalebuf import Group, ReplayBuffer
+from stalebuf import EvictionEvent, Group, ReplayBuffer, SamplerConfig
 
 
 class NewestFirst(ReplayBuffer):
@@ -35,6 +35,20 @@ class ShortSelect(ReplayBuffer):
         self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
     ) -> Sequence[Group]:
         return list(candidates)[: batch_size - 1]
+
+
+class VerlStyle(ReplayBuffer):
+    """A plugin written the way verl's are: its constructor has no ``status_log_interval``."""
+
+    def __init__(
+        self,
+        config: SamplerConfig | None = None,
+        *,
+        on_evict: Callable[[EvictionEvent], object] | None = None,
+        label: str = "x",
+    ) -> None:
+        super().__init__(config, on_evict=on_evict)
+        self.label = label
 
 
 NOT_A_SAMPLER = object

@@ -1,8 +1,13 @@
 """The bad-input table: every documented error, raised before anything changes.
 
 Each row is one bad call: it must raise exactly the documented error class, with a message
-that names the offending argument or value, and a full snapshot of the buffer (stats plus
-every group's contents and the per-partition indexes) must be identical before and after.
+that names the offending argument or value (never its ``repr`` when that may raise or be
+huge: every message stays under ``MAX_MESSAGE`` characters), and a full snapshot of the
+buffer (stats plus every group's contents and the per-partition indexes) must be identical
+before and after.
+
+``ACCEPTED`` is the twin table: odd but valid calls (``[] in buffer``, ``status="failure"``)
+that must succeed with exactly the documented effect.
 
 The table is plain data (``CASES``); add a row to cover a new error. Every row runs against
 the same populated buffer (see :func:`populated`), so rows can name its groups:
@@ -26,15 +31,16 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
-from _helpers import LIMIT, full_snapshot, resident_uids
-from stalebuf import ReplayBuffer, SamplerConfig
+from _helpers import LIMIT, assert_conserved, full_snapshot, resident_groups, resident_uids
+from stalebuf import ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
     ConfigError,
@@ -75,6 +81,84 @@ def write(ctx: Ctx, name: str, source: str) -> str:
 def from_file(ctx: Ctx, name: str, source: str, cls: str) -> ReplayBuffer:
     spec = f"{write(ctx, name, source)}:{cls}"
     return ReplayBuffer.from_config(SamplerConfig(custom_sampler=spec))
+
+
+# -- hostile arguments (issue 10, items 14 and 15) -------------------------------------------
+MAX_MESSAGE = 1000  # characters: an error message must not grow with the value it rejects
+HUGE = 10**5000  # str() of it raises ValueError (Python's 4300-digit limit)
+HUGE_STR = "x" * 1_000_000
+
+
+class EvilRepr:
+    """A value whose ``repr`` raises: messages must name its type instead."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("evil repr")
+
+
+class EvilEq(EvilRepr):
+    """Also refuses to be compared (``status=`` must be checked by type first)."""
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("evil eq")
+
+
+class EvilCollection(EvilRepr):
+    """A collection whose ``len()`` or iteration raises."""
+
+    def __init__(self, *, bad_len: bool = False, bad_iter: bool = False) -> None:
+        self.bad_len, self.bad_iter = bad_len, bad_iter
+
+    def __len__(self) -> int:
+        if self.bad_len:
+            raise RuntimeError("evil len")
+        return 2
+
+    def __iter__(self) -> Iterator[int]:
+        yield 0
+        if self.bad_iter:
+            raise RuntimeError("evil iter")
+        yield 1
+
+    def __contains__(self, item: object) -> bool:
+        return item in (0, 1)
+
+
+class EvilMapping(Mapping[str, Any], EvilRepr):
+    """A mapping whose ``len()`` and iteration raise."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __len__(self) -> int:
+        raise RuntimeError("evil len")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("evil iter")
+
+
+class LyingLen:
+    """Claims ``claimed`` items but yields ``items``."""
+
+    def __init__(self, claimed: int, items: list[Any]) -> None:
+        self.claimed, self.items = claimed, items
+
+    def __len__(self) -> int:
+        return self.claimed
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.items
+
+
+def group(c: Ctx, uid: str = "new", payloads: Any = ("x", "y"), **kwargs: Any) -> list[str]:
+    """``put_group_nowait`` with a valid default for everything the row does not name."""
+    kwargs.setdefault("global_steps", 5)
+    return c.buf.put_group_nowait(uid, payloads, **kwargs)
 
 
 C = Case
@@ -199,6 +283,138 @@ CASES: tuple[Case, ...] = (
         "status_log_interval.*'60'",
     ),
     C("from-config-int", lambda c: ReplayBuffer.from_config(8), ConfigError, "config must be.*int"),
+    # values that do not fit a 64-bit int would overflow the metrics (issue 10, item 3)
+    C(
+        "threshold-huge",
+        lambda c: SamplerConfig(max_off_policy_threshold=10**400),
+        ConfigError,
+        "threshold.*2\\*\\*63",
+    ),
+    C(
+        "sync-step-huge",
+        lambda c: SamplerConfig(parameter_sync_step=10**400),
+        ConfigError,
+        "parameter_sync_step",
+    ),
+    C(
+        "sync-step-2**63",
+        lambda c: SamplerConfig(parameter_sync_step=2**63),
+        ConfigError,
+        "parameter_sync_step",
+    ),
+    # hostile values: a typed error naming the field, never the value's repr (items 14, 15)
+    C(
+        "threshold-evil-repr",
+        lambda c: SamplerConfig(max_off_policy_threshold=EvilRepr()),
+        ConfigError,
+        "threshold.*EvilRepr",
+    ),
+    C(
+        "strategy-evil-eq",
+        lambda c: SamplerConfig(max_off_policy_strategy=EvilEq()),
+        ConfigError,
+        "strategy.*EvilEq",
+    ),
+    C(
+        "exempt-evil-repr",
+        lambda c: SamplerConfig(exempt_partitions=EvilRepr()),
+        ConfigError,
+        "exempt_partitions",
+    ),
+    C(
+        "exempt-name-evil-repr",
+        lambda c: SamplerConfig(exempt_partitions=[EvilRepr()]),
+        ConfigError,
+        "exempt_partitions",
+    ),
+    C(
+        "exempt-name-huge-int",
+        lambda c: SamplerConfig(exempt_partitions=[HUGE]),
+        ConfigError,
+        "exempt_partitions",
+    ),
+    C(
+        "exempt-huge-str",
+        lambda c: SamplerConfig(exempt_partitions=HUGE_STR),
+        ConfigError,
+        "exempt_partitions",
+    ),
+    C(
+        "sampler-kwargs-evil-repr",
+        lambda c: SamplerConfig(sampler_kwargs=EvilRepr()),
+        ConfigError,
+        "sampler_kwargs",
+    ),
+    C("sampler-kwargs-huge-int", lambda c: SamplerConfig(sampler_kwargs=HUGE), ConfigError, "sampler_kwargs"),
+    C(
+        "custom-sampler-evil-repr",
+        lambda c: SamplerConfig(custom_sampler=EvilRepr()),
+        ConfigError,
+        "custom_sampler",
+    ),
+    C("custom-sampler-huge-int", lambda c: SamplerConfig(custom_sampler=HUGE), ConfigError, "custom_sampler"),
+    C(
+        "custom-sampler-huge-str",
+        lambda c: SamplerConfig(custom_sampler=HUGE_STR),
+        ConfigError,
+        "custom_sampler",
+    ),
+    C(
+        "mapping-unknown-huge-key",
+        lambda c: SamplerConfig.from_mapping({HUGE_STR: 1}),
+        ConfigError,
+        "unknown sampler config key",
+    ),
+    C(
+        "mapping-sampler-huge-path",
+        lambda c: SamplerConfig.from_mapping({"custom_sampler": {"path": HUGE, "name": "S"}}),
+        ConfigError,
+        "custom_sampler",
+    ),
+    C(
+        "buffer-log-interval-huge",
+        lambda c: ReplayBuffer(status_log_interval=10**400),
+        ConfigError,
+        "status_log_interval",
+    ),
+    # an interval this short would make the status log the loop's main occupation (item 6)
+    C(
+        "buffer-log-interval-tiny",
+        lambda c: ReplayBuffer(status_log_interval=1e-12),
+        ConfigError,
+        "status_log_interval.*1e-12",
+    ),
+    C(
+        "buffer-log-interval-below-1ms",
+        lambda c: ReplayBuffer(status_log_interval=0.0009),
+        ConfigError,
+        "status_log_interval.*0.0009",
+    ),
+    C(
+        "from-config-log-interval-tiny",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(), status_log_interval=1e-9),
+        ConfigError,
+        "status_log_interval",
+    ),
+    C(
+        "buffer-log-interval-evil-repr",
+        lambda c: ReplayBuffer(status_log_interval=EvilRepr()),
+        ConfigError,
+        "status_log_interval.*EvilRepr",
+    ),
+    C(
+        "buffer-on-evict-evil-repr",
+        lambda c: ReplayBuffer(on_evict=EvilRepr()),
+        ConfigError,
+        "on_evict.*EvilRepr",
+    ),
+    # ReplayBuffer(config) would silently ignore the custom sampler (item 11)
+    C(
+        "buffer-custom-sampler-direct",
+        lambda c: ReplayBuffer(SamplerConfig(custom_sampler="samplers:NewestFirst")),
+        ConfigError,
+        "from_config",
+    ),
     # -- custom samplers -------------------------------------------------------------------
     C(
         "sampler-module-missing",
@@ -263,6 +479,18 @@ CASES: tuple[Case, ...] = (
         ),
         ConfigError,
         "no such file",
+    ),
+    C(
+        "sampler-kwargs-rejected-huge",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(sampler_kwargs={"bogus": HUGE})),
+        ConfigError,
+        "rejected sampler_kwargs",
+    ),
+    C(
+        "sampler-module-huge-name",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(custom_sampler=f"{'m' * 1_000_000}:Sampler")),
+        ConfigError,
+        "cannot import module",
     ),
     # -- add_prompt ------------------------------------------------------------------------
     C("uid-empty", lambda c: c.buf.add_prompt_nowait("", global_steps=0), ValueError, "uid.*''"),
@@ -332,6 +560,44 @@ CASES: tuple[Case, ...] = (
         "'vfin'",
     ),
     C("duplicate-async", lambda c: c.buf.add_prompt("run", global_steps=6), DuplicateGroupError, "'run'"),
+    C(
+        "step-huge",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=10**400),
+        ValueError,
+        "global_steps",
+    ),
+    C("step-2**63", lambda c: c.buf.add_prompt_nowait("new", global_steps=2**63), ValueError, "global_steps"),
+    C(
+        "step-evil-repr",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=EvilRepr()),
+        TypeError,
+        "global_steps.*EvilRepr",
+    ),
+    C(
+        "uid-evil-repr",
+        lambda c: c.buf.add_prompt_nowait(EvilRepr(), global_steps=0),
+        TypeError,
+        "uid.*EvilRepr",
+    ),
+    C("uid-huge", lambda c: c.buf.add_prompt_nowait("a_" * 500_000, global_steps=0), ValueError, "uid"),
+    C(
+        "partition-evil-repr",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0, partition=EvilRepr()),
+        TypeError,
+        "partition.*EvilRepr",
+    ),
+    C(
+        "tags-evil-repr",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0, tags=EvilRepr()),
+        TypeError,
+        "tags.*EvilRepr",
+    ),
+    C(
+        "tags-evil-mapping",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=0, tags=EvilMapping()),
+        TypeError,
+        "tags",
+    ),
     # -- mark_running ----------------------------------------------------------------------
     C("running-unknown", lambda c: c.buf.mark_running_nowait("ghost"), UnknownGroupError, "'ghost'"),
     C("running-uid-int", lambda c: c.buf.mark_running_nowait(3), TypeError, "uid must be a str"),
@@ -352,6 +618,13 @@ CASES: tuple[Case, ...] = (
     C("running-sampled", lambda c: c.buf.mark_running_nowait("took"), UnknownGroupError, "'took'"),
     C("running-evicted-stale", lambda c: c.buf.mark_running_nowait("old"), UnknownGroupError, "'old'"),
     C("running-async-finished", lambda c: c.buf.mark_running("vfin"), InvalidTransitionError, "'vfin'"),
+    C("running-uid-evil-repr", lambda c: c.buf.mark_running_nowait(EvilRepr()), TypeError, "uid.*EvilRepr"),
+    C(
+        "running-huge-unknown-uid",
+        lambda c: c.buf.mark_running_nowait("y" * 1_000_000),
+        UnknownGroupError,
+        "no group",
+    ),
     # -- put -------------------------------------------------------------------------------
     C("put-unknown", lambda c: c.buf.put_nowait("ghost", 1), UnknownGroupError, "'ghost'"),
     C("put-uid-bytes", lambda c: c.buf.put_nowait(b"pend", 1), TypeError, "uid must be a str.*bytes"),
@@ -410,6 +683,25 @@ CASES: tuple[Case, ...] = (
     C("put-index-negative", lambda c: c.buf.put_nowait("pend", 1, index=-4), ValueError, "index.*-4"),
     C("put-tags-str", lambda c: c.buf.put_nowait("pend", 1, session_id=3, tags="x"), TypeError, "tags.*str"),
     C("put-async-late", lambda c: c.buf.put("fin", 1, session_id=7), InvalidTransitionError, "'fin'"),
+    C(
+        "put-session-huge",
+        lambda c: c.buf.put_nowait("pend", 1, session_id=HUGE),
+        ValueError,
+        "session_id.*bits",
+    ),
+    C("put-index-2**63", lambda c: c.buf.put_nowait("pend", 1, index=2**63), ValueError, "index"),
+    C(
+        "put-index-evil-repr",
+        lambda c: c.buf.put_nowait("pend", 1, index=EvilRepr()),
+        TypeError,
+        "index.*EvilRepr",
+    ),
+    C(
+        "put-tags-evil-mapping",
+        lambda c: c.buf.put_nowait("pend", 1, session_id=3, tags=EvilMapping()),
+        TypeError,
+        "tags",
+    ),
     # -- mark_finished / mark_failed -------------------------------------------------------
     C("finish-twice", lambda c: c.buf.mark_finished_nowait("fin"), InvalidTransitionError, "'fin'.*finished"),
     C("finish-failed", lambda c: c.buf.mark_finished_nowait("failr"), InvalidTransitionError, "'failr'"),
@@ -427,6 +719,117 @@ CASES: tuple[Case, ...] = (
     ),
     C("finish-async-twice", lambda c: c.buf.mark_finished("vfin"), InvalidTransitionError, "'vfin'"),
     C("fail-async-sampled", lambda c: c.buf.mark_failed("took"), UnknownGroupError, "'took'"),
+    C("finish-uid-evil-repr", lambda c: c.buf.mark_finished_nowait(EvilRepr()), TypeError, "uid.*EvilRepr"),
+    C("fail-uid-evil-eq", lambda c: c.buf.mark_failed_nowait(EvilEq()), TypeError, "uid.*EvilEq"),
+    # -- put_group -------------------------------------------------------------------------
+    C("group-uid-int", lambda c: group(c, 7), TypeError, "uid must be a str.*int"),
+    C("group-uid-underscore", lambda c: group(c, "a_b"), ValueError, "'a_b'"),
+    C("group-step-negative", lambda c: group(c, global_steps=-1), ValueError, "global_steps.*-1"),
+    C("group-step-float", lambda c: group(c, global_steps=5.0), TypeError, "global_steps.*float"),
+    C("group-step-huge", lambda c: group(c, global_steps=10**400), ValueError, "global_steps"),
+    C("group-partition-int", lambda c: group(c, partition=3), TypeError, "partition must be a str"),
+    C("group-partition-empty", lambda c: group(c, partition=""), ValueError, "partition"),
+    C("group-tags-list", lambda c: group(c, tags=[("a", 1)]), TypeError, "tags.*list"),
+    C("group-tags-evil-mapping", lambda c: group(c, tags=EvilMapping()), TypeError, "tags"),
+    C("group-payloads-str", lambda c: group(c, payloads="xy"), TypeError, "payloads.*str"),
+    C("group-payloads-dict", lambda c: group(c, payloads={"a": 1}), TypeError, "payloads.*dict"),
+    C("group-payloads-int", lambda c: group(c, payloads=2), TypeError, "payloads.*int"),
+    C("group-payloads-generator", lambda c: group(c, payloads=(p for p in "xy")), TypeError, "payloads"),
+    # a collection whose len() or iteration raises, or whose len() lies (item 4)
+    C(
+        "group-payloads-iteration-raises",
+        lambda c: group(c, payloads=EvilCollection(bad_iter=True)),
+        TypeError,
+        "payloads",
+    ),
+    C(
+        "group-payloads-len-raises",
+        lambda c: group(c, payloads=EvilCollection(bad_len=True)),
+        TypeError,
+        "payloads",
+    ),
+    C(
+        "group-payloads-len-lies",
+        lambda c: group(c, payloads=LyingLen(3, ["x", "y"]), session_ids=[0, 1, 2]),
+        ValueError,
+        "session_ids has 3 items for 2 payloads",
+    ),
+    C(
+        "group-payloads-len-lies-in-flight",
+        lambda c: group(c, "pend", payloads=LyingLen(1, ["x", "y"]), session_ids=[4]),
+        ValueError,
+        "session_ids has 1 items for 2 payloads",
+    ),
+    C(
+        "group-session-ids-iteration-raises",
+        lambda c: group(c, session_ids=EvilCollection(bad_iter=True)),
+        TypeError,
+        "session_ids",
+    ),
+    C(
+        "group-indices-len-raises",
+        lambda c: group(c, indices=EvilCollection(bad_len=True)),
+        TypeError,
+        "indices",
+    ),
+    C(
+        "group-trajectory-tags-iteration-raises",
+        lambda c: group(c, trajectory_tags=EvilCollection(bad_iter=True)),
+        TypeError,
+        "trajectory_tags",
+    ),
+    C("group-session-ids-short", lambda c: group(c, session_ids=[0]), ValueError, "session_ids has 1 items"),
+    C(
+        "group-trajectory-tags-long",
+        lambda c: group(c, trajectory_tags=[None, None, None]),
+        ValueError,
+        "trajectory_tags has 3 items",
+    ),
+    C("group-session-negative", lambda c: group(c, session_ids=[0, -1]), ValueError, "session_id.*-1"),
+    C("group-session-huge", lambda c: group(c, session_ids=[0, HUGE]), ValueError, "session_id"),
+    C("group-index-bool", lambda c: group(c, indices=[0, True]), TypeError, "index.*bool"),
+    C("group-index-evil-repr", lambda c: group(c, indices=[0, EvilRepr()]), TypeError, "index.*EvilRepr"),
+    C("group-trajectory-tags-str", lambda c: group(c, trajectory_tags=["t", None]), TypeError, "tags.*str"),
+    C(
+        "group-trajectory-tags-evil",
+        lambda c: group(c, trajectory_tags=[None, EvilMapping()]),
+        TypeError,
+        "tags",
+    ),
+    C("group-duplicate-keys", lambda c: group(c, session_ids=[3, 3]), DuplicateTrajectoryError, "new_3_0"),
+    C(
+        "group-duplicate-with-group",
+        lambda c: group(c, "run", ["x"], global_steps=6, session_ids=[1]),
+        DuplicateTrajectoryError,
+        "run_1_0",
+    ),
+    C("group-other-step", lambda c: group(c, "pend", global_steps=6), DuplicateGroupError, "'pend'"),
+    C("group-other-partition", lambda c: group(c, "pend", partition="val"), DuplicateGroupError, "'pend'"),
+    C("group-late-finished", lambda c: group(c, "fin", session_ids=[7, 8]), InvalidTransitionError, "'fin'"),
+    C(
+        "group-late-failed",
+        lambda c: group(c, "failr", session_ids=[7, 8]),
+        InvalidTransitionError,
+        "'failr'",
+    ),
+    C(
+        "group-late-exempt",
+        lambda c: group(c, "vfin", global_steps=0, partition="val", session_ids=[7, 8]),
+        InvalidTransitionError,
+        "'vfin'",
+    ),
+    C("group-status-upper", lambda c: group(c, status="FINISHED"), ValueError, "status.*'FINISHED'"),
+    C("group-status-pending", lambda c: group(c, status="pending"), ValueError, "status"),
+    C("group-status-running", lambda c: group(c, status=Status.RUNNING), ValueError, "status"),
+    C("group-status-None", lambda c: group(c, status=None), ValueError, "status"),
+    C("group-status-evil-eq", lambda c: group(c, status=EvilEq()), ValueError, "status.*EvilEq"),
+    C("group-status-huge-str", lambda c: group(c, status=HUGE_STR), ValueError, "status"),
+    C(
+        "group-async-late",
+        lambda c: c.buf.put_group("fin", ["x"], global_steps=5, session_ids=[7]),
+        InvalidTransitionError,
+        "'fin'",
+    ),
     # -- sample / sampleable_count ---------------------------------------------------------
     C("batch-0", lambda c: c.buf.sample(6, 0), ValueError, "batch_size.*0"),
     C("batch-negative", lambda c: c.buf.sample(6, -2), ValueError, "batch_size.*-2"),
@@ -448,6 +851,42 @@ CASES: tuple[Case, ...] = (
     C("timeout-nan", lambda c: c.buf.sample(6, 1, timeout=math.nan), ValueError, "timeout.*nan"),
     C("timeout-bool", lambda c: c.buf.sample(6, 1, timeout=True), ValueError, "timeout.*True"),
     C("timeout-str", lambda c: c.buf.sample(6, 1, timeout="1"), ValueError, "timeout.*'1'"),
+    # huge values (items 3, 13, 14) and hostile ones (item 15)
+    C("sample-step-huge", lambda c: c.buf.sample(10**400, 1), ValueError, "global_steps"),
+    C("sample-step-huge-nowait", lambda c: c.buf.sample(10**400, 1, timeout=0), ValueError, "global_steps"),
+    C("sample-step-2**63", lambda c: c.buf.sample(2**63, 1, timeout=0), ValueError, "global_steps"),
+    C("batch-huge", lambda c: c.buf.sample(0, HUGE, timeout=0), ValueError, "batch_size.*bits"),
+    C("batch-2**63", lambda c: c.buf.sample(6, 2**63), ValueError, "batch_size"),
+    C("timeout-huge", lambda c: c.buf.sample(6, 1, timeout=10**400), ValueError, "timeout"),
+    C("sample-step-evil-repr", lambda c: c.buf.sample(EvilRepr(), 1), TypeError, "global_steps.*EvilRepr"),
+    C("batch-evil-repr", lambda c: c.buf.sample(6, EvilRepr()), ValueError, "batch_size.*EvilRepr"),
+    C("timeout-evil-repr", lambda c: c.buf.sample(6, 1, timeout=EvilRepr()), ValueError, "timeout.*EvilRepr"),
+    C(
+        "sample-partition-evil-repr",
+        lambda c: c.buf.sample(6, 1, partition=EvilRepr()),
+        TypeError,
+        "partition.*EvilRepr",
+    ),
+    # a failed sample on an unseen partition must not create it (item 17)
+    C(
+        "sample-unseen-partition-timeout0",
+        lambda c: c.buf.sample(6, 1, partition="fresh", timeout=0),
+        TimeoutError,
+        "'fresh'",
+    ),
+    C(
+        "sample-huge-partition-timeout0",
+        lambda c: c.buf.sample(6, 1, partition=HUGE_STR, timeout=0),
+        TimeoutError,
+        "partition",
+    ),
+    C("count-step-huge", lambda c: c.buf.sampleable_count(10**400), ValueError, "global_steps"),
+    C(
+        "count-step-evil-repr",
+        lambda c: c.buf.sampleable_count(EvilRepr()),
+        TypeError,
+        "global_steps.*EvilRepr",
+    ),
     C("count-step-negative", lambda c: c.buf.sampleable_count(-1), ValueError, "global_steps.*-1"),
     C("count-step-bool", lambda c: c.buf.sampleable_count(True), TypeError, "global_steps.*bool"),
     C("count-partition-int", lambda c: c.buf.sampleable_count(6, 5), TypeError, "partition.*int"),
@@ -501,6 +940,14 @@ CASES: tuple[Case, ...] = (
     C(
         "closed-sample-new-partition",
         lambda c: c.buf.sample(6, 1, partition="fresh"),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C("closed-put-group", lambda c: group(c), BufferClosedError, "closed", closed=True),
+    C(
+        "closed-put-group-async",
+        lambda c: c.buf.put_group("new", ["x"], global_steps=5),
         BufferClosedError,
         "closed",
         closed=True,
@@ -574,6 +1021,7 @@ async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) 
         assert type(info.value) is case.error, (
             f"raised {type(info.value).__name__}, not {case.error.__name__}"
         )
+        assert len(str(info.value)) <= MAX_MESSAGE, f"a message of {len(str(info.value))} characters"
         assert full_snapshot(buf) == before, "a failed call changed the buffer"
         # the buffer still works for legal calls afterwards
         if not case.closed:
@@ -583,10 +1031,99 @@ async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) 
             assert batch.uids == ["fin", "pend"]
 
 
+# -- odd but valid calls -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """One odd but valid call: it returns ``result``; then ``effect`` holds, or, without one,
+    nothing changed."""
+
+    id: str
+    call: Callable[[Ctx], object]
+    result: object
+    effect: Callable[[ReplayBuffer], bool] | None = None
+
+
+def status_of(uid: str, status: Status) -> Callable[[ReplayBuffer], bool]:
+    return lambda buf: resident_groups(buf)[uid].status is status
+
+
+def holds(uid: str, keys: list[str]) -> Callable[[ReplayBuffer], bool]:
+    return lambda buf: [t.key for t in resident_groups(buf)[uid].trajectories] == keys
+
+
+A = Accepted
+ACCEPTED: tuple[Accepted, ...] = (
+    # membership of anything, hashable or not, is a plain answer (item 16)
+    A("contains-list", lambda c: [] in c.buf, False),
+    A("contains-dict", lambda c: {} in c.buf, False),
+    A("contains-None", lambda c: None in c.buf, False),
+    A("contains-bytes", lambda c: b"fin" in c.buf, False),
+    A("contains-evil-eq", lambda c: EvilEq() in c.buf, False),
+    A("contains-in-flight", lambda c: "pend" in c.buf, True),
+    A("contains-terminal", lambda c: "fin" in c.buf, True),
+    A("contains-sampled", lambda c: "took" in c.buf, False),
+    # put_group's status: a terminal Status or its value, and "failed" (item 19)
+    A(
+        "group-status-FAILURE",
+        lambda c: group(c, status=Status.FAILURE),
+        ["new_0_0", "new_1_0"],
+        status_of("new", Status.FAILURE),
+    ),
+    A(
+        "group-status-failure",
+        lambda c: group(c, status="failure"),
+        ["new_0_0", "new_1_0"],
+        status_of("new", Status.FAILURE),
+    ),
+    A(
+        "group-status-failed",
+        lambda c: group(c, status="failed"),
+        ["new_0_0", "new_1_0"],
+        status_of("new", Status.FAILURE),
+    ),
+    A(
+        "group-status-FINISHED",
+        lambda c: group(c, status=Status.FINISHED),
+        ["new_0_0", "new_1_0"],
+        status_of("new", Status.FINISHED),
+    ),
+    A(
+        "group-status-FAILURE-in-flight",
+        lambda c: group(c, "pend", ["q"], session_ids=[4], status=Status.FAILURE),
+        ["pend_4_0"],
+        status_of("pend", Status.FAILURE),
+    ),
+    # a collection whose len() lies is copied once: the group holds what it yielded (item 4)
+    A(
+        "group-payloads-len-lies-alone",
+        lambda c: group(c, payloads=LyingLen(3, ["x", "y"])),
+        ["new_0_0", "new_1_0"],
+        holds("new", ["new_0_0", "new_1_0"]),
+    ),
+    A("group-payloads-set", lambda c: group(c, payloads={"only"}), ["new_0_0"], holds("new", ["new_0_0"])),
+)
+
+
+@pytest.mark.parametrize("case", ACCEPTED, ids=[case.id for case in ACCEPTED])
+async def test_odd_but_valid_input_is_accepted(case: Accepted, tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        buf = await populated()
+        before = full_snapshot(buf)
+        assert case.call(Ctx(buf, tmp_path)) == case.result
+        if case.effect is None:
+            assert full_snapshot(buf) == before, "the call changed the buffer"
+        else:
+            assert case.effect(buf)
+        assert_conserved(buf)
+
+
 def test_the_table_is_big_and_distinct() -> None:
-    ids = [case.id for case in CASES]
+    ids = [case.id for case in (*CASES, *ACCEPTED)]
     assert len(ids) == len(set(ids)), "duplicate row ids"
     assert len(CASES) >= 40
+    assert sum(case.id.startswith("group-") for case in CASES) >= 30, "put_group needs rows of its own"
     errors = {case.error for case in CASES}
     for required in (
         ConfigError,

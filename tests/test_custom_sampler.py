@@ -9,7 +9,7 @@ import pytest
 
 import samplers
 from _helpers import add_group, resident_uids, sample_now, snapshot
-from stalebuf import ReplayBuffer, SamplerConfig
+from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig
 from stalebuf.errors import ConfigError, StalebufError
 
 
@@ -121,3 +121,46 @@ def test_a_select_hook_returning_the_wrong_groups_changes_nothing() -> None:
     with pytest.raises(StalebufError, match="_select must return 2"):
         sample_now(buf, 0, 2)
     assert snapshot(buf) == before
+
+
+# -- issue 10, items 11 and 12 -----------------------------------------------------------------
+
+
+def test_replay_buffer_refuses_a_config_naming_a_custom_sampler() -> None:
+    """ReplayBuffer(config) would silently ignore the custom sampler: only from_config loads it."""
+    config = SamplerConfig(custom_sampler="samplers:NewestFirst")
+    with pytest.raises(ConfigError, match=r"ReplayBuffer\.from_config"):
+        ReplayBuffer(config)
+    assert type(ReplayBuffer.from_config(config)) is samplers.NewestFirst
+    # the class the config names may be built directly (that is what from_config does)
+    assert type(samplers.NewestFirst(config)) is samplers.NewestFirst
+
+
+@pytest.mark.parametrize("form", ["config", "verl-mapping"])
+def test_from_config_builds_a_sampler_whose_init_takes_no_status_log_interval(form: str) -> None:
+    config: SamplerConfig | dict[str, object]
+    if form == "config":
+        config = SamplerConfig(
+            custom_sampler="samplers:VerlStyle", sampler_kwargs={"label": "y"}, max_off_policy_threshold=1
+        )
+    else:
+        config = {
+            "custom_sampler": {"path": "pkg://samplers", "name": "VerlStyle"},
+            "sampler_kwargs": {"label": "y"},
+            "max_off_policy_threshold": 1,
+        }
+    events: list[EvictionEvent] = []
+    buf = ReplayBuffer.from_config(config, on_evict=events.append)
+    assert type(buf) is samplers.VerlStyle
+    assert buf.label == "y"
+    add_group(buf, "old", 0)
+    add_group(buf, "new", 5)
+    assert sample_now(buf, 5, 1)[0].uids == ["new"]
+    assert [g.uid for event in events for g in event.groups] == ["old"], "on_evict was not passed on"
+
+
+def test_from_config_passes_status_log_interval_only_when_given() -> None:
+    config = SamplerConfig(custom_sampler="samplers:VerlStyle")
+    assert type(ReplayBuffer.from_config(config)) is samplers.VerlStyle
+    with pytest.raises(ConfigError, match=r"VerlStyle rejected.*status_log_interval"):
+        ReplayBuffer.from_config(config, status_log_interval=5.0)

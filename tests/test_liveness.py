@@ -5,7 +5,11 @@
 - ``close()`` in the middle of heavy traffic wakes every waiter with BufferClosedError and
   loses nothing already present;
 - a ``sample`` under the wrong async backend ends with BackendMismatchError and leaves no
-  eviction, partition or waiter behind.
+  eviction, partition or waiter behind;
+- a ``sample`` parked on an asyncio loop that was closed under it (misuse) blocks nothing:
+  not ``close()``, not later samples, not the status log;
+- the status log never spins: a stalled loop logs once per due time (on trio's and on a
+  virtual asyncio clock), and intervals below 1 ms are refused.
 
 ``on_evict`` callbacks that raise, close the buffer or call producers: see test_on_evict.py.
 
@@ -15,6 +19,7 @@ Every async test is bounded by ``anyio.fail_after``; none asserts on timing.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 from collections import Counter
@@ -24,6 +29,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+import trio
+import trio.testing
 
 from _helpers import (
     LIMIT,
@@ -34,9 +41,10 @@ from _helpers import (
     resident_keys,
     settle,
     snapshot,
+    status_timer_running,
 )
 from stalebuf import Batch, EvictionEvent, Group, ReplayBuffer, Status
-from stalebuf.errors import BackendMismatchError, BufferClosedError
+from stalebuf.errors import BackendMismatchError, BufferClosedError, ConfigError
 
 
 def keys_of(groups: Iterable[Group]) -> list[str]:
@@ -388,3 +396,179 @@ def test_sample_under_the_wrong_backend_leaves_no_ghost_waiter(bound: str, other
     assert buf.stats().total.waiting_samplers == 0, "a failed sample left its waiter queued"
     add_group(buf, "a", 0)
     assert anyio.run(take_now, backend=bound) == ["a"]
+
+
+# -- a sample parked on an asyncio loop that was closed under it (issue 10, item 5) ----------------
+# Misuse (manual loop management), but it must not block anything: close() skips such a
+# waiter, a later sample is served past it, and the status log forgets it.
+
+
+def abandon_sample(buf: ReplayBuffer, batch_size: int = 1, partition: str = "train") -> asyncio.Task[Any]:
+    """Park ``sample(0, batch_size)`` on a fresh loop, then close that loop without cancelling it."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(buf.sample(0, batch_size, partition=partition))
+
+    async def turns() -> None:
+        for _ in range(10):  # the sample evaluates once, then parks
+            await asyncio.sleep(0)
+
+    loop.run_until_complete(turns())
+    assert buf.stats().partitions[partition].waiting_samplers == 1
+    loop.close()
+    return task
+
+
+def finalise(task: asyncio.Task[Any]) -> None:
+    """Drop the abandoned task: its coroutine is closed here, and its cleanup must not fail."""
+    del task
+    gc.collect()
+
+
+def test_close_wakes_live_waiters_past_one_whose_loop_was_closed() -> None:
+    """Regression: close() raised 'Event loop is closed' part-way and never woke the rest."""
+    buf = make()
+    task = abandon_sample(buf, partition="abandoned")  # iterated first by close()
+    outcomes: list[str] = []
+
+    async def live_waiter() -> None:
+        try:
+            await buf.sample(0, 1, partition="live")
+        except BufferClosedError:
+            outcomes.append("closed")
+
+    async def main() -> None:
+        with anyio.fail_after(LIMIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(live_waiter)
+                await settle()
+                buf.close()  # must not raise
+
+    asyncio.run(main())
+    assert outcomes == ["closed"]
+    assert buf.stats().total.waiting_samplers == 0
+    finalise(task)
+
+
+@pytest.mark.parametrize("timeout", [0, LIMIT])
+def test_a_later_sample_is_served_past_a_waiter_whose_loop_was_closed(timeout: float) -> None:
+    buf = make()
+    add_group(buf, "a", 0)
+    task = abandon_sample(buf, batch_size=2)  # parks: one group is not a batch of two
+
+    async def take() -> list[str]:
+        with anyio.fail_after(LIMIT):
+            return (await buf.sample(0, 1, timeout=timeout))[0].uids
+
+    assert asyncio.run(take()) == ["a"], "the abandoned waiter still heads the queue"
+    assert buf.stats().total.waiting_samplers == 0
+    assert_conserved(buf)
+    finalise(task)
+
+
+def test_a_waiter_whose_loop_was_closed_is_not_counted_as_waiting() -> None:
+    buf = make()
+    task = abandon_sample(buf)
+    assert buf.stats().total.waiting_samplers == 0
+    finalise(task)
+
+
+def test_no_status_lines_for_a_waiter_whose_loop_was_closed(caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: the abandoned waiter kept the status timer logging on the next loop, idle or not."""
+    buf = make(status_log_interval=0.01)
+    caplog.set_level(logging.INFO, logger="stalebuf")
+    task = abandon_sample(buf, partition="abandoned")
+
+    async def wait_elsewhere_then_idle() -> bool:
+        with anyio.fail_after(LIMIT):
+            with pytest.raises(TimeoutError):
+                await buf.sample(0, 1, partition="live", timeout=0.05)
+            await asyncio.sleep(0.05)  # nobody waits now: the timer fires at most once more and stops
+            return status_timer_running(buf)
+
+    caplog.clear()
+    timer_still_running = asyncio.run(wait_elsewhere_then_idle())
+    lines = [record.getMessage() for record in caplog.records if record.name == "stalebuf"]
+    assert any("'live'" in line for line in lines), "the live waiter was not reported"
+    assert not [line for line in lines if "'abandoned'" in line], "an abandoned waiter was reported"
+    assert not timer_still_running, "the status timer kept running with no live waiter"
+    finalise(task)
+
+
+# -- the status log under a stalled loop (issue 10, item 6) -----------------------------------------
+
+STALL = 0.5004  # seconds: about 500 intervals of 1 ms, off any interval boundary
+
+
+def status_lines(caplog: pytest.LogCaptureFixture) -> int:
+    return len([record for record in caplog.records if record.name == "stalebuf"])
+
+
+def test_a_stalled_trio_loop_logs_once_per_due_time_not_once_per_missed_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression: after a stall, trio's status log caught up one interval per loop turn: a burst
+    of ~500 lines for a 0.5 s stall (and a frozen loop for a 1e-12 s interval)."""
+    buf = make(status_log_interval=0.001)
+    caplog.set_level(logging.INFO, logger="stalebuf")
+    clock = trio.testing.MockClock()  # time moves only when the test jumps it
+    lines_per_stall: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: buf.sample(0, 1, timeout=LIMIT))
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(3):
+                caplog.clear()
+                clock.jump(STALL)
+                await trio.testing.wait_all_tasks_blocked()
+                lines_per_stall.append(status_lines(caplog))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+    assert lines_per_stall == [1, 1, 1]
+    assert buf.stats().total.waiting_samplers == 0
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop whose clock moves only when the test moves it (a stall without sleeping)."""
+
+    now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_a_stalled_asyncio_loop_logs_once_per_due_time(caplog: pytest.LogCaptureFixture) -> None:
+    buf = make(status_log_interval=0.001)
+    caplog.set_level(logging.INFO, logger="stalebuf")
+    loop = VirtualTimeLoop()
+    lines_per_stall: list[int] = []
+
+    async def main() -> None:
+        task = asyncio.ensure_future(buf.sample(0, 1))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert buf.stats().total.waiting_samplers == 1
+        for _ in range(3):
+            caplog.clear()
+            loop.now += STALL
+            for _ in range(10):  # the due timer runs within a turn or two
+                await asyncio.sleep(0)
+            lines_per_stall.append(status_lines(caplog))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert lines_per_stall == [1, 1, 1]
+    assert buf.stats().total.waiting_samplers == 0
+
+
+@pytest.mark.parametrize("interval", [1e-12, 0.0009])
+def test_status_log_intervals_below_one_millisecond_are_refused(interval: float) -> None:
+    with pytest.raises(ConfigError, match="status_log_interval"):
+        ReplayBuffer(status_log_interval=interval)
+    assert ReplayBuffer(status_log_interval=0.001).stats().total.waiting_samplers == 0  # the minimum is fine

@@ -17,7 +17,7 @@ import pytest
 
 from _helpers import LIMIT, add_group, assert_conserved, make, resident_uids, settle
 from stalebuf import EvictionEvent, ReplayBuffer, Status
-from stalebuf.errors import BufferClosedError, UnknownGroupError
+from stalebuf.errors import BufferClosedError, StalebufError, UnknownGroupError
 
 
 class Boom(Exception):
@@ -268,3 +268,140 @@ async def test_group_failed_inside_on_evict_of_a_parked_sample_is_evicted() -> N
                 assert buf.stats().total.failure == 0
             finally:
                 tg.cancel_scope.cancel()
+
+
+# -- on_evict that re-admits what it was just given (issue 10, item 7) --------------------------
+
+
+class Runaway(Exception):
+    """Raised by the test's own guard: the buffer let on_evict loop."""
+
+
+def readmitting_buffer(reason: str, *, rounds: int = 100) -> tuple[ReplayBuffer, list[str]]:
+    """A buffer whose on_evict puts every evicted group back as it was: at its dispatch step,
+    failed again under "failure". A guard stops a runaway loop after ``rounds`` rounds."""
+    seen: list[str] = []
+    buf: ReplayBuffer
+
+    def on_evict(event: EvictionEvent) -> None:
+        seen.append(event.reason)
+        if len(seen) > rounds:
+            raise Runaway(f"{len(seen)} eviction rounds in one sample")
+        for group in event.groups:
+            status = "failed" if event.reason == "failure" else "finished"
+            buf.put_group_nowait(group.uid, ["again"], global_steps=group.global_steps, status=status)
+
+    buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
+    if reason == "stale":
+        add_group(buf, "loop", 0)  # stale at g=5 (s = 6 > T = 1)
+    else:
+        add_group(buf, "loop", 5, status=Status.FAILURE)
+    add_group(buf, "fresh", 5)
+    return buf, seen
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reason", ["stale", "failure"])
+async def test_on_evict_readmitting_the_evicted_group_is_refused_not_looped(reason: str) -> None:
+    with anyio.fail_after(LIMIT):
+        buf, seen = readmitting_buffer(reason)
+        with pytest.raises(StalebufError, match="on_evict re-admitted") as info:
+            await buf.sample(5, 1)
+        assert type(info.value) is StalebufError
+        assert "'train'" in str(info.value)
+        assert seen == [reason], "the buffer evicted the re-admitted group again"
+        assert "loop" in buf, "the re-admitted group must stay in the buffer"
+        assert "fresh" in buf, "a refused sample took a group"
+        assert_conserved(buf)
+        stats = buf.stats().total
+        assert (stats.admitted_groups, stats.sampled_groups, stats.waiting_samplers) == (3, 0, 0)
+
+
+@pytest.mark.anyio
+async def test_on_evict_readmitting_in_a_parked_sample_is_refused_and_the_queue_moves() -> None:
+    """The woken head is refused; the next waiter, whose on_evict no longer re-admits, is served."""
+    with anyio.fail_after(LIMIT):
+        readmitted: set[str] = set()
+        heard: list[list[str]] = []
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            heard.append([g.uid for g in event.groups])
+            for group in event.groups:
+                if group.uid not in readmitted:  # once per uid: a "retry" that repeats the mistake
+                    readmitted.add(group.uid)
+                    buf.put_group_nowait(group.uid, ["again"], global_steps=group.global_steps)
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
+        add_group(buf, "fresh", 5)
+        outcomes: list[Any] = []
+
+        async def run(batch_size: int) -> None:
+            try:
+                outcomes.append((await buf.sample(5, batch_size))[0].uids)
+            except StalebufError as exc:
+                outcomes.append(type(exc).__name__)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 2)
+            await settle()
+            tg.start_soon(run, 1)
+            await settle()
+            assert buf.stats().total.waiting_samplers == 2
+            add_group(buf, "late", 0)  # stale at g=5: wakes the head, whose on_evict re-admits it
+        assert outcomes == ["StalebufError", ["fresh"]], outcomes
+        assert heard == [["late"], ["late"]]  # the head's round, then the next waiter's
+        assert "late" not in buf
+        assert buf.stats().total.waiting_samplers == 0
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+async def test_on_evict_readmitting_at_the_current_step_is_served_in_the_same_call() -> None:
+    """The legitimate refill: the same uid, re-dispatched at the sample's step, is fresh."""
+    with anyio.fail_after(LIMIT):
+        buf: ReplayBuffer
+
+        def on_evict(event: EvictionEvent) -> None:
+            for group in event.groups:
+                buf.put_group_nowait(group.uid, ["again"], global_steps=event.global_steps)
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1)
+        add_group(buf, "old", 0)
+        batch, _ = await buf.sample(5, 1)
+        assert batch.uids == ["old"]
+        assert [t.payload for t in batch.groups[0].trajectories] == ["again"]
+        assert_conserved(buf)
+
+
+# -- on_evict raising a BaseException (issue 10, item 18) --------------------------------------
+
+
+class Abort(BaseException):
+    """Not an Exception: like KeyboardInterrupt or a backend's cancellation."""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("error", [KeyboardInterrupt, Abort])
+async def test_on_evict_raising_a_base_exception_still_hears_of_every_eviction(
+    error: type[BaseException],
+) -> None:
+    with anyio.fail_after(LIMIT):
+        heard: list[tuple[str, list[str]]] = []
+
+        def on_evict(event: EvictionEvent) -> None:
+            heard.append((event.reason, [g.uid for g in event.groups]))
+            if len(heard) == 1:
+                raise error("stop")
+
+        buf = make(on_evict=on_evict, max_off_policy_threshold=1, failure_strategy="evict")
+        add_group(buf, "failed", 5, status=Status.FAILURE)
+        add_group(buf, "stale", 0)
+        add_group(buf, "fresh", 5)
+        with pytest.raises(error):
+            await buf.sample(5, 1)
+        assert heard == [("failure", ["failed"]), ("stale", ["stale"])], "an evicted group went unreported"
+        stats = buf.stats().total
+        assert (stats.evicted_failure_groups, stats.evicted_stale_groups, stats.finished) == (1, 1, 1)
+        assert_conserved(buf)
+        assert (await buf.sample(5, 1, timeout=0))[0].uids == ["fresh"]

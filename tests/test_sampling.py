@@ -257,6 +257,33 @@ def test_dropped_staleness_of_empty_groups_uses_groups() -> None:
     assert metrics["training/off_policy/dropped_samples_staleness/min"] == 8.0
 
 
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_the_largest_valid_steps_and_settings_work_end_to_end(strategy: str) -> None:
+    """2**63 - 1 is accepted everywhere (issue 10, item 3 bounds values there, no lower)."""
+    top = 2**63 - 1
+    buf = make(max_off_policy_threshold=top, parameter_sync_step=top, max_off_policy_strategy=strategy)
+    add_group(buf, "first", 0)
+    buf.put_group_nowait("last", ["p"], global_steps=top, session_ids=[top], indices=[top])
+    assert buf.sampleable_count(top) == 2
+    batch, metrics = sample_now(buf, top, 2)
+    assert batch.uids == ["first", "last"]
+    assert batch.groups[1].trajectories[0].key == f"last_{top}_{top}"
+    assert np.isfinite(batch.staleness).all()
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert buf.stats().total.sampled_groups == 2
+
+
+def test_the_largest_step_drops_and_reports_finite_metrics() -> None:
+    top = 2**63 - 1
+    buf = make(max_off_policy_threshold=1)
+    add_group(buf, "ancient", 0)
+    add_group(buf, "now", top)
+    batch, metrics = sample_now(buf, top, 1)
+    assert batch.uids == ["now"]
+    assert metrics["training/off_policy/dropped_groups"] == 1.0
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+
+
 def test_validation_prefix_for_other_partitions() -> None:
     buf = make()
     add_group(buf, "a", 0, partition="eval")

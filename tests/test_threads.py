@@ -1,0 +1,318 @@
+"""Producers on other threads (issue 10, item 10).
+
+- Detect: once a buffer is bound to a running event loop, a call from another thread raises
+  WrongThreadError before it changes anything (it used to succeed and lose the wake-up of a
+  parked ``sample``, or raise after its change).
+- Support: ``buffer.threadsafe()`` returns a handle whose producer methods run on the loop
+  from any thread, block until they ran, return their result or raise their error, and wake
+  a parked ``sample`` as a call on the loop would. A thread whose loop stops gets
+  BufferClosedError, not a hang.
+
+Threads are joined with timeouts and every wait is bounded; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from _helpers import LIMIT, add_group, assert_conserved, full_snapshot, make, settle
+from stalebuf import ReplayBuffer, Status, ThreadsafeProducer
+from stalebuf.errors import (
+    BufferClosedError,
+    DuplicateGroupError,
+    DuplicateTrajectoryError,
+    InvalidTransitionError,
+    StalebufError,
+    UnknownGroupError,
+    WrongThreadError,
+)
+
+THREADS, GROUPS_PER_THREAD, BATCH = 8, 1000, 8
+
+
+def outcome_of(fn: Callable[[], Any]) -> Any:
+    """Return what ``fn()`` returned or the exception it raised."""
+    try:
+        return fn()
+    except BaseException as exc:
+        return exc
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on a fresh thread (no event loop runs); return its outcome."""
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(outcome_of(fn)))
+    thread.start()
+    thread.join(LIMIT)
+    assert not thread.is_alive(), "the thread hung"
+    return outcome[0]
+
+
+async def from_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on a worker thread while the loop keeps running; return its outcome.
+
+    Abandoned (not awaited) if the caller's ``fail_after`` expires, so a hang fails the test.
+    """
+    return await anyio.to_thread.run_sync(outcome_of, fn, abandon_on_cancel=True)
+
+
+def test_wrong_thread_error_is_a_stalebuf_error_and_a_runtime_error() -> None:
+    assert issubclass(WrongThreadError, StalebufError)
+    assert issubclass(WrongThreadError, RuntimeError)
+
+
+# -- detect: calls from another thread while a sample is parked --------------------------------
+
+
+def parked_setup(buf: ReplayBuffer) -> None:
+    add_group(buf, "pend", 0, status=Status.PENDING)
+    add_group(buf, "run", 0, status=Status.RUNNING)
+    add_group(buf, "fin", 0)
+
+
+# Each entry: what a foreign thread calls, given the buffer and the bound backend's name.
+FOREIGN_CALLS: dict[str, Callable[[ReplayBuffer, str], object]] = {
+    "add_prompt_nowait": lambda buf, backend: buf.add_prompt_nowait("new", global_steps=0),
+    "mark_running_nowait": lambda buf, backend: buf.mark_running_nowait("pend"),
+    "put_nowait": lambda buf, backend: buf.put_nowait("run", "p", session_id=7),
+    "mark_finished_nowait": lambda buf, backend: buf.mark_finished_nowait("run"),
+    "mark_failed_nowait": lambda buf, backend: buf.mark_failed_nowait("pend"),
+    "put_group_nowait": lambda buf, backend: buf.put_group_nowait("new", ["x"], global_steps=0),
+    "sample_nowait": lambda buf, backend: buf.sample_nowait(0, 1),
+    "sampleable_count": lambda buf, backend: buf.sampleable_count(0),
+    "stats": lambda buf, backend: buf.stats(),
+    "contains": lambda buf, backend: "fin" in buf,
+    "close": lambda buf, backend: buf.close(),
+    "threadsafe": lambda buf, backend: buf.threadsafe(),
+    # the async methods, awaited on an event loop of the same backend in the foreign thread
+    "add_prompt": lambda buf, backend: anyio.run(
+        lambda: buf.add_prompt("new", global_steps=0), backend=backend
+    ),
+    "put_group": lambda buf, backend: anyio.run(
+        lambda: buf.put_group("new", ["x"], global_steps=0), backend=backend
+    ),
+    "sample-timeout-0": lambda buf, backend: anyio.run(lambda: buf.sample(0, 1, timeout=0), backend=backend),
+    "sample": lambda buf, backend: anyio.run(lambda: buf.sample(0, 1, timeout=LIMIT), backend=backend),
+    "aclose": lambda buf, backend: anyio.run(buf.aclose, backend=backend),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", list(FOREIGN_CALLS))
+async def test_a_call_from_another_thread_raises_wrong_thread_error_and_changes_nothing(
+    name: str, anyio_backend: str
+) -> None:
+    """Regression: a foreign thread's put succeeded and the parked sample slept on."""
+    with anyio.fail_after(LIMIT):
+        buf = make()
+        parked_setup(buf)
+        results: list[list[str]] = []
+
+        async def parked_sample() -> None:
+            results.append((await buf.sample(0, 3))[0].uids)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parked_sample)
+            await settle()
+            before = full_snapshot(buf)
+            outcome = await from_thread(lambda: FOREIGN_CALLS[name](buf, anyio_backend))
+            assert type(outcome) is WrongThreadError, f"{name} from another thread gave {outcome!r}"
+            assert full_snapshot(buf) == before, f"{name} from another thread changed the buffer"
+            # the loop's own thread may still do everything, and the parked sample is intact
+            buf.mark_finished_nowait("run")
+            buf.mark_finished_nowait("pend")
+        assert results == [["pend", "run", "fin"]]
+        assert_conserved(buf)
+
+
+def test_after_its_loop_ended_the_buffer_may_move_to_another_thread() -> None:
+    buf = make()
+
+    async def bind() -> None:
+        with pytest.raises(TimeoutError):
+            await buf.sample(0, 1, timeout=0.001)
+
+    asyncio.run(bind())
+    assert in_thread(lambda: buf.put_group_nowait("moved", ["x"], global_steps=0)) == ["moved_0_0"]
+    assert in_thread(lambda: buf.sampleable_count(0)) == 1
+
+
+# -- support: the threadsafe() handle ---------------------------------------------------------------
+
+
+def test_threadsafe_outside_a_running_loop_raises_wrong_thread_error() -> None:
+    buf = make()
+    with pytest.raises(WrongThreadError, match="threadsafe"):
+        buf.threadsafe()
+    assert type(in_thread(buf.threadsafe)) is WrongThreadError
+    assert buf.stats().total.admitted_groups == 0
+
+
+@pytest.mark.anyio
+async def test_eight_threads_put_groups_through_the_handle_and_every_group_is_sampled_once() -> None:
+    with anyio.fail_after(LIMIT * 3):
+        buf = make()
+        producer = buf.threadsafe()
+        assert isinstance(producer, ThreadsafeProducer)
+        total = THREADS * GROUPS_PER_THREAD
+        sampled: list[str] = []
+        keys_returned: list[list[str]] = []
+        done: list[int] = []
+
+        async def trainer() -> None:
+            while len(sampled) < total:
+                batch, _ = await buf.sample(0, BATCH)  # parks between batches: every wake-up is a thread's
+                sampled.extend(batch.uids)
+
+        def thread_producer(t: int) -> None:
+            for i in range(GROUPS_PER_THREAD):
+                keys_returned.append(producer.put_group(f"t{t}g{i}", [(t, i)], global_steps=0))
+            done.append(t)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            await settle()
+            assert buf.stats().total.waiting_samplers == 1
+            async with anyio.create_task_group() as threads:
+                for t in range(THREADS):
+                    threads.start_soon(from_thread, lambda t=t: thread_producer(t))
+        assert sorted(done) == list(range(THREADS)), "a producer thread failed"
+        expected = {f"t{t}g{i}" for t in range(THREADS) for i in range(GROUPS_PER_THREAD)}
+        counts = Counter(sampled)
+        assert set(counts) == expected, "a group was lost"
+        assert max(counts.values()) == 1, "a group was sampled twice"
+        assert sorted(keys[0] for keys in keys_returned) == sorted(f"{uid}_0_0" for uid in expected)
+        stats = buf.stats().total
+        assert (stats.admitted_groups, stats.sampled_groups, stats.groups, stats.waiting_samplers) == (
+            total,
+            total,
+            0,
+            0,
+        )
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+async def test_every_handle_method_runs_on_the_loop_and_wakes_the_parked_sample() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = make(failure_strategy="sample")
+        producer = buf.threadsafe()
+        results: list[list[str]] = []
+
+        async def parked_sample() -> None:
+            results.append((await buf.sample(0, 2))[0].uids)
+
+        def lifecycle() -> list[str]:
+            keys = []
+            for uid, end in (("a", producer.mark_finished), ("b", producer.mark_failed)):
+                producer.add_prompt(uid, global_steps=0, tags={"via": "thread"})
+                producer.mark_running(uid)
+                keys.append(producer.put(uid, f"{uid}-payload", session_id=1, index=2))
+                end(uid)  # the second one completes the batch: it must wake the sample
+            return keys
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parked_sample)
+            await settle()
+            assert await from_thread(lifecycle) == ["a_1_2", "b_1_2"]
+        assert results == [["a", "b"]]
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+async def test_errors_of_the_loop_side_call_reach_the_thread_with_their_own_type() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = make()
+        add_group(buf, "fin", 0)
+        add_group(buf, "run", 0, status=Status.RUNNING)
+        producer = buf.threadsafe()
+        calls: list[tuple[Callable[[], object], type[Exception]]] = [
+            (lambda: producer.add_prompt("fin", global_steps=0), DuplicateGroupError),
+            (lambda: producer.add_prompt("new", global_steps=-1), ValueError),
+            (lambda: producer.mark_running("ghost"), UnknownGroupError),
+            (lambda: producer.mark_finished(7), TypeError),  # type: ignore[arg-type]
+            (lambda: producer.put("fin", 1), InvalidTransitionError),
+            (lambda: producer.put("run", 1, session_id=0), DuplicateTrajectoryError),
+            (lambda: producer.put_group("new", "not a collection", global_steps=0), TypeError),
+            (lambda: producer.mark_failed("fin"), InvalidTransitionError),
+        ]
+        for call, error in calls:
+            before = full_snapshot(buf)
+            outcome = await from_thread(call)
+            assert type(outcome) is error, f"expected {error.__name__}, got {outcome!r}"
+            assert full_snapshot(buf) == before
+        buf.close()
+        outcome = await from_thread(lambda: producer.put("run", 1, session_id=5))
+        assert type(outcome) is BufferClosedError
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_handle_call_after_its_loop_ended_raises_buffer_closed_error(backend: str) -> None:
+    buf = make()
+
+    async def get_handle() -> ThreadsafeProducer:
+        return buf.threadsafe()
+
+    producer = anyio.run(get_handle, backend=backend)
+    outcome = in_thread(lambda: producer.add_prompt("late", global_steps=0))
+    assert type(outcome) is BufferClosedError
+    assert "late" not in buf
+
+
+class SignallingLoop(asyncio.SelectorEventLoop):
+    """Sets ``submitted`` once another thread has queued a call on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted = threading.Event()
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any, context: Any = None) -> asyncio.Handle:
+        handle = super().call_soon_threadsafe(callback, *args, context=context)
+        self.submitted.set()
+        return handle
+
+
+def test_a_thread_blocked_on_a_call_whose_loop_stops_gets_buffer_closed_error_not_a_hang() -> None:
+    buf = make()
+    loop = SignallingLoop()
+    outcome: list[BaseException | str] = []
+    worker: threading.Thread | None = None
+
+    def add_late(producer: ThreadsafeProducer) -> None:
+        try:
+            producer.add_prompt("late", global_steps=0)
+            outcome.append("ran")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    async def main() -> None:
+        nonlocal worker
+        worker = threading.Thread(target=add_late, args=(buf.threadsafe(),))
+        worker.start()
+        # Hold the loop until the call is queued, then stop it before it can run the call.
+        assert loop.submitted.wait(LIMIT)
+        loop.stop()
+        await asyncio.sleep(0)
+
+    task = loop.create_task(main())
+    try:
+        with pytest.raises(RuntimeError, match="stopped before Future completed"):
+            loop.run_until_complete(task)
+        assert worker is not None
+        worker.join(LIMIT)
+        assert not worker.is_alive(), "the thread hangs on a call its stopped loop will never run"
+        assert len(outcome) == 1
+        assert type(outcome[0]) is BufferClosedError
+        # The queued call still sits in the loop: running the loop again must not perform it.
+        loop.run_until_complete(task)
+        assert "late" not in buf, "the thread was told the call failed, but it ran later"
+    finally:
+        loop.close()
