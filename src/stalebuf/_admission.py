@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 from ._core import BufferCore
 from ._partition import PartitionState
 from ._status_log import logger
+from ._validation import describe
 from ._waiting import Waiter, park
 from .errors import BufferFullError
 
@@ -65,11 +66,13 @@ class Admission(BufferCore):
             if not head and part.producers:
                 part.drop_abandoned()
                 if part.producers:
-                    raise BufferFullError(f"producers are waiting for admission to partition {name!r}")
+                    raise BufferFullError(
+                        f"producers are waiting for admission to partition {describe(name)}"
+                    )
             resident, last_sampled = part.resident_at_step(tag), part.last_sampled
         if not self._rules.admits(tag, resident, last_sampled, cap, name):
             raise BufferFullError(
-                f"partition {name!r} admits no more groups at dispatch step {tag} now "
+                f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"
             )
         return tag

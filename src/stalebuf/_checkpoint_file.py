@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import attrs
 
-from ._validation import check_tags
+from ._validation import check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
@@ -123,17 +123,19 @@ def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[An
     body.frame(_to_json(manifest, "the config"))
     for chunk in _chunks(checkpoint.groups):
         rows = [_group_row(group) for group in chunk]
-        body.frame(_to_json(rows, f"group {chunk[0].uid!r} or the next {len(chunk) - 1}"))
+        body.frame(_to_json(rows, f"group {describe(chunk[0].uid)} or the next {len(chunk) - 1}"))
         for group in chunk:
             for trajectory in group.trajectories:
                 try:
                     data = encode(trajectory.payload)
                 except Exception as exc:
-                    raise CheckpointError(f"encode failed for trajectory {trajectory.key!r}: {exc}") from exc
+                    raise CheckpointError(
+                        f"encode failed for trajectory {describe(trajectory.key)}: {describe_error(exc)}"
+                    ) from exc
                 if not isinstance(data, (bytes, bytearray, memoryview)):
                     raise CheckpointError(
                         f"encode must return bytes, got {type(data).__name__} "
-                        f"for trajectory {trajectory.key!r}"
+                        f"for trajectory {describe(trajectory.key)}"
                     )
                 body.frame(data)
 
@@ -174,7 +176,7 @@ def _check_plain(value: Any, where: str) -> None:
                 raise CheckpointError(
                     f"{where}: a mapping key of type {type(key).__name__} cannot be saved as JSON"
                 )
-            _check_plain(item, f"{where}, key {key!r}")
+            _check_plain(item, f"{where}, key {describe(key)}")
         return
     raise CheckpointError(
         f"{where}: a value of type {kind.__name__} cannot be saved as JSON (a plain format)"
@@ -214,53 +216,55 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
         data = bytearray(file.read())
     name = os.fspath(path)
     if not data.startswith(MAGIC):
-        raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
+        raise CheckpointError(f"{describe(name)} is not a stalebuf checkpoint")
     start = len(MAGIC) + _HEADER.size
     if len(data) < start:
-        raise CheckpointError(f"{name!r} is truncated (no complete header)")
+        raise CheckpointError(f"{describe(name)} is truncated (no complete header)")
     version, flags, length, digest = _HEADER.unpack_from(data, len(MAGIC))
     if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
+            f"{describe(name)} has checkpoint format {version}; this stalebuf reads formats up to "
             f"{FORMAT_VERSION}: upgrade it"
         )
     if len(data) - start != length:
         raise CheckpointError(
-            f"{name!r} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
+            f"{describe(name)} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
         )
     body = memoryview(data)[start:]
     if hashlib.sha256(body).digest() != digest:
-        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
+        raise CheckpointError(f"{describe(name)} is corrupt (checksum mismatch)")
     frames = _frames(body, name)
     try:
         if flags == _PICKLE:
             if codec is not None:
                 raise CheckpointError(
-                    f"{name!r} holds pickled payloads; refusing to unpickle it with a codec given"
+                    f"{describe(name)} holds pickled payloads; refusing to unpickle it with a codec given"
                 )
             return _read_pickled(frames)
         if flags == _CODEC:
             if codec is None:
                 raise CheckpointError(
-                    f"{name!r} was saved with a payload codec: pass payload_codec= to restore it"
+                    f"{describe(name)} was saved with a payload codec: pass payload_codec= to restore it"
                 )
             return _read_plain(frames, codec[1])
     except CheckpointError:
         raise
     except Exception as exc:  # a checksum-valid file that does not parse: written by something else
-        raise CheckpointError(f"{name!r} cannot be read: {type(exc).__name__}: {exc}") from exc
-    raise CheckpointError(f"{name!r} has unknown flags {flags}")
+        raise CheckpointError(
+            f"{describe(name)} cannot be read: {type(exc).__name__}: {describe_error(exc)}"
+        ) from exc
+    raise CheckpointError(f"{describe(name)} has unknown flags {flags}")
 
 
 def _frames(body: memoryview, name: str) -> Iterator[memoryview]:
     offset = 0
     while offset < len(body):
         if offset + _FRAME.size > len(body):
-            raise CheckpointError(f"{name!r} is corrupt (a frame header is cut)")
+            raise CheckpointError(f"{describe(name)} is corrupt (a frame header is cut)")
         (size,) = _FRAME.unpack_from(body, offset)
         offset += _FRAME.size
         if offset + size > len(body):
-            raise CheckpointError(f"{name!r} is corrupt (a frame is cut)")
+            raise CheckpointError(f"{describe(name)} is corrupt (a frame is cut)")
         yield body[offset : offset + size]
         offset += size
 
@@ -308,7 +312,9 @@ def _group_from_row(row: list[Any], frames: Iterator[memoryview], decode: Callab
         except StopIteration:
             raise
         except Exception as exc:
-            raise CheckpointError(f"decode failed for trajectory {key!r}: {exc}") from exc
+            raise CheckpointError(
+                f"decode failed for trajectory {describe(key)}: {describe_error(exc)}"
+            ) from exc
         trajectories.append(new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload))
     if not math.isfinite(seconds):
         seconds = 0.0

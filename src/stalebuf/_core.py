@@ -152,7 +152,7 @@ class BufferCore:
                     f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
                 )
             raise InvalidTransitionError(
-                f"cannot {action} group {uid!r}: it is already {group.status.value} (a late write)"
+                f"cannot {action} group {describe(uid)}: it is already {group.status.value} (a late write)"
             )
         return group
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._validation import describe, describe_error
 from .checkpoint import (
     FORMAT_VERSION,
     BufferCheckpoint,
@@ -58,7 +59,7 @@ def build_from_config(
         target = load_custom_sampler(config.custom_sampler)
         if not (isinstance(target, type) and issubclass(target, (base, StalenessPolicy))):
             raise ConfigError(
-                f"custom_sampler {config.custom_sampler!r} must name a subclass of "
+                f"custom_sampler {describe(config.custom_sampler)} must name a subclass of "
                 f"stalebuf.ReplayBuffer or stalebuf.StalenessPolicy, got {type(target).__name__}"
             )
     kwargs = dict(config.sampler_kwargs)
@@ -67,7 +68,9 @@ def build_from_config(
             return cls(config, policy=target(config, **kwargs), **options)
         built: ReplayBuffer = target(config, **kwargs, **options)
     except TypeError as exc:
-        raise ConfigError(f"{target.__qualname__} rejected sampler_kwargs {kwargs!r}: {exc}") from exc
+        raise ConfigError(
+            f"{target.__qualname__} rejected sampler_kwargs {describe(kwargs)}: {describe_error(exc)}"
+        ) from exc
     return built
 
 
@@ -92,20 +95,24 @@ def load_custom_sampler(spec: str) -> object:
     try:
         return getattr(module, name)
     except AttributeError:
-        raise ConfigError(f"custom_sampler {spec!r}: {module.__name__!r} has no attribute {name!r}") from None
+        raise ConfigError(
+            f"custom_sampler {describe(spec)}: {describe(module.__name__)} has no attribute {describe(name)}"
+        ) from None
 
 
 def _import_module(dotted: str, spec: str) -> ModuleType:
     try:
         return importlib.import_module(dotted)
     except Exception as exc:
-        raise ConfigError(f"custom_sampler {spec!r}: cannot import module {dotted!r}: {exc}") from exc
+        raise ConfigError(
+            f"custom_sampler {describe(spec)}: cannot import module {describe(dotted)}: {describe_error(exc)}"
+        ) from exc
 
 
 def _import_file(path: str, spec: str) -> ModuleType:
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
-        raise ConfigError(f"custom_sampler {spec!r}: no such file {path!r}")
+        raise ConfigError(f"custom_sampler {describe(spec)}: no such file {describe(path)}")
     # A stable, path-derived module name: loading the same file twice yields one module,
     # and two files with the same basename do not shadow each other.
     digest = hashlib.sha1(path.encode()).hexdigest()[:12]
@@ -114,14 +121,16 @@ def _import_file(path: str, spec: str) -> ModuleType:
         return sys.modules[module_name]
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise ConfigError(f"custom_sampler {spec!r}: {path!r} is not a loadable Python file")
+        raise ConfigError(f"custom_sampler {describe(spec)}: {describe(path)} is not a loadable Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclass/attrs machinery looks modules up by name
     try:
         loader_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise ConfigError(f"custom_sampler {spec!r}: executing {path!r} failed: {exc}") from exc
+        raise ConfigError(
+            f"custom_sampler {describe(spec)}: executing {describe(path)} failed: {describe_error(exc)}"
+        ) from exc
     return module
 
 

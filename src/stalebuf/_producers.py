@@ -77,7 +77,7 @@ class Producers(Sampling):
             check_partition(partition)
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         if uid in self._groups:
-            raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
+            raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
         if part is None or part.cap is not None or global_steps is None:
             global_steps = self._admission_tag(partition, part, global_steps)
         self._admit(uid, global_steps, part or self._partition(partition), frozen_tags)
@@ -86,7 +86,7 @@ class Producers(Sampling):
         """Admit ``uid`` at ``tag``, a slot the caller was granted (a waiting producer's turn)."""
         self._check_usable()
         if uid in self._groups:
-            raise DuplicateGroupError(f"a group with uid {uid!r} is already in the buffer")
+            raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
         self._admit(uid, tag, self._partition(partition), check_tags(tags))
 
     def mark_running_nowait(self, uid: str) -> None:
@@ -104,7 +104,7 @@ class Producers(Sampling):
             self._check_usable()
         group = self._open_group(uid, "mark running")
         if group.status is not _PENDING:
-            raise InvalidTransitionError(f"cannot mark group {uid!r} running: it is already running")
+            raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
         group.partition.start()
 
@@ -142,7 +142,8 @@ class Producers(Sampling):
         trajectories = group.trajectories
         if key in trajectories:
             raise DuplicateTrajectoryError(
-                f"group {uid!r} already holds session_id={session_id}, index={index} ({key!r})"
+                f"group {describe(uid)} already holds session_id={session_id}, index={index} "
+                f"({describe(key)})"
             )
         trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
         group.partition.add_trajectories(1)
@@ -361,13 +362,16 @@ class Producers(Sampling):
             step = group.dispatch_step
             if (global_steps is not None and step != global_steps) or group.partition.name != partition:
                 raise DuplicateGroupError(
-                    f"group {uid!r} is already in the buffer with global_steps={group.dispatch_step}, "
-                    f"partition={group.partition.name!r}; put_group got global_steps={global_steps}, "
-                    f"partition={partition!r}"
+                    f"group {describe(uid)} is already in the buffer with "
+                    f"global_steps={group.dispatch_step}, "
+                    f"partition={describe(group.partition.name)}; put_group got global_steps={global_steps}, "
+                    f"partition={describe(partition)}"
                 )
             for key in keys:
                 if key in group.trajectories:
-                    raise DuplicateTrajectoryError(f"group {uid!r} already holds trajectory {key!r}")
+                    raise DuplicateTrajectoryError(
+                        f"group {describe(uid)} already holds trajectory {describe(key)}"
+                    )
         elif granted is not None:
             step = granted
         else:

@@ -15,6 +15,7 @@ from . import _evaluation as rules_of
 from ._admission import Admission
 from ._partition import OpenGroup, PartitionState
 from ._status_log import StatusLog, log_waiting, logger, next_due
+from ._validation import describe
 from ._waiting import Waiter, park, park_with_deadline
 from .errors import StalebufError
 from .metrics import SampleMetrics
@@ -139,7 +140,8 @@ class Sampling(Admission):
         entries += [(seq, group.uid) for _, seq, group in part.failed]
         if all(seq >= readmitted_from and uid in evicted_before for seq, uid in entries):
             raise StalebufError(
-                f"on_evict re-admitted groups of partition {part.name!r} that are evicted again at once "
+                f"on_evict re-admitted groups of partition {describe(part.name)} that are evicted again "
+                "at once "
                 "(stale at their dispatch step, or failed under failure_strategy='evict'), so sample "
                 "would never finish; they stay in the buffer. Re-admit at the current step instead."
             )
@@ -269,6 +271,6 @@ class Sampling(Admission):
         groups = await park_with_deadline(waiter, attempt, backend, deadline, log_line, next_log)
         if groups is None:
             raise TimeoutError(
-                f"no batch of {waiter.batch_size} in partition {part.name!r} within {timeout} s"
+                f"no batch of {waiter.batch_size} in partition {describe(part.name)} within {timeout} s"
             )
         return groups

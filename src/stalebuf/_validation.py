@@ -31,6 +31,7 @@ __all__ = [
     "check_timeout",
     "check_uid",
     "describe",
+    "describe_error",
     "describe_typed",
     "finite_in",
     "int_at_least",
@@ -69,6 +70,18 @@ def describe(value: object) -> str:
         except Exception:  # an element's repr raised
             return f"a {kind.__name__}"
     return f"a {kind.__name__}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """Return ``"TypeName: message"`` for an exception, the message cut to 200 characters
+    (user code may raise errors whose text is huge, or whose ``__str__`` raises)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(its message cannot be shown)"
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def describe_typed(value: object) -> str:

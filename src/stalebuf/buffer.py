@@ -28,6 +28,7 @@ from ._validation import (
     check_partition,
     check_step,
     check_timeout,
+    describe,
 )
 from .checkpoint import BufferCheckpoint, InFlightMode, RestoreResult, capture
 from .config import SamplerConfig
@@ -82,7 +83,7 @@ class ReplayBuffer(Producers):
             and config.custom_sampler is not None
         ):
             raise ConfigError(
-                f"config names custom_sampler {config.custom_sampler!r}: build the buffer with "
+                f"config names custom_sampler {describe(config.custom_sampler)}: build the buffer with "
                 "ReplayBuffer.from_config(config), which loads it"
             )
         super().__init__(config, policy, on_evict, status_log_interval)
@@ -208,7 +209,12 @@ class ReplayBuffer(Producers):
         return ThreadsafeProducer(self, token.native_token, binding.loop_running)
 
     def __contains__(self, uid: object) -> bool:
-        """Whether a group with this uid is in the buffer (in flight or terminal)."""
+        """Whether a group with this uid is in the buffer (in flight or terminal).
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self._binding.check_thread()
         return type(uid) is str and uid in self._groups
 
     # -- consumer ---------------------------------------------------------------------
@@ -237,7 +243,9 @@ class ReplayBuffer(Producers):
             groups = self._evaluate(part, global_steps, batch_size, metrics)
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
-        raise BatchNotReadyError(f"no batch of {batch_size} may be returned from partition {partition!r} now")
+        raise BatchNotReadyError(
+            f"no batch of {batch_size} may be returned from partition {describe(partition)} now"
+        )
 
     async def sample(
         self,
@@ -288,7 +296,7 @@ class ReplayBuffer(Producers):
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
         if timeout == 0:
-            raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r}")
+            raise TimeoutError(f"no batch of {batch_size} ready in partition {describe(partition)}")
         assert part is not None  # created above for a call that may wait
         groups, waited = await self._wait_for_batch(part, global_steps, batch_size, timeout, metrics)
         return self._result(part, global_steps, groups, metrics, waited)
@@ -385,7 +393,12 @@ class ReplayBuffer(Producers):
         return count
 
     def stats(self) -> BufferStats:
-        """Return an immutable snapshot of per-partition and total counts (works after close)."""
+        """Return an immutable snapshot of per-partition and total counts (works after close).
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self._binding.check_thread()
         for part in self._partitions.values():
             part.drop_abandoned()
         partitions = {

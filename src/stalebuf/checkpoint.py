@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from ._partition import OpenGroup, PartitionState
+from ._validation import describe, describe_error
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
 from .records import EvictionEvent, Group, Status, new_group
@@ -179,7 +180,7 @@ def rebuild(buffer: ReplayBuffer, checkpoint: BufferCheckpoint, in_flight: InFli
     for seq, group in enumerate(checkpoint.groups):
         part = buffer._partitions.get(group.partition)
         if part is None or group.uid in buffer._groups:
-            raise CheckpointError(f"the checkpoint is inconsistent at group {group.uid!r}")
+            raise CheckpointError(f"the checkpoint is inconsistent at group {describe(group.uid)}")
         if group.status is not _PENDING and group.status is not _RUNNING:
             _put_back_terminal(buffer, part, group, seq)
         elif in_flight == "evict":
@@ -262,4 +263,6 @@ def policy_from_name(name: str, config: SamplerConfig) -> Any:
             target = getattr(target, part)
         return target(config, **config.sampler_kwargs)
     except Exception as exc:
-        raise CheckpointError(f"cannot rebuild the checkpoint's policy {name!r}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot rebuild the checkpoint's policy {describe(name)}: {describe_error(exc)}"
+        ) from exc

@@ -24,20 +24,20 @@ FailureStrategy = Literal["sample", "evict"]
 
 def _to_partitions(value: object) -> frozenset[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise ConfigError(f"exempt_partitions must be a collection of partition names, got {value!r}")
+        raise ConfigError(f"exempt_partitions must be a collection of partition names, got {describe(value)}")
     names = frozenset(value)
     for name in names:
         if type(name) is not str or not name:
-            raise ConfigError(f"exempt_partitions must hold non-empty strings, got {name!r}")
+            raise ConfigError(f"exempt_partitions must hold non-empty strings, got {describe(name)}")
     return names
 
 
 def _to_kwargs(value: object) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"sampler_kwargs must be a mapping, got {value!r}")
+        raise ConfigError(f"sampler_kwargs must be a mapping, got {describe(value)}")
     for key in value:
         if type(key) is not str or not key.isidentifier():
-            raise ConfigError(f"sampler_kwargs keys must be identifiers, got {key!r}")
+            raise ConfigError(f"sampler_kwargs keys must be identifiers, got {describe(key)}")
     return MappingProxyType(dict(value))
 
 
@@ -46,14 +46,15 @@ def _check_custom_sampler(_instance: object, _attribute: attrs.Attribute[str | N
         return
     if type(value) is not str:
         raise ConfigError(
-            f"custom_sampler must be None or 'module:ClassName' or 'path/to/file.py:ClassName', got {value!r}"
+            "custom_sampler must be None or 'module:ClassName' or 'path/to/file.py:ClassName', "
+            f"got {describe(value)}"
         )
     target, sep, name = value.rpartition(":")
     location = target.removeprefix("pkg://").removeprefix("file://")
     if not sep or not location or not name.isidentifier():
         raise ConfigError(
             "custom_sampler must look like 'package.module:ClassName' or "
-            f"'path/to/file.py:ClassName', got {value!r}"
+            f"'path/to/file.py:ClassName', got {describe(value)}"
         )
 
 
@@ -145,7 +146,7 @@ class SamplerConfig:
         for key, value in mapping.items():
             if key not in known:
                 raise ConfigError(
-                    f"unknown sampler config key {key!r}; known keys: {', '.join(sorted(known))}"
+                    f"unknown sampler config key {describe(key)}; known keys: {', '.join(sorted(known))}"
                 )
             values[key] = _plain(value)
         if "custom_sampler" in values:
@@ -161,17 +162,19 @@ def _custom_sampler_spec(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, Mapping):
-        raise ConfigError(f"custom_sampler must be a mapping with 'path' and 'name', got {value!r}")
+        raise ConfigError(f"custom_sampler must be a mapping with 'path' and 'name', got {describe(value)}")
     unknown = set(value) - {"path", "name"}
     if unknown:
-        raise ConfigError(f"unknown custom_sampler key(s) {sorted(unknown)!r}; expected 'path' and 'name'")
+        raise ConfigError(
+            f"unknown custom_sampler key(s) {describe(sorted(unknown))}; expected 'path' and 'name'"
+        )
     path, name = value.get("path"), value.get("name")
     if path is None and name is None:
         return None
     if not isinstance(path, str) or not path or not isinstance(name, str) or not name:
         raise ConfigError(
             "custom_sampler needs both 'path' and 'name' as non-empty strings, "
-            f"got path={path!r}, name={name!r}"
+            f"got path={describe(path)}, name={describe(name)}"
         )
     if path.startswith(("pkg://", "file://")):
         return f"{path}:{name}"
