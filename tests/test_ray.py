@@ -9,8 +9,11 @@ starvation case, payloads in the object store, put_group, eviction streams, erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +41,19 @@ from stalebuf.errors import (
     InvalidTransitionError,
 )
 from stalebuf.ray import PayloadRef, RemoteReplayBuffer, resolve, resolve_sync
+from stalebuf.ray._protocol import (
+    AddPrompt,
+    MarkFailed,
+    MarkFinished,
+    MarkRunning,
+    ProtocolError,
+    Put,
+    PutGroup,
+    SampleRequest,
+    decode_op,
+    decode_sample,
+    encode,
+)
 
 # Producers below run in Ray worker processes, which cannot import this test module.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -429,20 +445,171 @@ async def test_concurrent_producer_calls_share_round_trips(remote: RemoteReplayB
 
 
 @pytest.mark.asyncio
-async def test_requeue_puts_a_taken_batch_back(remote: RemoteReplayBuffer) -> None:
-    """What a sample cancelled after taking its batch does: the groups go back, whole."""
+async def test_a_cancelled_request_puts_its_taken_batch_back_once(remote: RemoteReplayBuffer) -> None:
+    """What the actor does when a client cancels a sample that had already taken its batch:
+    the groups go back, whole, exactly once; a group whose uid was reused meanwhile cannot."""
     with anyio.fail_after(STEP_TIMEOUT):
         await remote.put_group("a", ["x", "y"], global_steps=2, tags={"t": 1})
         await remote.put_group("b", ["z"], global_steps=1, status="failed")
-        batch, _ = await remote.sample(2, 2)
-        assert batch.uids == ["b", "a"]
+        handle = remote.handle
+        batch, _ = await handle.sample.remote(encode(SampleRequest("r1", 2, 2, "train", None)))
+        assert batch.uids == ["b", "a"]  # taken; this "client" never acknowledges it
         await remote.add_prompt("b", global_steps=9)  # the uid was reused meanwhile
-        assert await remote.handle.requeue.remote(batch) == ["b"]
+        await handle.cancel_sample.remote("r1")
+        await handle.cancel_sample.remote("r1")  # a second cancel puts nothing back again
+        await handle.acknowledge_sample.remote("r1")  # nor does a late acknowledgement matter
+        counts = (await remote.info())["sample_requests"]
+        assert (counts["requeued"], counts["running"], counts["unacknowledged"]) == (1, 0, 0)
         again, _ = await remote.sample(2, 1)
         assert again.uids == ["a"]
         assert again.keys == ["a_0_0", "a_1_0"]
         assert (await resolve(again)).payloads == ["x", "y"]
         assert dict(again.groups[0].tags) == {"t": 1}
+        assert await remote.sampleable_count(2) == 0
+        stats = (await remote.stats()).total
+        assert (stats.admitted_groups, stats.sampled_groups, stats.groups) == (4, 3, 1)
+
+
+# -- cancelling a sample -----------------------------------------------------------------------
+
+
+async def _settled(buffer: RemoteReplayBuffer) -> dict[str, int]:
+    """Wait until the actor has decided every sample request (cancels and acknowledgements are
+    one-way messages); return its counters."""
+    while True:  # the messages are on their way to another process: poll
+        counts: dict[str, int] = (await buffer.info())["sample_requests"]
+        if counts["running"] == counts["unacknowledged"] == counts["early_cancels_pending"] == 0:
+            return counts
+        await asyncio.sleep(0.01)
+
+
+async def _cancel_after(task: asyncio.Future[Any], delay: float) -> None:
+    await asyncio.sleep(delay)
+    task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_cancelled_samples_lose_and_duplicate_nothing(remote: RemoteReplayBuffer) -> None:
+    """1,000 samples, each cancelled 0-2.5 ms after the call (the issue's reproduction lost
+    half of the batches taken that way), while producers keep adding groups and some samples
+    park: every group ends up delivered exactly once or still in the buffer."""
+    rng = random.Random(10)
+    admitted: list[str] = []
+    delivered: list[str] = []
+    with anyio.fail_after(90):
+        for wave in range(25):  # 40 samples, 2 of them on a partition that never fills up
+            uids = [f"w{wave}g{i}" for i in range(30)]
+            admitted += uids
+            samples = [asyncio.ensure_future(remote.sample(0, 1)) for _ in range(38)]
+            samples += [asyncio.ensure_future(remote.sample(0, 1, partition="idle")) for _ in range(2)]
+            puts = [remote.put_group(uid, [uid], global_steps=0) for uid in uids]
+            await asyncio.gather(*puts, *(_cancel_after(task, rng.uniform(0, 0.0025)) for task in samples))
+            for task in samples:
+                with contextlib.suppress(asyncio.CancelledError):
+                    delivered += (await task)[0].uids
+        counts = await _settled(remote)
+        rest = await remote.sampleable_count(0)
+        left = (await remote.sample(0, rest, timeout=0))[0].uids if rest else []
+        stats = (await remote.stats()).total
+    print(f"cancel fuzz: {len(delivered)} delivered, {len(left)} left, actor {counts}")
+    assert len(delivered) == len(set(delivered)), "a group was delivered twice"
+    assert not set(delivered) & set(left), "a delivered group is still in the buffer"
+    assert sorted(delivered + left) == sorted(admitted), "a group was lost"
+    assert counts["requeued"] > 0  # the race the test is about did happen
+    assert counts["cancelled_waiting"] > 0  # the "idle" samples park
+    assert stats.admitted_groups == len(admitted) + stats.sampled_groups - len(delivered) - len(left)
+    assert stats.groups == 0
+
+
+# -- starting and connecting ------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_an_actor_that_cannot_start_fails_within_start_timeout() -> None:
+    """An actor no node can host: calls raise BufferUnavailableError naming the missing resource
+    once ``start_timeout`` has passed, and ``sample(timeout=)`` bounds its own wait before that."""
+    options = {"resources": {"no_such_resource": 1}}
+    hopeless = RemoteReplayBuffer(actor_options=options, start_timeout=1.0, status_log_interval=None)
+    patient = RemoteReplayBuffer(actor_options=options, status_log_interval=None)  # 60 s to start
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            error = await expect(BufferUnavailableError, hopeless.info())
+            assert "start_timeout=1 s" in str(error)
+            assert "no_such_resource" in str(error)
+            await expect(BufferUnavailableError, hopeless.put_group("a", [1], global_steps=0))
+            await expect(BufferUnavailableError, hopeless.sample(0, 1))
+            await expect(BufferUnavailableError, hopeless.evictions().__anext__())
+            error = await expect(TimeoutError, patient.sample(0, 1, timeout=1.5))
+            assert "has not started" in str(error)
+    finally:
+        hopeless.kill()
+        patient.kill()
+    with pytest.raises(ConfigError, match="start_timeout"):
+        RemoteReplayBuffer(start_timeout=0)
+
+
+@pytest.mark.asyncio
+async def test_connect_refuses_an_actor_whose_process_was_killed() -> None:
+    name = _name()
+    buffer = RemoteReplayBuffer(name=name, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            pid = await buffer.handle.__ray_call__.remote(lambda _host: os.getpid())
+            assert RemoteReplayBuffer.connect(name).name == name  # alive: attaches
+            os.kill(pid, signal.SIGKILL)
+            for _ in range(5):  # right after the kill, and while Ray still lists the name
+                with pytest.raises(BufferUnavailableError):
+                    RemoteReplayBuffer.connect(name, start_timeout=10)
+                await asyncio.sleep(0.2)
+    finally:
+        buffer.kill()
+
+
+# -- payload memory ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_each_group_has_its_own_object_freed_when_the_group_leaves() -> None:
+    """Three groups sent in one actor call: the sampled and the evicted group's payload objects
+    are freed while the third group is still resident (one object per call pinned all three)."""
+    config = SamplerConfig(max_off_policy_threshold=1, max_off_policy_strategy="drop")
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    owner = ray._private.worker.global_worker.core_worker  # the producer owns payloads by default
+
+    def alive(ids: set[bytes]) -> set[bytes]:
+        return ids & set(owner.get_all_reference_counts())
+
+    async def freed(ids: set[bytes]) -> None:
+        while True:  # the owner learns asynchronously that the actor dropped its references
+            if not alive(ids):
+                return
+            await asyncio.sleep(0.02)
+
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.info()  # started: later objects are ours
+            before = set(owner.get_all_reference_counts())
+            big = [np.full(2**17, value, dtype=np.int64) for value in range(3)]  # 1 MiB each
+            await asyncio.gather(  # concurrent calls from one client: one actor call
+                buffer.put_group("stale", [big[0]], global_steps=0),
+                buffer.put_group("taken", [big[1]], global_steps=5),
+                buffer.put_group("resident", [big[2]], global_steps=5),
+            )
+            stored = alive(set(owner.get_all_reference_counts()) - before)
+            batch, metrics = await buffer.sample(5, 1)
+            assert batch.uids == ["taken"]
+            assert metrics["training/off_policy/dropped_groups"] == 1
+            taken = batch.payloads[0].ref.hex().encode()
+            del batch
+            await freed({taken})  # while "resident", sent in the same call, is still in the buffer
+            batch, _ = await buffer.sample(5, 1)
+            resident = batch.payloads[0].ref.hex().encode()
+            assert resident != taken
+            assert np.array_equal((await resolve(batch)).payloads[0], big[2])
+            await freed(stored - {resident})  # the evicted group's object too
+            assert len(stored) >= 3
+    finally:
+        buffer.kill()
 
 
 # -- evictions ------------------------------------------------------------------------------
@@ -561,6 +728,12 @@ def test_configuration_errors() -> None:
         RemoteReplayBuffer(payloads="elsewhere")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="status_log_interval"):
         RemoteReplayBuffer(status_log_interval=0)
+    with pytest.raises(ConfigError, match="status_log_interval"):
+        RemoteReplayBuffer(status_log_interval=0.0005)  # below the 1 ms minimum
+    with pytest.raises(ConfigError, match="start_timeout"):
+        RemoteReplayBuffer(start_timeout=float("inf"))
+    with pytest.raises(ConfigError, match="start_timeout"):
+        RemoteReplayBuffer.connect("anything", start_timeout=-1)
     with pytest.raises(ConfigError, match="eviction_queue_size"):
         RemoteReplayBuffer(eviction_queue_size=0)
     with pytest.raises(ConfigError, match="name="):
@@ -610,6 +783,30 @@ async def test_from_config_with_a_mapping_and_async_with() -> None:
         buffer.kill()
 
 
+def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
+    ops = [
+        AddPrompt("a", 3, "val", {"k": 1}),
+        MarkRunning("a"),
+        Put("a", [1, 2], 0, 4, None),
+        MarkFinished("a"),
+        MarkFailed("a"),
+        PutGroup("b", [1], 0, "train", None, None, [2], None, "failed"),
+    ]
+    for op in ops:
+        wire = encode(op)
+        assert type(wire) is tuple
+        assert type(wire[0]) is int
+        decoded = decode_op(pickle.loads(pickle.dumps(wire)))
+        assert (type(decoded), decoded) == (type(op), op)
+    request = SampleRequest("id", 1, 2, "train", 0.5)
+    assert decode_sample(encode(request)) == request
+    for bad in [("put", "a"), (99, "a"), (1,), (1, "a", "extra"), [1, "a"], encode(request)]:
+        with pytest.raises(ProtocolError, match="same stalebuf"):
+            decode_op(bad)
+    with pytest.raises(ProtocolError):
+        decode_sample(encode(MarkRunning("a")))
+
+
 def test_client_needs_asyncio() -> None:
     trio = pytest.importorskip("trio")
     buffer = RemoteReplayBuffer(status_log_interval=None)
@@ -633,10 +830,11 @@ def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
     try:
 
         async def main() -> None:
-            outcomes = await host.submit([("add", "a", 0, "train", None), ("fin", "a"), ("fin", "a")], False)
+            ops = [AddPrompt("a", 0, "train", None), MarkFinished("a"), MarkFinished("a")]
+            outcomes = await host.submit([encode(op) for op in ops], False)
             assert outcomes[:2] == [(True, None), (True, None)]
-            assert type(outcomes[2][1]) is InvalidTransitionError
-            batch, _ = await host.sample(0, 1, "train", None)
+            assert type(outcomes[2].value) is InvalidTransitionError
+            batch, _ = await host.sample(encode(SampleRequest("r", 0, 1, "train", None)))
             assert batch.uids == ["a"]
             assert (await host.stats()).total.sampled_groups == 1
 

@@ -30,10 +30,12 @@ from .errors import (
     WrongThreadError,
 )
 from .policy import StalenessPolicy
+from .protocol import AsyncReplayBuffer
 from .records import Batch, EvictionEvent, Group, Status, Trajectory
 from .stats import BufferStats, PartitionStats
 
 __all__ = [
+    "AsyncReplayBuffer",
     "BackendMismatchError",
     "Batch",
     "BatchNotReadyError",

@@ -18,7 +18,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("stalebuf.ray needs Ray: pip install 'stalebuf[ray]'") from exc
 
-from ._client import EvictionStream, PayloadMode, RemoteReplayBuffer
+from ._client import RemoteReplayBuffer
+from ._events import EvictionStream
+from ._options import PayloadMode
 from ._payloads import PayloadRef, resolve, resolve_sync
 
 __all__ = [

@@ -18,20 +18,31 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar, cast
 
 import attrs
 import ray
 
-from ..buffer import GroupStatus, ReplayBuffer
+from .._validation import describe, int_at_least
+from ..buffer import ReplayBuffer
 from ..config import SamplerConfig
-from ..errors import ConfigError, StalebufError
+from ..errors import ConfigError
 from ..records import Batch, EvictionEvent, Group, Status, Trajectory
 from ..stats import BufferStats
-from ._payloads import PackedRun, pack_groups
+from ._ledger import SampleLedger, SampleResult
+from ._protocol import (
+    PROTOCOL_VERSION,
+    Op,
+    Outcome,
+    SampleRequest,
+    Wire,
+    decode_op,
+    decode_sample,
+    store_payloads,
+)
 
-__all__ = ["CONCURRENCY_GROUPS", "BufferHost", "actor_class", "pack_ops"]
+__all__ = ["CONCURRENCY_GROUPS", "BufferHost", "actor_class"]
 
 logger = logging.getLogger("stalebuf.ray")
 
@@ -51,11 +62,6 @@ EVENTS_GROUP = "events"
 #: Default slots per concurrency group (producer calls only hop onto the home loop, so few
 #: slots serve many clients; each eviction reader holds one ``events`` slot while it polls).
 CONCURRENCY_GROUPS: Mapping[str, int] = {PRODUCER_GROUP: 64, CONTROL_GROUP: 16, EVENTS_GROUP: 64}
-
-# One producer operation, as the client encodes it (see BufferHost._apply_one).
-Op = tuple[Any, ...]
-# (True, result) or (False, the exception the operation raised).
-Outcome = tuple[bool, Any]
 
 
 class BufferHost:
@@ -80,6 +86,7 @@ class BufferHost:
         self._events_overflowed = 0
         self._events_changed = asyncio.Event()  # binds to the home loop on first use
         self._init_error: Exception | None = None
+        self._ledger = SampleLedger(self._readmit_batch)
         try:
             if use_factory:
                 assert config is not None
@@ -124,82 +131,51 @@ class BufferHost:
 
     # -- default group: samplers ------------------------------------------------------
 
-    async def sample(
-        self, global_steps: int, batch_size: int, partition: str, timeout: float | None
-    ) -> tuple[Batch, dict[str, float]]:
-        """``ReplayBuffer.sample`` on the home loop (a ``ray.cancel`` cancels it safely)."""
+    async def sample(self, request: Wire) -> SampleResult:
+        """``ReplayBuffer.sample`` on the home loop, under the request's id: the batch it takes
+        is kept until the client acknowledges it or cancels the request (see SampleLedger)."""
         self._check_ready()
-        sample = self._buffer.sample(global_steps, batch_size, partition=partition, timeout=timeout)
+        serve = self._serve(decode_sample(request))
         if asyncio.get_running_loop() is self._home:
-            return await sample
-        return await self._await_on_home(sample)  # only with a private home loop
+            return await serve
+        return await self._await_on_home(serve)  # only with a private home loop
+
+    async def _serve(self, request: SampleRequest) -> SampleResult:
+        buffer, ledger = self._buffer, self._ledger
+        task = ledger.start(
+            request.request_id,
+            lambda: buffer.sample(
+                request.global_steps, request.batch_size, partition=request.partition, timeout=request.timeout
+            ),
+        )
+        try:
+            return await task
+        finally:
+            ledger.finish(request.request_id, task)
 
     # -- producer group ---------------------------------------------------------------
 
     @_method(PRODUCER_GROUP, enable_task_events=False)
-    async def submit(self, ops: list[Op], upload: bool) -> list[Outcome]:
-        """Apply producer operations in order, atomically with respect to samplers.
+    async def submit(self, ops: list[Wire], upload: bool) -> list[Outcome]:
+        """Apply encoded producer operations in order, atomically with respect to samplers.
 
         With ``upload`` the payload values the ops carry are first stored in the object
-        store from this actor (one ``ray.put``), so the actor owns them.
+        store from this actor (one object per operation), so the actor owns them.
+
+        Raises:
+            ProtocolError: an operation this actor cannot decode (nothing is applied).
         """
         self._check_ready()
+        decoded = [decode_op(op) for op in ops]
         if upload:
-            ops = pack_ops(ops)
-        return await self._on_home(lambda: [self._apply_one(op) for op in ops])
+            decoded = store_payloads(decoded)
+        return await self._on_home(lambda: [self._apply(op) for op in decoded])
 
-    def _apply_one(self, op: Op) -> Outcome:
-        buffer = self._buffer
+    def _apply(self, op: Op) -> Outcome:
         try:
-            code = op[0]
-            if code == "put":
-                _, uid, payload, session_id, index, tags = op
-                return True, buffer.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
-            if code == "group":
-                return True, self._put_group(*op[1:])
-            if code == "add":
-                _, uid, global_steps, partition, tags = op
-                buffer.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
-            elif code == "run":
-                buffer.mark_running_nowait(op[1])
-            elif code == "fin":
-                buffer.mark_finished_nowait(op[1])
-            elif code == "fail":
-                buffer.mark_failed_nowait(op[1])
-            else:
-                raise StalebufError(
-                    f"unknown producer operation {code!r} (client and actor versions differ?)"
-                )
-            return True, None
+            return Outcome(True, op.apply(self._buffer))
         except Exception as exc:
-            return False, exc
-
-    def _put_group(
-        self,
-        uid: str,
-        payloads: Sequence[Any] | PackedRun,
-        global_steps: int,
-        partition: str,
-        tags: Mapping[str, Any] | None,
-        trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
-        session_ids: Sequence[int] | None,
-        indices: Sequence[int] | None,
-        status: GroupStatus,
-    ) -> list[str]:
-        """Add (if absent), fill and terminate a group: ``ReplayBuffer.put_group_nowait``."""
-        if isinstance(payloads, PackedRun):
-            payloads = payloads.expand()
-        return self._buffer.put_group_nowait(
-            uid,
-            payloads,
-            global_steps=global_steps,
-            partition=partition,
-            tags=tags,
-            trajectory_tags=trajectory_tags,
-            session_ids=session_ids,
-            indices=indices,
-            status=status,
-        )
+            return Outcome(False, exc)
 
     # -- control group ----------------------------------------------------------------
 
@@ -227,15 +203,38 @@ class BufferHost:
         await self._on_home(close)
 
     @_method(CONTROL_GROUP)
-    async def requeue(self, batch: Batch) -> list[str]:
-        """Put back the groups of a batch whose ``sample`` call was cancelled after it took them.
+    async def cancel_sample(self, request_id: str) -> None:
+        """The client's ``sample`` under ``request_id`` was cancelled: the request takes nothing,
+        or the batch it took and the client never received is put back, exactly once.
 
-        Each group is admitted again with its dispatch step, tags, trajectories and status
-        (so the stats count it as admitted twice and sampled once). Returns the uids that
-        could not be put back (the uid was reused meanwhile, or the buffer is closed).
+        Put-back groups are admitted again with their dispatch step, tags, trajectories and
+        status (so the stats count them as admitted twice and sampled once); a group whose uid
+        was reused meanwhile, or any group once the buffer is closed, cannot be put back and is
+        logged as lost.
         """
-        self._check_ready()
-        return await self._on_home(lambda: [group.uid for group in batch.groups if not self._readmit(group)])
+        await self._on_home(lambda: self._ledger.cancel(request_id))
+
+    @_method(CONTROL_GROUP, enable_task_events=False)
+    async def acknowledge_sample(self, request_id: str) -> None:
+        """The client received the batch of ``request_id``: the actor forgets it."""
+        await self._on_home(lambda: self._ledger.acknowledge(request_id))
+
+    @_method(CONTROL_GROUP)
+    async def ping(self) -> int:
+        """Return the protocol version: the actor is up (whether or not its buffer was built)."""
+        return PROTOCOL_VERSION
+
+    def _readmit_batch(self, batch: Batch) -> None:
+        lost = [group.uid for group in batch.groups if not self._readmit(group)]
+        if lost:
+            logger.warning(
+                "a cancelled sample had taken %d group(s); could not put back %s "
+                "(uid reused or buffer closed)",
+                len(batch),
+                describe(lost),
+            )
+        else:
+            logger.info("a cancelled sample had taken %d group(s); put them back", len(batch))
 
     def _readmit(self, group: Group) -> bool:
         buffer = self._buffer
@@ -257,7 +256,8 @@ class BufferHost:
 
     @_method(CONTROL_GROUP)
     async def info(self) -> dict[str, Any]:
-        """Facts about the actor: the config, whether closed, eviction-ring counters."""
+        """Facts about the actor: the config, whether closed, eviction-ring and sample-request
+        counters."""
         self._check_ready()
 
         def info() -> dict[str, Any]:
@@ -268,6 +268,7 @@ class BufferHost:
                 "eviction_queue_size": self._events.maxlen,
                 "evictions_emitted": self._events_end,
                 "evictions_overflowed": self._events_overflowed,
+                "sample_requests": self._ledger.counts(),
             }
 
         return await self._on_home(info)
@@ -350,31 +351,6 @@ def _without_payloads(event: EvictionEvent) -> EvictionEvent:
     return EvictionEvent(event.partition, event.reason, groups, event.global_steps)
 
 
-def pack_ops(ops: list[Op]) -> list[Op]:
-    """Store all payload values of ``ops`` in one object (one ``ray.put``); return the ops with
-    references instead: a PayloadRef for ``put``, a PackedRun (or a list) for ``group``."""
-    groups: list[list[Any]] = []
-    for op in ops:
-        if op[0] == "put":
-            groups.append([op[2]])
-        elif op[0] == "group":
-            groups.append(op[2])
-    if not groups:
-        return ops
-    packed = iter(pack_groups(groups))
-    out: list[Op] = []
-    for op in ops:
-        if op[0] == "put":
-            run = next(packed)
-            payload = run.expand()[0] if isinstance(run, PackedRun) else run[0]
-            out.append((*op[:2], payload, *op[3:]))
-        elif op[0] == "group":
-            out.append((*op[:2], next(packed), *op[3:]))
-        else:
-            out.append(op)
-    return out
-
-
 @functools.lru_cache(maxsize=16)
 def _actor_class(groups: tuple[tuple[str, int], ...]) -> Any:
     remote: Any = ray.remote  # its overloads do not list concurrency_groups
@@ -390,7 +366,10 @@ def actor_class(concurrency_groups: Mapping[str, int]) -> Any:
     """
     merged = dict(CONCURRENCY_GROUPS)
     for name, slots in concurrency_groups.items():
-        if type(name) is not str or not name or type(slots) is not int or slots < 1:
-            raise ConfigError(f"concurrency_groups must map names to ints >= 1, got {name!r}: {slots!r}")
+        if type(name) is not str or not name:
+            raise ConfigError(
+                f"concurrency_groups must map non-empty str names to ints, got {describe(name)}"
+            )
+        int_at_least(f"concurrency_groups[{name!r}]", 1)(None, None, slots)
         merged[name] = slots
     return _actor_class(tuple(sorted(merged.items())))

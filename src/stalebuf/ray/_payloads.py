@@ -2,10 +2,10 @@
 
 Producers never send payload bytes through the buffer actor (except in ``payloads="inline"``
 mode): the client ``ray.put``\\ s them and the buffer only keeps references. One ``ray.put``
-carries all the payloads of one producer round trip (a group, or several groups sent
-together), so each trajectory's payload is a :class:`PayloadRef` naming its item in that
-stored list. A producer may also pass its own ``ray.ObjectRef`` as a payload; it is kept
-as it is.
+carries the payloads of one group (or of one ``put``), so each trajectory's payload is a
+:class:`PayloadRef` naming its item in that stored list, and the object is freed once the
+group has left the buffer and nobody else holds its references. A producer may also pass
+its own ``ray.ObjectRef`` as a payload; it is kept as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import ray
 
 from ..records import Batch, Group, Trajectory
 
-__all__ = ["PackedRun", "PayloadRef", "pack_groups", "resolve", "resolve_sync"]
+__all__ = ["PackedRun", "PayloadRef", "resolve", "resolve_sync", "store_group"]
 
 
 @attrs.frozen(weakref_slot=False)
@@ -73,29 +73,25 @@ class PackedRun(NamedTuple):
         return [PayloadRef(ref, i) for i in range(self.start, self.stop)]
 
 
-def pack_groups(groups: list[list[Any]]) -> list[list[Any] | PackedRun]:
-    """Store every payload in ``groups`` that is not None, an ObjectRef or a PayloadRef, all with
-    one ``ray.put``. Return each group as a PackedRun when all its payloads were stored now,
-    else as its list with the stored ones replaced by PayloadRefs."""
-    values: list[Any] = []
-    plans: list[tuple[int, list[int]]] = []
-    for payloads in groups:
-        todo = [i for i, value in enumerate(payloads) if not _is_stored(value)]
-        plans.append((len(values), todo))
-        values.extend(payloads[i] for i in todo)
-    if not values:
-        return list(groups)
-    ref = ray.put(values)
-    packed: list[list[Any] | PackedRun] = []
-    for payloads, (start, todo) in zip(groups, plans, strict=True):
-        if todo and len(todo) == len(payloads):
-            packed.append(PackedRun(ref, start, start + len(todo)))
-            continue
-        items = list(payloads)
-        for offset, i in enumerate(todo):
-            items[i] = PayloadRef(ref, start + offset)
-        packed.append(items)
-    return packed
+def store_group(payloads: Sequence[Any]) -> list[Any] | PackedRun:
+    """Store the payloads of one group (or of one ``put``) that are not None, an ObjectRef or a
+    PayloadRef, all with one ``ray.put``. Return a PackedRun when all of them were stored now,
+    else the list with the stored ones replaced by PayloadRefs (or as it is, if none were).
+
+    One object per group, never one shared by several groups: an object is freed only when no
+    reference to any of its items is left, so a shared one would stay as long as its longest-
+    resident group.
+    """
+    todo = [i for i, value in enumerate(payloads) if not _is_stored(value)]
+    if not todo:
+        return list(payloads)
+    ref = ray.put([payloads[i] for i in todo])
+    if len(todo) == len(payloads):
+        return PackedRun(ref, 0, len(todo))
+    items = list(payloads)
+    for position, i in enumerate(todo):
+        items[i] = PayloadRef(ref, position)
+    return items
 
 
 def _unique_refs(payloads: Iterable[Any]) -> list[ray.ObjectRef[Any]]:

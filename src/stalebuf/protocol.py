@@ -1,0 +1,116 @@
+"""The async buffer API that :class:`~stalebuf.ReplayBuffer` and
+:class:`stalebuf.ray.RemoteReplayBuffer` share, as a :class:`typing.Protocol`.
+
+Code written against :class:`AsyncReplayBuffer` runs unchanged on a local buffer or on one
+hosted by a Ray actor. The type checker holds both classes to it (see
+``stalebuf/ray/_conformance.py``, checked by mypy in CI), so their names and signatures cannot
+drift apart. Default values are not compared by the type checker: they are written the same in
+all three places by hand.
+
+Left out on purpose, because a process boundary makes them differ:
+
+- ``sampleable_count`` and ``stats`` are plain methods locally but coroutines remotely (they
+  ask the actor). A protocol member can only have one of the two types, and code that awaits
+  one would break on the other; both classes keep these names, with the same parameters.
+- the ``*_nowait`` producer twins, ``close`` and ``on_evict``: local only (a synchronous call
+  cannot wait for an actor, and a callable cannot cross processes; remote clients read
+  ``evictions()`` instead).
+- ``config`` and ``closed`` (local properties) and ``info``, ``evictions``, ``kill`` (remote
+  only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+from ._producers import GroupStatus
+from .records import Batch
+
+__all__ = ["AsyncReplayBuffer"]
+
+_Buffer = TypeVar("_Buffer", bound="AsyncReplayBuffer")
+
+
+class AsyncReplayBuffer(Protocol):
+    """The async API of a staleness-aware replay buffer, local or remote.
+
+    Producers move a group through ``add_prompt`` -> ``mark_running`` -> ``put`` ... ->
+    ``mark_finished`` / ``mark_failed`` (or do it all with ``put_group``); the trainer calls
+    ``sample``. Each method raises the typed errors of :mod:`stalebuf.errors` that
+    :class:`~stalebuf.ReplayBuffer` documents; a remote buffer also raises
+    :class:`~stalebuf.errors.BufferUnavailableError` when its actor is gone.
+    """
+
+    # The signatures below deliberately repeat those of ReplayBuffer and RemoteReplayBuffer:
+    # this copy is what mypy compares both classes with.
+
+    async def add_prompt(
+        self,
+        uid: str,
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new PENDING group dispatched at ``global_steps``."""
+
+    async def mark_running(self, uid: str) -> None:
+        """Move a group from PENDING to RUNNING."""
+
+    async def put(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory to an in-flight group; return its key ``uid_session_index``."""
+
+    async def mark_finished(self, uid: str) -> None:
+        """Mark a group FINISHED: it becomes sampleable."""
+
+    async def mark_failed(self, uid: str) -> None:
+        """Mark a group FAILURE (sampled or evicted as ``failure_strategy`` says)."""
+
+    async def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and finish or fail a whole group, all or nothing; return its keys."""
+
+    async def sample(
+        self,
+        global_steps: int,
+        batch_size: int,
+        *,
+        partition: str = "train",
+        timeout: float | None = None,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Wait for, remove and return ``batch_size`` whole groups, oldest first, with metrics."""
+
+    async def aclose(self) -> None:
+        """Close the buffer: parked and later samplers and producers raise BufferClosedError."""
+
+    async def __aenter__(self: _Buffer) -> _Buffer:
+        """Return the buffer; ``async with`` closes it on exit."""
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the buffer."""

@@ -1,0 +1,118 @@
+"""The options of :class:`~stalebuf.ray.RemoteReplayBuffer`: their checks, and Ray's actor options."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, cast
+
+from .._validation import check_status_log_interval, describe, finite_in, int_at_least, one_of
+from ..errors import ConfigError
+
+__all__ = [
+    "PAYLOAD_MODES",
+    "PayloadMode",
+    "check_options",
+    "check_payload_mode",
+    "check_start_timeout",
+    "ray_actor_options",
+    "requested_resources",
+]
+
+#: Where payload values given to ``put``/``put_group`` go (see :class:`RemoteReplayBuffer`).
+PayloadMode = Literal["producer", "actor", "inline"]
+PAYLOAD_MODES: tuple[str, ...] = ("producer", "actor", "inline")
+
+_check_payload_mode = one_of("payloads", PAYLOAD_MODES)
+_check_start_timeout = finite_in("start_timeout", 0.0, math.inf, open_low=True)
+_check_queue_size = int_at_least("eviction_queue_size", 1)
+
+
+def check_payload_mode(payloads: object) -> None:
+    """Raise ConfigError unless ``payloads`` is one of :data:`PAYLOAD_MODES`."""
+    _check_payload_mode(None, None, payloads)
+
+
+def check_start_timeout(start_timeout: object) -> float:
+    """Return ``start_timeout`` as a float; raise ConfigError unless it is a finite number > 0."""
+    _check_start_timeout(None, None, start_timeout)
+    return float(cast("float", start_timeout))
+
+
+def check_options(
+    *,
+    status_log_interval: float | None,
+    payloads: object,
+    eviction_queue_size: object,
+    keep_evicted_payloads: object,
+    on_evict: object,
+    name: object,
+    namespace: object,
+    actor_options: object,
+    start_timeout: object,
+) -> None:
+    """Check the constructor's options before any actor starts.
+
+    Raises:
+        ConfigError: naming the first invalid option.
+    """
+    if on_evict is not None:
+        raise ConfigError(
+            "on_evict cannot cross process boundaries; iterate `remote.evictions()` instead "
+            "(an async iterator of EvictionEvents)"
+        )
+    check_status_log_interval(status_log_interval)
+    check_payload_mode(payloads)
+    _check_queue_size(None, None, eviction_queue_size)
+    check_start_timeout(start_timeout)
+    if type(keep_evicted_payloads) is not bool:
+        raise ConfigError(f"keep_evicted_payloads must be a bool, got {describe(keep_evicted_payloads)}")
+    if name is not None and (type(name) is not str or not name):
+        raise ConfigError(f"name must be None or a non-empty str, got {describe(name)}")
+    if namespace is not None and (type(namespace) is not str or not namespace or name is None):
+        raise ConfigError(
+            f"namespace must be None or a non-empty str given with a name, got {describe(namespace)}"
+        )
+    if actor_options is not None and not isinstance(actor_options, Mapping):
+        raise ConfigError(f"actor_options must be a mapping or None, got {type(actor_options).__name__}")
+
+
+def ray_actor_options(
+    name: str | None, namespace: str | None, get_if_exists: bool, user_options: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Return the options for ``ray.remote(...).options()``: ours, then the user's, then the name.
+
+    Raises:
+        ConfigError: the user's options name the actor (pass ``name=`` etc. instead).
+    """
+    user = dict(user_options or {})
+    for key in ("name", "namespace", "get_if_exists"):
+        if key in user:
+            raise ConfigError(f"pass {key}= to RemoteReplayBuffer itself, not inside actor_options")
+    user.pop("concurrency_groups", None)  # given to ray.remote, see actor_class
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
+    options.update(user)
+    if name is not None:
+        options["name"] = name
+        options["get_if_exists"] = get_if_exists
+        if namespace is not None:
+            options["namespace"] = namespace
+    return options
+
+
+def requested_resources(options: Mapping[str, Any]) -> dict[str, float]:
+    """Return the resources an actor with these options asks Ray for, by Ray's names (for saying
+    which one no node has); values that are not numbers are left out."""
+    wanted: dict[str, Any] = {
+        "CPU": options.get("num_cpus"),
+        "GPU": options.get("num_gpus"),
+        "memory": options.get("memory"),
+    }
+    extra = options.get("resources")
+    if isinstance(extra, Mapping):
+        wanted.update(extra)
+    return {
+        str(key): float(value)
+        for key, value in wanted.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    }
