@@ -16,7 +16,6 @@ Nothing here knows a staleness rule: callers pass predicates over dispatch steps
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -38,30 +37,39 @@ _SPENT = cast(Entry, (-1, None))
 class Bucket:
     """The ready groups of one dispatch step, in admission order, taken from the front.
 
-    Taking advances ``head`` instead of shifting the list (a bucket may hold a million
-    groups); taken slots are cleared at once so sampled groups are not kept alive, and the
-    list is compacted once half of it is spent.
+    Groups that finish in admission order (most of them) are appended to ``entries``, which is
+    taken from by advancing ``head`` instead of shifting the list (a bucket may hold a million
+    groups); taken slots are cleared at once so sampled groups are not kept alive, and the list
+    is compacted once half of it is spent. A group that finishes out of order goes to ``late``,
+    a heap, instead of into the middle of the list: O(log n), not O(n). The bucket's order is
+    the merge of the two; ``entries`` is never empty while the bucket holds a group.
     """
 
-    __slots__ = ("entries", "head")
+    __slots__ = ("entries", "head", "late")
 
     def __init__(self, seq: int, group: Group) -> None:
         self.entries: list[Entry] = [(seq, group)]
         self.head = 0
+        self.late: list[Entry] | None = None
 
     def __len__(self) -> int:
-        return len(self.entries) - self.head
+        late = self.late
+        return len(self.entries) - self.head + (len(late) if late else 0)
 
     def add(self, seq: int, group: Group) -> None:
-        """Insert a group; O(1) when groups finish in admission order, as they mostly do."""
+        """Insert a group: O(1) when groups finish in admission order, O(log n) otherwise."""
         entries = self.entries
         if seq > entries[-1][0]:  # the last entry is never spent: an empty bucket is dropped
             entries.append((seq, group))
+        elif self.late is None:
+            self.late = [(seq, group)]
         else:
-            bisect.insort(entries, (seq, group), lo=self.head)
+            heapq.heappush(self.late, (seq, group))
 
     def take(self, count: int) -> list[Group]:
         """Remove and return the ``count`` oldest groups (fewer than the bucket holds)."""
+        if self.late:
+            return self._take_merged(count)
         entries, start = self.entries, self.head
         end = start + count
         groups = [entry[1] for entry in entries[start:end]]
@@ -73,13 +81,45 @@ class Bucket:
             self.head = end
         return groups
 
+    def _take_merged(self, count: int) -> list[Group]:
+        entries, late, head = self.entries, self.late, self.head
+        assert late is not None
+        groups: list[Group] = []
+        for _ in range(count):
+            if head < len(entries) and (not late or entries[head][0] < late[0][0]):
+                groups.append(entries[head][1])
+                entries[head] = _SPENT
+                head += 1
+            else:
+                groups.append(heapq.heappop(late)[1])
+        if 2 * head >= len(entries):
+            del entries[:head]
+            head = 0
+        self.head = head
+        if not entries:  # keep entries non-empty: the late ones, in order, become the list
+            entries.extend(sorted(late))
+            late.clear()
+        if not late:
+            self.late = None
+        return groups
+
+    def live_entries(self) -> list[Entry]:
+        """Return every ``(seq, group)`` entry, oldest first."""
+        entries = self.entries[self.head :]
+        if self.late:
+            return list(heapq.merge(entries, sorted(self.late)))
+        return entries
+
     def groups(self) -> list[Group]:
         """Return every group, oldest first."""
-        return [entry[1] for entry in self.entries[self.head :]]
+        return [entry[1] for entry in self.live_entries()]
 
     def iter_groups(self) -> Iterator[Group]:
-        """Yield the groups oldest first, lazily (O(1) to start, whatever the bucket's size)."""
-        for entry in islice(self.entries, self.head, None):
+        """Yield the groups oldest first, lazily (O(1) to start when none finished late)."""
+        entries: Iterator[Entry] = islice(self.entries, self.head, None)
+        if self.late:
+            entries = heapq.merge(entries, sorted(self.late))
+        for entry in entries:
             yield entry[1]
 
 
@@ -157,9 +197,9 @@ class ReadyIndex:
         """Remove the given groups (any subset, any order, all present); O(N)."""
         ids = {id(group) for group in chosen}
         for step, bucket in list(self.buckets.items()):
-            kept = [entry for entry in bucket.entries[bucket.head :] if id(entry[1]) not in ids]
+            kept = [entry for entry in bucket.live_entries() if id(entry[1]) not in ids]
             if kept:
-                bucket.entries, bucket.head = kept, 0
+                bucket.entries, bucket.head, bucket.late = kept, 0, None
             else:
                 del self.buckets[step]
         self.steps = list(self.buckets)

@@ -133,9 +133,7 @@ class Sampling(Admission):
         """Refuse a round that would evict exactly what ``on_evict`` re-admitted in the round
         before (same uids, added since): it would loop forever. They stay in the buffer."""
         buckets, in_flight = part.ready.buckets, part.in_flight.groups
-        entries = [
-            (seq, group.uid) for step in stale for seq, group in buckets[step].entries[buckets[step].head :]
-        ]
+        entries = [(seq, group.uid) for step in stale for seq, group in buckets[step].live_entries()]
         entries += [(group.seq, uid) for step in stale_in_flight for uid, group in in_flight[step].items()]
         entries += [(seq, group.uid) for _, seq, group in part.failed]
         if all(seq >= readmitted_from and uid in evicted_before for seq, uid in entries):
