@@ -11,6 +11,8 @@ from stalebuf.records import EMPTY_TAGS, new_batch, new_group, new_trajectory
 
 
 def fields(record: object) -> tuple[object, ...]:
+    if isinstance(record, tuple):  # Trajectory and Group are immutable tuple subclasses
+        return tuple(record)
     return attrs.astuple(record, recurse=False)
 
 
@@ -36,8 +38,24 @@ def test_fast_constructors_build_what_the_classes_build() -> None:
     ],
 )
 def test_fast_built_records_are_frozen(record: object) -> None:
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+    # attrs' FrozenInstanceError is an AttributeError, as is assigning a read-only field.
+    with pytest.raises(AttributeError):
         record.partition = "x"  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        record.anything_new = 1  # type: ignore[attr-defined]
+    if isinstance(record, tuple):
+        with pytest.raises(TypeError):
+            record[0] = "x"  # type: ignore[index]
+
+
+def test_tuple_records_compare_by_identity_and_read_like_records() -> None:
+    t = new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, np.arange(3))
+    twin = new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, np.arange(3))
+    assert t == t and t != twin and hash(t) != hash(twin)  # identity, not array comparison
+    assert repr(t).startswith("Trajectory(key='u_0_0', session_id=0, index=0")
+    group = new_group("u", "train", 1, Status.FINISHED, EMPTY_TAGS, (t,), 2, 0.5)
+    assert group.replace(status=Status.FAILURE).status is Status.FAILURE
+    assert group.status is Status.FINISHED and group.finish_step == 2
 
 
 def test_batch_views_and_staleness() -> None:

@@ -182,6 +182,27 @@ class PartitionState:
                 return
         self.ready.push(step, group.seq, record)
 
+    def add_terminal(self, group: Group, seq: int) -> None:
+        """Record a group that arrives already terminal (``put_group`` of a new group, or a
+        restored one): what admit, put and terminate would record, without a detour through
+        flight."""
+        step = group.dispatch_step
+        count = len(group.trajectories)
+        self.admitted_groups += 1
+        self.admitted_trajectories += count
+        self.trajectories += count
+        resident_at = self.resident_at
+        if resident_at is not None:
+            resident_at[step] = resident_at.get(step, 0) + 1
+        if group.status is _FINISHED:
+            self.finished += 1
+        else:
+            self.failure += 1
+            if self.evict_failures:
+                self.failed.append((step, seq, group))
+                return
+        self.ready.push(step, seq, group)
+
     def take_stale_in_flight(self, steps: list[int]) -> list[OpenGroup]:
         """Evict and return the in-flight groups of the oldest ``steps`` (the policy chose them)."""
         groups = self.in_flight.pop_steps(steps)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from threading import get_ident
 from typing import Any, Literal
 
-from ._partition import OpenGroup
+from ._partition import OpenGroup, PartitionState
 from ._sampling import Sampling
 from ._validation import (
     check_group_payloads,
@@ -24,13 +24,14 @@ from ._validation import (
     describe,
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
-from .records import EMPTY_TAGS, Group, Status, new_trajectory
+from .records import EMPTY_TAGS, Group, Status, Trajectory, new_trajectory
 
 __all__ = ["GroupStatus", "Producers"]
 
 #: What ``put_group(status=...)`` accepts: a terminal Status, its value, or "failed".
 GroupStatus = Status | Literal["finished", "failure", "failed"]
 _FINISHED, _FAILURE, _PENDING, _RUNNING = Status.FINISHED, Status.FAILURE, Status.PENDING, Status.RUNNING
+_tuple_new = tuple.__new__
 # What ``put_group(status=...)`` accepts: a terminal Status or its value ("failed" too).
 _TERMINAL: dict[object, Status] = {
     _FINISHED: _FINISHED,
@@ -220,9 +221,59 @@ class Producers(Sampling):
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
+        part = self._partitions.get(partition) if type(partition) is str else None
+        if (  # the common case gets a path of its own: a new, finished group of default keys
+            part is not None
+            and part.cap is None
+            and trajectory_tags is None
+            and session_ids is None
+            and indices is None
+            and (type(payloads) is list or type(payloads) is tuple)
+            and (status is _FINISHED or status == "finished")
+            and (global_steps is None or (type(global_steps) is int and 0 <= global_steps < 1 << 63))
+            and type(uid) is str
+            and uid
+            and "_" not in uid
+            and uid not in self._groups
+        ):
+            return self._put_new_finished_group(part, uid, payloads, global_steps, tags)
         return self._put_group(
             uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
         )
+
+    def _put_new_finished_group(
+        self,
+        part: PartitionState,
+        uid: str,
+        payloads: list[Any] | tuple[Any, ...],
+        global_steps: int | None,
+        tags: Mapping[str, Any] | None,
+    ) -> list[str]:
+        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments
+        checked: the records are built in one pass and the group goes straight to the ready
+        index (it never is in flight). Everything that can raise runs before any change."""
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        clock = self._clocks.get(part.name, 0)
+        step = clock if global_steps is None else global_steps
+        keys = [f"{uid}_{session}_0" for session in range(len(payloads))]
+        trajectories = tuple(
+            [
+                _tuple_new(Trajectory, (key, session, 0, EMPTY_TAGS, payload))
+                for key, session, payload in zip(keys, range(len(keys)), payloads, strict=True)
+            ]
+        )
+        record = _tuple_new(
+            Group, (uid, part.name, step, _FINISHED, frozen_tags, trajectories, max(clock, step), 0.0)
+        )
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._groups[uid] = record
+        part.add_terminal(record, seq)
+        if self._evicted_in_flight:
+            self._evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
+        if part.waiters:
+            self._wake_head(part)
+        return keys
 
     async def add_prompt(
         self,

@@ -56,7 +56,7 @@ COUNTERS: tuple[str, ...] = (
 )
 InFlightMode = Literal["reissue", "keep", "evict"]
 _IN_FLIGHT_MODES = ("reissue", "keep", "evict")
-_PENDING, _RUNNING, _FAILURE = Status.PENDING, Status.RUNNING, Status.FAILURE
+_PENDING, _RUNNING = Status.PENDING, Status.RUNNING
 
 
 @attrs.frozen
@@ -189,7 +189,7 @@ def rebuild(buffer: ReplayBuffer, checkpoint: BufferCheckpoint, in_flight: InFli
             _put_back_in_flight(buffer, part, group, seq, now, keep=True)
         else:
             _put_back_in_flight(buffer, part, group, seq, now, keep=False)
-            reissue.append(attrs.evolve(group, status=_PENDING, trajectories=()))
+            reissue.append(group.replace(status=_PENDING, trajectories=()))
             discarded[part.name] = discarded.get(part.name, 0) + len(group.trajectories)
     for saved in checkpoint.partitions:
         part = buffer._partitions[saved.name]
@@ -221,19 +221,7 @@ def _put_back_in_flight(
 
 def _put_back_terminal(buffer: ReplayBuffer, part: PartitionState, group: Group, seq: int) -> None:
     buffer._groups[group.uid] = group
-    # What admit + put + terminate would record, without a detour through flight.
-    part.admitted_groups += 1
-    part.add_trajectories(len(group.trajectories))
-    if part.resident_at is not None:
-        part.resident_at[group.dispatch_step] = part.resident_at.get(group.dispatch_step, 0) + 1
-    if group.status is _FAILURE:
-        part.failure += 1
-        if part.evict_failures:
-            part.failed.append((group.dispatch_step, seq, group))
-            return
-    else:
-        part.finished += 1
-    part.ready.push(group.dispatch_step, seq, group)
+    part.add_terminal(group, seq)
 
 
 def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
+from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -42,13 +43,31 @@ class Status(enum.Enum):
         return self is Status.FINISHED or self is Status.FAILURE
 
 
-# Records that carry payloads compare by identity (eq=False): comparing payloads such as
-# numpy arrays field by field is ambiguous, and identity is what "the same group" means.
+# Trajectory and Group are immutable tuple subclasses, not attrs classes: a buffer builds
+# eight trajectories and a group for every group it admits, and tuple.__new__ builds a record
+# in one C call, where attrs' frozen __init__ routes every field through a setter. They still
+# have named, read-only fields, and like the other records that carry payloads they compare
+# and hash by identity: comparing payloads such as numpy arrays field by field is ambiguous,
+# and identity is what "the same group" means.
 
 
-@attrs.frozen(eq=False, weakref_slot=False)
-class Trajectory:
-    """One rollout session's output: a payload plus its key and tags.
+class _Record(tuple):  # type: ignore[type-arg]
+    """Shared behaviour of the tuple-based records: identity equality, a readable repr."""
+
+    __slots__ = ()
+    _fields: tuple[str, ...] = ()
+
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self, strict=True))
+        return f"{type(self).__name__}({values})"
+
+
+class Trajectory(_Record):
+    """One rollout session's output: a payload plus its key and tags (immutable).
 
     Attributes:
         key: ``f"{uid}_{session_id}_{index}"``, unique in the buffer.
@@ -58,26 +77,35 @@ class Trajectory:
         payload: whatever the producer stored; the buffer never looks at it.
     """
 
-    key: str
-    session_id: int
-    index: int
-    tags: Mapping[str, Any]
-    payload: Any
+    __slots__ = ()
+    _fields = ("key", "session_id", "index", "tags", "payload")
+
+    def __new__(
+        cls, key: str, session_id: int, index: int, tags: Mapping[str, Any], payload: Any
+    ) -> Trajectory:
+        """Build a trajectory record."""
+        return tuple.__new__(cls, (key, session_id, index, tags, payload))
+
+    key: str = property(itemgetter(0), doc="The key, ``f'{uid}_{session_id}_{index}'``.")  # type: ignore[assignment]
+    session_id: int = property(itemgetter(1), doc="The rollout session.")  # type: ignore[assignment]
+    index: int = property(itemgetter(2), doc="The piece of the session.")  # type: ignore[assignment]
+    tags: Mapping[str, Any] = property(itemgetter(3), doc="Read-only metadata.")  # type: ignore[assignment]
+    payload: Any = property(itemgetter(4), doc="What the producer stored.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: the read-only tags travel as a plain dict."""
         return (_trajectory, (self.key, self.session_id, self.index, _plain(self.tags), self.payload))
 
 
-@attrs.frozen(eq=False, weakref_slot=False)
-class Group:
-    """A terminal group as the buffer hands it out: one prompt and its trajectories.
+class Group(_Record):
+    """A group as the buffer hands it out: one prompt and its trajectories (immutable).
 
     Attributes:
         uid: the group's id, unique among groups in the buffer.
         partition: the partition it was added to (e.g. "train", "val").
         dispatch_step: the trainer step at which the prompt was dispatched (its tag).
-        status: FINISHED or FAILURE.
+        status: FINISHED or FAILURE (PENDING or RUNNING for groups evicted in flight or saved
+            in flight by a checkpoint).
         tags: read-only metadata given to ``add_prompt``.
         trajectories: the group's trajectories, in ``put`` order.
         finish_step: the partition's dispatch clock when the group finished (or was evicted in
@@ -86,14 +114,53 @@ class Group:
         generation_seconds: wall-clock seconds from ``add_prompt`` to finish (or eviction).
     """
 
-    uid: str
-    partition: str
-    dispatch_step: int
-    status: Status
-    tags: Mapping[str, Any]
-    trajectories: tuple[Trajectory, ...]
-    finish_step: int = 0
-    generation_seconds: float = 0.0
+    __slots__ = ()
+    _fields = (
+        "uid",
+        "partition",
+        "dispatch_step",
+        "status",
+        "tags",
+        "trajectories",
+        "finish_step",
+        "generation_seconds",
+    )
+
+    def __new__(
+        cls,
+        uid: str,
+        partition: str,
+        dispatch_step: int,
+        status: Status,
+        tags: Mapping[str, Any],
+        trajectories: tuple[Trajectory, ...],
+        finish_step: int = 0,
+        generation_seconds: float = 0.0,
+    ) -> Group:
+        """Build a group record."""
+        return tuple.__new__(
+            cls, (uid, partition, dispatch_step, status, tags, trajectories, finish_step, generation_seconds)
+        )
+
+    uid: str = property(itemgetter(0), doc="The group's id.")  # type: ignore[assignment]
+    partition: str = property(itemgetter(1), doc="Its partition.")  # type: ignore[assignment]
+    dispatch_step: int = property(itemgetter(2), doc="The step it was dispatched at.")  # type: ignore[assignment]
+    status: Status = property(itemgetter(3), doc="Its status.")  # type: ignore[assignment]
+    tags: Mapping[str, Any] = property(itemgetter(4), doc="Read-only metadata.")  # type: ignore[assignment]
+    trajectories: tuple[Trajectory, ...] = property(itemgetter(5), doc="Its trajectories.")  # type: ignore[assignment]
+    finish_step: int = property(itemgetter(6), doc="The clock when it finished.")  # type: ignore[assignment]
+    generation_seconds: float = property(itemgetter(7), doc="Seconds from add to finish.")  # type: ignore[assignment]
+
+    @property
+    def global_steps(self) -> int:
+        """The dispatch step: an alias of :attr:`dispatch_step`, the name verl uses."""
+        return self[2]  # type: ignore[no-any-return]
+
+    def replace(self, **changes: Any) -> Group:
+        """Return a copy with the given fields changed (like ``attrs.evolve``)."""
+        values = dict(zip(self._fields, self, strict=True))
+        values.update(changes)
+        return Group(**values)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: the read-only tags travel as a plain dict."""
@@ -110,11 +177,6 @@ class Group:
                 self.generation_seconds,
             ),
         )
-
-    @property
-    def global_steps(self) -> int:
-        """The dispatch step: an alias of :attr:`dispatch_step`, the name verl uses."""
-        return self.dispatch_step
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -198,25 +260,12 @@ class EvictionEvent:
     global_steps: int
 
 
-# Fast constructors for the buffer's hot paths. attrs' frozen __init__ routes every field
-# through object.__setattr__ by name (about 0.5 us for five fields); setting the slot
-# descriptors directly takes about two thirds of that, which adds up at eight trajectories
-# per group. They build exactly what the classes' own __init__ builds (no field of these
-# classes has a default factory, validator or converter), and tests compare the two.
+# Fast constructors for the buffer's hot paths. Batch is an attrs class whose frozen __init__
+# routes every field through object.__setattr__ by name; setting the slot descriptors directly
+# takes about two thirds of that. The tuple-based records are built by tuple.__new__ in one C
+# call. Each builds exactly what the class's own constructor builds, and tests compare the two.
 _new = object.__new__
-_set_key, _set_session, _set_index, _set_ttags, _set_payload = (
-    Trajectory.__dict__[field.name].__set__ for field in attrs.fields(Trajectory)
-)
-(
-    _set_uid,
-    _set_partition,
-    _set_steps,
-    _set_status,
-    _set_gtags,
-    _set_trajectories,
-    _set_finish,
-    _set_seconds,
-) = (Group.__dict__[field.name].__set__ for field in attrs.fields(Group))
+_tuple_new = tuple.__new__
 _set_bpartition, _set_bsteps, _set_groups, _set_sync = (
     Batch.__dict__[field.name].__set__ for field in attrs.fields(Batch)
 )
@@ -226,13 +275,7 @@ def new_trajectory(
     key: str, session_id: int, index: int, tags: Mapping[str, Any], payload: Any
 ) -> Trajectory:
     """Return ``Trajectory(key, session_id, index, tags, payload)``, built faster."""
-    trajectory = _new(Trajectory)
-    _set_key(trajectory, key)
-    _set_session(trajectory, session_id)
-    _set_index(trajectory, index)
-    _set_ttags(trajectory, tags)
-    _set_payload(trajectory, payload)
-    return trajectory
+    return _tuple_new(Trajectory, (key, session_id, index, tags, payload))
 
 
 def new_group(
@@ -247,16 +290,9 @@ def new_group(
 ) -> Group:
     """Return ``Group(uid, partition, dispatch_step, status, tags, trajectories, finish_step,
     generation_seconds)``, built faster."""
-    group = _new(Group)
-    _set_uid(group, uid)
-    _set_partition(group, partition)
-    _set_steps(group, dispatch_step)
-    _set_status(group, status)
-    _set_gtags(group, tags)
-    _set_trajectories(group, trajectories)
-    _set_finish(group, finish_step)
-    _set_seconds(group, generation_seconds)
-    return group
+    return _tuple_new(
+        Group, (uid, partition, dispatch_step, status, tags, trajectories, finish_step, generation_seconds)
+    )
 
 
 def new_batch(

@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar, cast
 
-import attrs
 import ray
 
 from .._validation import describe, int_at_least
@@ -340,8 +339,7 @@ def _home_loop() -> asyncio.AbstractEventLoop:
 
 def _without_payloads(event: EvictionEvent) -> EvictionEvent:
     groups = tuple(
-        attrs.evolve(
-            group,
+        group.replace(
             trajectories=tuple(
                 Trajectory(t.key, t.session_id, t.index, t.tags, None) for t in group.trajectories
             ),
