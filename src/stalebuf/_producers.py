@@ -229,7 +229,7 @@ class Producers(Sampling):
             and session_ids is None
             and indices is None
             and (type(payloads) is list or type(payloads) is tuple)
-            and (status is _FINISHED or status == "finished")
+            and (status is _FINISHED or (type(status) is str and status == "finished"))
             and (global_steps is None or (type(global_steps) is int and 0 <= global_steps < 1 << 63))
             and type(uid) is str
             and uid
