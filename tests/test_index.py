@@ -125,9 +125,10 @@ class IndexModel:
         assert list(part.ready.steps_in_order()) == sorted(part.ready.buckets)
         assert sorted(part.ready.steps) == sorted(part.ready.buckets)  # one heap entry per bucket
         for cutoff in range(-1, 7):
-            assert part.ready.count_while(lambda step, c=cutoff: step < c) == sum(
-                1 for e in order if e[0] < cutoff
+            assert part.ready.count_fresh(lambda step, c=cutoff: step < c) == sum(
+                1 for e in order if e[0] >= cutoff
             )
+        assert {-key for key in part.ready.newest} >= set(part.ready.buckets)  # lazily cleaned
         for step, bucket in part.ready.buckets.items():
             live = bucket.entries[bucket.head :]
             assert live, f"empty bucket left for step {step}"

@@ -51,11 +51,14 @@ def test_fast_built_records_are_frozen(record: object) -> None:
 def test_tuple_records_compare_by_identity_and_read_like_records() -> None:
     t = new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, np.arange(3))
     twin = new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, np.arange(3))
-    assert t == t and t != twin and hash(t) != hash(twin)  # identity, not array comparison
+    assert t == t  # noqa: PLR0124  (identity, not array comparison)
+    assert t != twin
+    assert hash(t) != hash(twin)
     assert repr(t).startswith("Trajectory(key='u_0_0', session_id=0, index=0")
     group = new_group("u", "train", 1, Status.FINISHED, EMPTY_TAGS, (t,), 2, 0.5)
     assert group.replace(status=Status.FAILURE).status is Status.FAILURE
-    assert group.status is Status.FINISHED and group.finish_step == 2
+    assert group.status is Status.FINISHED
+    assert group.finish_step == 2
 
 
 def test_batch_views_and_staleness() -> None:

@@ -126,11 +126,14 @@ class Bucket:
 class ReadyIndex:
     """Sampleable groups of one partition, oldest first (ascending dispatch step, then FIFO)."""
 
-    __slots__ = ("buckets", "count", "steps")
+    __slots__ = ("buckets", "count", "newest", "steps")
 
     def __init__(self) -> None:
         self.buckets: dict[int, Bucket] = {}
         self.steps: list[int] = []  # a min-heap of the keys of ``buckets``
+        # A lazily cleaned max-heap (negated) of the same keys: counting what is fresh walks the
+        # newest steps, which are few, instead of the stale ones, which may be millions.
+        self.newest: list[int] = []
         self.count = 0
 
     def push(self, step: int, seq: int, group: Group) -> None:
@@ -139,6 +142,12 @@ class ReadyIndex:
         if bucket is None:
             self.buckets[step] = Bucket(seq, group)
             heapq.heappush(self.steps, step)
+            newest = self.newest
+            if len(newest) > 2 * len(self.buckets) + 8:  # entries of emptied steps pile up
+                newest[:] = [-key for key in self.buckets]
+                heapq.heapify(newest)
+            else:
+                heapq.heappush(newest, -step)
         else:
             bucket.add(seq, group)
         self.count += 1
@@ -204,6 +213,8 @@ class ReadyIndex:
                 del self.buckets[step]
         self.steps = list(self.buckets)
         heapq.heapify(self.steps)
+        self.newest = [-step for step in self.buckets]
+        heapq.heapify(self.newest)
         self.count -= len(chosen)
 
     def steps_in_order(self) -> Iterator[int]:
@@ -239,14 +250,28 @@ class ReadyIndex:
             for step in later:
                 yield from buckets[step].iter_groups()
 
-    def count_while(self, is_stale: Callable[[int], bool]) -> int:
-        """Return how many groups, oldest first, have a step satisfying ``is_stale``."""
+    def count_fresh(self, is_stale: Callable[[int], bool]) -> int:
+        """Return how many groups have a step that ``is_stale`` rejects, given that stale steps
+        are a prefix of the order: it walks the newest steps down to the first stale one, so it
+        costs O(f log f) for f fresh steps, however many stale ones there are."""
+        heap, buckets = self.newest, self.buckets
         count = 0
-        buckets = self.buckets
-        for step in self.steps_in_order():
-            if not is_stale(step):
-                break
-            count += len(buckets[step])
+        if not heap:
+            return count
+        size = len(heap)
+        frontier = [(heap[0], 0)]
+        seen: set[int] = set()
+        while frontier:
+            negated, i = heapq.heappop(frontier)
+            step = -negated
+            if step in buckets and step not in seen:  # skip emptied steps and duplicates
+                if is_stale(step):
+                    break
+                seen.add(step)
+                count += len(buckets[step])
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < size:
+                    heapq.heappush(frontier, (heap[child], child))
         return count
 
 

@@ -385,12 +385,11 @@ class ReplayBuffer(Producers):
         part = self._partitions.get(partition)
         if part is None:
             return 0
-        count = part.ready.count
         rules = self._rules
-        if rules.drops and not part.exempt:
-            name = part.name
-            count -= part.ready.count_while(lambda step: rules.is_stale(global_steps, step, name))
-        return count
+        if not rules.drops or part.exempt:
+            return part.ready.count
+        name = part.name
+        return part.ready.count_fresh(lambda step: rules.is_stale(global_steps, step, name))
 
     def stats(self) -> BufferStats:
         """Return an immutable snapshot of per-partition and total counts (works after close).
