@@ -51,7 +51,7 @@ def test_fast_built_records_are_frozen(record: object) -> None:
 def test_tuple_records_compare_by_identity_and_read_like_records() -> None:
     t = new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, np.arange(3))
     twin = new_trajectory("u_0_0", 0, 0, EMPTY_TAGS, np.arange(3))
-    assert t == t  # noqa: PLR0124  (identity, not array comparison)
+    assert t == t  # identity, not an element-wise comparison of the arrays
     assert t != twin
     assert hash(t) != hash(twin)
     assert repr(t).startswith("Trajectory(key='u_0_0', session_id=0, index=0")
