@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from itertools import islice
+from itertools import chain, islice
+from operator import is_, itemgetter
 from typing import TYPE_CHECKING, cast
 
 from .records import Group
@@ -32,6 +33,7 @@ __all__ = ["Bucket", "InFlightIndex", "ReadyIndex"]
 Entry = tuple[int, Group]
 # What a taken slot holds until the bucket is compacted: not the group, so it can be freed.
 _SPENT = cast(Entry, (-1, None))
+_group_of = itemgetter(1)
 
 
 class Bucket:
@@ -115,12 +117,15 @@ class Bucket:
         return [entry[1] for entry in self.live_entries()]
 
     def iter_groups(self) -> Iterator[Group]:
-        """Yield the groups oldest first, lazily (O(1) to start when none finished late)."""
+        """Return an iterator over the groups, oldest first, lazily (O(1) to start)."""
         entries: Iterator[Entry] = islice(self.entries, self.head, None)
         if self.late:
             entries = heapq.merge(entries, sorted(self.late))
-        for entry in entries:
-            yield entry[1]
+        return map(_group_of, entries)  # C-level: no Python frame per group
+
+
+def _bucket_groups(bucket: Bucket) -> Iterator[Group]:
+    return bucket.iter_groups()
 
 
 class ReadyIndex:
@@ -200,7 +205,7 @@ class ReadyIndex:
         """Whether ``chosen`` is exactly the ``len(chosen)`` oldest groups, in order; O(len)."""
         if len(chosen) > self.count:
             return False
-        return all(a is b for a, b in zip(chosen, self.iter_groups(), strict=False))
+        return all(map(is_, chosen, self.iter_groups()))
 
     def take(self, chosen: list[Group]) -> None:
         """Remove the given groups (any subset, any order, all present); O(N)."""
@@ -236,19 +241,18 @@ class ReadyIndex:
                     heapq.heappush(frontier, (heap[child], child))
 
     def iter_groups(self) -> Iterator[Group]:
-        """Yield the groups oldest first, lazily. The index must not change meanwhile.
-
-        The first bucket is read without the step walk: a batch usually comes from it.
-        """
+        """Return an iterator over the groups, oldest first, lazily. The index must not change
+        while it is in use. The first bucket is read without the step walk: a batch usually
+        comes from it."""
         heap, buckets = self.steps, self.buckets
         if not heap:
-            return
-        yield from buckets[heap[0]].iter_groups()
-        if len(heap) > 1:
-            later = self.steps_in_order()
-            next(later)
-            for step in later:
-                yield from buckets[step].iter_groups()
+            return iter(())
+        first = buckets[heap[0]].iter_groups()
+        if len(heap) == 1:
+            return first
+        later = self.steps_in_order()
+        next(later)
+        return chain(first, chain.from_iterable(map(_bucket_groups, map(buckets.__getitem__, later))))
 
     def count_fresh(self, is_stale: Callable[[int], bool]) -> int:
         """Return how many groups have a step that ``is_stale`` rejects, given that stale steps
