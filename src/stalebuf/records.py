@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Iterator, Mapping
 from operator import itemgetter
@@ -51,6 +52,11 @@ class Status(enum.Enum):
 # and identity is what "the same group" means.
 
 
+#: The C field accessor namedtuple uses: as fast as a slot, where property(itemgetter(i)) costs
+#: a call per read (``collections`` falls back to exactly that on interpreters without it).
+_field: Any = getattr(collections, "_tuplegetter", lambda index, doc: property(itemgetter(index), doc=doc))
+
+
 class _Record(tuple):  # type: ignore[type-arg]
     """Shared behaviour of the tuple-based records: identity equality, a readable repr."""
 
@@ -86,11 +92,11 @@ class Trajectory(_Record):
         """Build a trajectory record."""
         return tuple.__new__(cls, (key, session_id, index, tags, payload))
 
-    key: str = property(itemgetter(0), doc="The key, ``f'{uid}_{session_id}_{index}'``.")  # type: ignore[assignment]
-    session_id: int = property(itemgetter(1), doc="The rollout session.")  # type: ignore[assignment]
-    index: int = property(itemgetter(2), doc="The piece of the session.")  # type: ignore[assignment]
-    tags: Mapping[str, Any] = property(itemgetter(3), doc="Read-only metadata.")  # type: ignore[assignment]
-    payload: Any = property(itemgetter(4), doc="What the producer stored.")
+    key: str = _field(0, "The key, ``f'{uid}_{session_id}_{index}'``.")
+    session_id: int = _field(1, "The rollout session.")
+    index: int = _field(2, "The piece of the session.")  # type: ignore[assignment]
+    tags: Mapping[str, Any] = _field(3, "Read-only metadata.")
+    payload: Any = _field(4, "What the producer stored.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: the read-only tags travel as a plain dict."""
@@ -142,14 +148,14 @@ class Group(_Record):
             cls, (uid, partition, dispatch_step, status, tags, trajectories, finish_step, generation_seconds)
         )
 
-    uid: str = property(itemgetter(0), doc="The group's id.")  # type: ignore[assignment]
-    partition: str = property(itemgetter(1), doc="Its partition.")  # type: ignore[assignment]
-    dispatch_step: int = property(itemgetter(2), doc="The step it was dispatched at.")  # type: ignore[assignment]
-    status: Status = property(itemgetter(3), doc="Its status.")  # type: ignore[assignment]
-    tags: Mapping[str, Any] = property(itemgetter(4), doc="Read-only metadata.")  # type: ignore[assignment]
-    trajectories: tuple[Trajectory, ...] = property(itemgetter(5), doc="Its trajectories.")  # type: ignore[assignment]
-    finish_step: int = property(itemgetter(6), doc="The clock when it finished.")  # type: ignore[assignment]
-    generation_seconds: float = property(itemgetter(7), doc="Seconds from add to finish.")  # type: ignore[assignment]
+    uid: str = _field(0, "The group's id.")
+    partition: str = _field(1, "Its partition.")
+    dispatch_step: int = _field(2, "The step it was dispatched at.")
+    status: Status = _field(3, "Its status.")
+    tags: Mapping[str, Any] = _field(4, "Read-only metadata.")
+    trajectories: tuple[Trajectory, ...] = _field(5, "Its trajectories.")
+    finish_step: int = _field(6, "The clock when it finished.")
+    generation_seconds: float = _field(7, "Seconds from add to finish.")
 
     @property
     def global_steps(self) -> int:
