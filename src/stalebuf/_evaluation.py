@@ -15,8 +15,6 @@ from .errors import StalebufError
 from .policy import StalenessPolicy, select_label
 from .records import Group
 
-_DEFAULT_SELECT = StalenessPolicy.select
-
 __all__ = [
     "choose_batch",
     "gate_open",
@@ -25,6 +23,10 @@ __all__ = [
     "stale_in_flight_steps",
     "stale_steps",
 ]
+
+
+# The default selection takes the first batch_size candidates: its answer needs no check.
+_DEFAULT_SELECT = StalenessPolicy.select
 
 
 def oldest_is_stale(rules: StalenessPolicy, part: PartitionState, global_steps: int) -> bool:
@@ -98,7 +100,6 @@ def choose_batch(
         return None, False
     select = rules.select
     chosen = list(select(ready.iter_groups(), batch_size, global_steps, part.name))
-    # The default select takes the first batch_size candidates: its answer needs no check.
     if (getattr(select, "__func__", None) is _DEFAULT_SELECT and len(chosen) == batch_size) or (
         len(chosen) == batch_size and ready.is_oldest(chosen)
     ):
