@@ -36,7 +36,8 @@ def rich(**options: Any) -> ReplayBuffer:
     (remembered), d1 c1 c0 FINISHED out of admission order (FIFO ties at steps 2 and 3), c2
     RUNNING with 2 trajectories, d0 PENDING with 1, e0 RUNNING dispatched ahead at step 4 with
     none; clock 3, last sampled step 1. val (exempt): v0 FINISHED, v1 PENDING with 1, v2
-    RUNNING with 2. other: o0 (dispatched at 1) sampled at 2, o1 RUNNING with 1. ghost: only a clock, at 5.
+    RUNNING with 2. other: o0 (dispatched at 1) sampled at 2, o1 RUNNING with 1. ghost: only a
+    clock, at 5.
     """
     config = SamplerConfig(
         max_off_policy_threshold=2,
@@ -53,15 +54,7 @@ def rich(**options: Any) -> ReplayBuffer:
         buf = ReplayBuffer(config, status_log_interval=None, **options)
 
     def group(uid: str, step: int | None, puts: int, end: str | None, partition: str = "train") -> None:
-        buf.add_prompt_nowait(uid, global_steps=step, partition=partition, tags={"uid": uid, "n": [puts]})
-        if end != "pending":
-            buf.mark_running_nowait(uid)
-        for session in range(puts):
-            buf.put_nowait(uid, {"uid": uid, "s": session}, session_id=session, tags={"s": session})
-        if end == "finish":
-            buf.mark_finished_nowait(uid)
-        elif end == "fail":
-            buf.mark_failed_nowait(uid)
+        add(buf, uid, step, puts, end, partition)
 
     group("a0", None, 2, "finish")
     buf.add_prompt_nowait("a1", tags={"first": True})
@@ -90,6 +83,20 @@ def rich(**options: Any) -> ReplayBuffer:
     with pytest.raises(TimeoutError):
         sample_now(buf, 5, 1, "ghost")
     return buf
+
+
+def add(buf: ReplayBuffer, uid: str, step: int | None, puts: int, end: str | None, partition: str) -> None:
+    """Add group ``uid`` with ``puts`` tagged trajectories; leave it PENDING (``end="pending"``),
+    RUNNING (None), or end it ("finish", "fail")."""
+    buf.add_prompt_nowait(uid, global_steps=step, partition=partition, tags={"uid": uid, "n": [puts]})
+    if end != "pending":
+        buf.mark_running_nowait(uid)
+    for session in range(puts):
+        buf.put_nowait(uid, {"uid": uid, "s": session}, session_id=session, tags={"s": session})
+    if end == "finish":
+        buf.mark_finished_nowait(uid)
+    elif end == "fail":
+        buf.mark_failed_nowait(uid)
 
 
 def in_flight(buf: ReplayBuffer) -> list[str]:

@@ -77,10 +77,10 @@ class Variant:
 VARIANTS: tuple[Variant, ...] = tuple(
     Variant(strategy, admission, backend, seed=seed)
     for strategy, admission, seed in (
-        ("drop", False, 18),
-        ("drop", True, 11),
-        ("wait", False, 12),
-        ("wait", True, 12),
+        ("drop", False, 12),
+        ("drop", True, 12),
+        ("wait", False, 11),
+        ("wait", True, 15),
     )
     for backend in ("asyncio", "trio")
 )
@@ -119,10 +119,19 @@ class Producer:
     def from_json(cls, data: dict[str, Any]) -> Producer:
         return cls(**data)
 
-    def step(self, buf: ReplayBuffer) -> None:
-        """One tick: retry refused prompts, dispatch new ones, advance every group in flight."""
+    def step(self, buf: ReplayBuffer, *, late: bool = False) -> None:
+        """One tick: retry refused prompts, dispatch new ones, advance every group in flight.
+
+        ``late``: first dispatch one prompt a step behind the clock, which admission control
+        refuses once the step before the clock was sampled (so it depends on restored state).
+        """
         rng = random.Random(f"{self.seed}:{self.tick}")
         self.tick += 1
+        if late:
+            uid = f"p{self.next_prompt}"
+            self.next_prompt += 1
+            if not self._add(buf, uid, rng, shift=-1):
+                self.retry.append(uid)
         while self.retry and self._add(buf, self.retry[0], rng):
             self.retry.pop(0)
         for _ in range(rng.randint(0, 3) if len(self.retry) < 6 else 0):
@@ -140,11 +149,14 @@ class Producer:
             uid = f"v{self.tick}"
             buf.put_group_nowait(uid, [payload(self.seed, uid, 0)], partition="val", tags={"kind": "val"})
 
-    def _add(self, buf: ReplayBuffer, uid: str, rng: random.Random) -> bool:
+    def _add(self, buf: ReplayBuffer, uid: str, rng: random.Random, shift: int | None = None) -> bool:
         planned, fail = rng.randint(1, 4), rng.random() < 0.12
-        ahead = rng.random() < 0.5  # dispatched for the next step, as a pipelined trainer does
+        # Mostly at the clock or one ahead (a pipelined trainer); now and then one behind (a late
+        # dispatch), which admission refuses once the step before it was sampled.
+        shift = rng.choice((-1, 0, 0, 1, 1)) if shift is None else shift
+        step = max(0, buf.dispatch_step() + shift)
         try:
-            buf.add_prompt_nowait(uid, global_steps=buf.dispatch_step() + ahead, tags={"planned": planned})
+            buf.add_prompt_nowait(uid, global_steps=step, tags={"planned": planned})
         except BufferFullError:
             self.refused += 1
             return False
@@ -177,9 +189,13 @@ class Producer:
 def regenerate(buf: ReplayBuffer, producer: Producer, reissue: tuple[Group, ...]) -> int:
     """Generate the ``reissue`` groups again as far as they had got: replay their lost puts.
 
+    The producer may also hold groups evicted in flight that it has not heard of yet: they are
+    not reissued, and it learns of them as it would have (GroupEvictedError on its next call).
     Returns how many trajectories were put again.
     """
-    assert sorted(group.uid for group in reissue) == sorted(producer.active), "reissue != in flight"
+    reissued = {group.uid for group in reissue}
+    assert reissued <= set(producer.active), "a reissued group the producer does not know"
+    assert not any(uid in buf for uid in set(producer.active) - reissued), "in flight, not reissued"
     again = 0
     for group in reissue:
         plan = producer.active[group.uid]
@@ -224,8 +240,11 @@ async def drive(
 ) -> list[dict[str, Any]]:
     """Train steps ``first..variant.steps``; return their batch records.
 
-    At the end of step ``variant.checkpoint_at`` the producer is paused and
-    ``await on_checkpoint()`` runs (it saves the buffer and the producer's state).
+    After each batch the producer ticks once before the next ``sample`` (it dispatches at the
+    clock the batch left behind, so the restored clock and admission state are exercised); at the
+    end of step ``variant.checkpoint_at`` ``await on_checkpoint()`` runs first, with the producer
+    paused (it saves the buffer and the producer's state). A resumed run (``first > 1``) starts
+    with that tick.
     """
     records: list[dict[str, Any]] = []
     done = paused = False
@@ -247,6 +266,8 @@ async def drive(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(produce)
+            if first > 1:
+                producer.step(buf, late=True)  # the tick that followed the batch before the checkpoint
             for step in range(first, variant.steps + 1):
                 batch, metrics = await buf.sample(step, variant.batch_size)
                 records.append(batch_record(batch, metrics))
@@ -255,5 +276,7 @@ async def drive(
                     await on_checkpoint()
                     paused = False
                     resumed.set()
+                if step < variant.steps:
+                    producer.step(buf, late=True)
             done = True
     return records

@@ -14,10 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import stalebuf
 from _save_loop_worker import SIZES
 from stalebuf import ReplayBuffer
 
 TESTS = Path(__file__).resolve().parent
+SRC = Path(stalebuf.__file__).resolve().parent.parent  # the stalebuf this process runs
 ROUNDS = 30
 
 
@@ -36,7 +38,7 @@ def test_a_save_killed_at_any_moment_leaves_the_old_file_or_the_new_one(tmp_path
     path = tmp_path / "buffer.ckpt"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)]),
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
         "OPENBLAS_NUM_THREADS": "1",  # the worker forks: keep numpy's import from starting threads
     }
     seen = []

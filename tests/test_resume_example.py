@@ -15,13 +15,15 @@ from typing import Any
 
 import pytest
 
+import stalebuf
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "resume.py"
 
 
 @pytest.mark.parametrize("in_flight", ["reissue", "evict"])
 def test_the_example_crashes_resumes_and_balances(in_flight: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(stalebuf.__file__).resolve().parent.parent)}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--in-flight", in_flight],
         env=env,
