@@ -101,18 +101,25 @@ def sample_now(buf: ReplayBuffer, g: int, b: int, partition: str = "train") -> t
 
 
 def assert_conserved(buf: ReplayBuffer) -> None:
-    """admitted == resident + sampled + evicted by reason, for groups and trajectories alike,
-    per partition and in total; and the totals match what the buffer actually holds."""
+    """admitted == resident + sampled + evicted by reason (stale, failure, restart) for groups;
+    for trajectories the same plus those discarded by a reissuing restore; per partition and in
+    total; and the totals match what the buffer actually holds."""
     stats = buf.stats()
     for item in (*stats.partitions.values(), stats.total):
         assert item.admitted_groups == (
-            item.groups + item.sampled_groups + item.evicted_stale_groups + item.evicted_failure_groups
+            item.groups
+            + item.sampled_groups
+            + item.evicted_stale_groups
+            + item.evicted_failure_groups
+            + item.evicted_restart_groups
         ), item
         assert item.admitted_trajectories == (
             item.trajectories
             + item.sampled_trajectories
             + item.evicted_stale_trajectories
             + item.evicted_failure_trajectories
+            + item.evicted_restart_trajectories
+            + item.reissued_trajectories
         ), item
     assert stats.total.groups == len(resident_uids(buf))
     assert stats.total.trajectories == len(resident_keys(buf))

@@ -43,6 +43,7 @@ from _helpers import LIMIT, assert_conserved, full_snapshot, resident_groups, re
 from stalebuf import ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
+    CheckpointError,
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
@@ -159,6 +160,18 @@ def group(c: Ctx, uid: str = "new", payloads: Any = ("x", "y"), **kwargs: Any) -
     """``put_group_nowait`` with a valid default for everything the row does not name."""
     kwargs.setdefault("global_steps", 5)
     return c.buf.put_group_nowait(uid, payloads, **kwargs)
+
+
+def restore(ctx: Ctx, **options: object) -> object:
+    """Restore the table's buffer from a checkpoint, with ``options``."""
+    return ReplayBuffer.restore(ctx.buf.checkpoint(), **options)  # type: ignore[arg-type]
+
+
+async def restore_codec_file(ctx: Ctx) -> object:
+    """Save the buffer with a payload codec, then restore the file without one."""
+    path = ctx.tmp_path / "codec.ckpt"
+    await ctx.buf.save(path, payload_codec=(lambda p: repr(p).encode(), bytes.decode))
+    return ReplayBuffer.restore(path)
 
 
 C = Case
@@ -492,6 +505,33 @@ CASES: tuple[Case, ...] = (
         ConfigError,
         "cannot import module",
     ),
+    # -- restore -----------------------------------------------------------------------------
+    C("restore-source-int", lambda c: ReplayBuffer.restore(7), TypeError, "source must be.*got int"),
+    C("restore-source-bytes", lambda c: ReplayBuffer.restore(b"f.ckpt"), TypeError, "source.*bytes"),
+    C("restore-source-None", lambda c: ReplayBuffer.restore(None), TypeError, "source.*NoneType"),
+    C("restore-source-buffer", lambda c: ReplayBuffer.restore(c.buf), TypeError, "source.*ReplayBuffer"),
+    C(
+        "restore-missing-file",
+        lambda c: ReplayBuffer.restore(c.tmp_path / "missing.ckpt"),
+        FileNotFoundError,
+        "missing.ckpt",
+    ),
+    C("restore-directory", lambda c: ReplayBuffer.restore(c.tmp_path), IsADirectoryError, "directory"),
+    C("restore-in-flight-typo", lambda c: restore(c, in_flight="reisue"), ConfigError, "in_flight must be"),
+    C("restore-in-flight-None", lambda c: restore(c, in_flight=None), ConfigError, "in_flight.*'evict'"),
+    C("restore-in-flight-bool", lambda c: restore(c, in_flight=True), ConfigError, "in_flight"),
+    C("restore-on-evict-int", lambda c: restore(c, on_evict=5), ConfigError, "on_evict.*5"),
+    C(
+        "restore-log-interval",
+        lambda c: restore(c, status_log_interval=0),
+        ConfigError,
+        "status_log_interval",
+    ),
+    C("restore-codec-callable", lambda c: restore(c, payload_codec=repr), ConfigError, "payload_codec"),
+    C("restore-codec-triple", lambda c: restore(c, payload_codec=(repr,) * 3), ConfigError, "payload_codec"),
+    C("restore-codec-strings", lambda c: restore(c, payload_codec=("a", "b")), ConfigError, "payload_codec"),
+    C("restore-codec-list", lambda c: restore(c, payload_codec=[repr, repr]), ConfigError, "payload_codec"),
+    C("restore-codec-missing", restore_codec_file, CheckpointError, "pass payload_codec="),
     # -- add_prompt ------------------------------------------------------------------------
     C("uid-empty", lambda c: c.buf.add_prompt_nowait("", global_steps=0), ValueError, "uid.*''"),
     C("uid-underscore", lambda c: c.buf.add_prompt_nowait("a_b", global_steps=0), ValueError, "'a_b'"),

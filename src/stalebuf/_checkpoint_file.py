@@ -86,7 +86,8 @@ def write_checkpoint(
                 _write_plain(body, checkpoint, codec[0])
             file.seek(len(MAGIC))
             flags = _PICKLE if codec is None else _CODEC
-            file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, body.digest.digest()))
+            digest = _digest(FORMAT_VERSION, flags, body.length, body.digest)
+            file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, digest))
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
@@ -95,6 +96,12 @@ def write_checkpoint(
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
+
+
+def _digest(version: int, flags: int, length: int, body: hashlib._Hash) -> bytes:
+    """The checksum: the body's SHA-256, bound to the header fields (so a flipped header bit
+    is caught too)."""
+    return hashlib.sha256(struct.pack(">IIQ", version, flags, length) + body.digest()).digest()
 
 
 def _write_pickled(body: _Body, checkpoint: BufferCheckpoint) -> None:
@@ -216,55 +223,55 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
         data = bytearray(file.read())
     name = os.fspath(path)
     if not data.startswith(MAGIC):
-        raise CheckpointError(f"{describe(name)} is not a stalebuf checkpoint")
+        raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
     start = len(MAGIC) + _HEADER.size
     if len(data) < start:
-        raise CheckpointError(f"{describe(name)} is truncated (no complete header)")
+        raise CheckpointError(f"{name!r} is truncated (no complete header)")
     version, flags, length, digest = _HEADER.unpack_from(data, len(MAGIC))
     if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{describe(name)} has checkpoint format {version}; this stalebuf reads formats up to "
+            f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
             f"{FORMAT_VERSION}: upgrade it"
         )
     if len(data) - start != length:
         raise CheckpointError(
-            f"{describe(name)} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
+            f"{name!r} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
         )
     body = memoryview(data)[start:]
-    if hashlib.sha256(body).digest() != digest:
-        raise CheckpointError(f"{describe(name)} is corrupt (checksum mismatch)")
+    if version < 1 or _digest(version, flags, length, hashlib.sha256(body)) != digest:
+        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
     frames = _frames(body, name)
     try:
         if flags == _PICKLE:
             if codec is not None:
                 raise CheckpointError(
-                    f"{describe(name)} holds pickled payloads; refusing to unpickle it with a codec given"
+                    f"{name!r} holds pickled payloads; refusing to unpickle it with a codec given"
                 )
             return _read_pickled(frames)
         if flags == _CODEC:
             if codec is None:
                 raise CheckpointError(
-                    f"{describe(name)} was saved with a payload codec: pass payload_codec= to restore it"
+                    f"{name!r} was saved with a payload codec: pass payload_codec= to restore it"
                 )
             return _read_plain(frames, codec[1])
     except CheckpointError:
         raise
     except Exception as exc:  # a checksum-valid file that does not parse: written by something else
         raise CheckpointError(
-            f"{describe(name)} cannot be read: {type(exc).__name__}: {describe_error(exc)}"
+            f"{name!r} cannot be read: {type(exc).__name__}: {describe_error(exc)}"
         ) from exc
-    raise CheckpointError(f"{describe(name)} has unknown flags {flags}")
+    raise CheckpointError(f"{name!r} has unknown flags {flags}")
 
 
 def _frames(body: memoryview, name: str) -> Iterator[memoryview]:
     offset = 0
     while offset < len(body):
         if offset + _FRAME.size > len(body):
-            raise CheckpointError(f"{describe(name)} is corrupt (a frame header is cut)")
+            raise CheckpointError(f"{name!r} is corrupt (a frame header is cut)")
         (size,) = _FRAME.unpack_from(body, offset)
         offset += _FRAME.size
         if offset + size > len(body):
-            raise CheckpointError(f"{describe(name)} is corrupt (a frame is cut)")
+            raise CheckpointError(f"{name!r} is corrupt (a frame is cut)")
         yield body[offset : offset + size]
         offset += size
 

@@ -11,8 +11,9 @@ The file format lives in ``_checkpoint_file.py``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from time import monotonic
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -59,6 +60,14 @@ _IN_FLIGHT_MODES = ("reissue", "keep", "evict")
 _PENDING, _RUNNING = Status.PENDING, Status.RUNNING
 
 
+def _frozen_map(value: Mapping[str, int]) -> Mapping[str, int]:
+    return MappingProxyType(dict(value))
+
+
+def _as_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class PartitionCheckpoint:
     """One partition's saved state.
@@ -72,7 +81,11 @@ class PartitionCheckpoint:
 
     name: str
     last_sampled: int
-    counters: Mapping[str, int]
+    counters: Mapping[str, int] = attrs.field(converter=_frozen_map)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the read-only mapping travels as a dict."""
+        return (PartitionCheckpoint, (self.name, self.last_sampled, dict(self.counters)))
 
 
 @attrs.frozen(eq=False)
@@ -97,8 +110,23 @@ class BufferCheckpoint:
     policy: str | None
     groups: tuple[Group, ...]
     partitions: tuple[PartitionCheckpoint, ...]
-    clocks: Mapping[str, int]
-    evicted_in_flight: tuple[str, ...]
+    clocks: Mapping[str, int] = attrs.field(converter=_frozen_map)
+    evicted_in_flight: tuple[str, ...] = attrs.field(converter=_as_tuple)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the read-only mapping travels as a dict."""
+        return (
+            BufferCheckpoint,
+            (
+                self.format_version,
+                self.config,
+                self.policy,
+                self.groups,
+                self.partitions,
+                dict(self.clocks),
+                self.evicted_in_flight,
+            ),
+        )
 
 
 @attrs.frozen(eq=False)
@@ -108,7 +136,7 @@ class RestoreResult:
     Attributes:
         buffer: the restored buffer.
         reissue: under ``in_flight="reissue"``, the groups that were in flight at the
-            checkpoint (uid, partition, dispatch step, tags; no trajectories), oldest first: they
+            checkpoint (uid, partition, dispatch step, tags; no trajectories), in admission order: they
             are in the buffer as PENDING, to be generated again under the same uid.
     """
 
@@ -232,6 +260,8 @@ def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) ->
         part.evicted_restart_groups += len(groups)
         part.evicted_restart_trajectories += sum(len(group.trajectories) for group in groups)
         events.append(EvictionEvent(name, "restart", tuple(groups), buffer._clocks.get(name, 0)))
+        for group in groups:  # a producer that survived the restart learns why on its next write
+            buffer._evicted_in_flight[group.uid] = None
     if events:
         buffer._emit(events)
 
@@ -244,11 +274,20 @@ def policy_from_name(name: str, config: SamplerConfig) -> Any:
     """
     import importlib
 
+    from .policy import StalenessPolicy
+
     module_name, _, qualname = name.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             target = getattr(target, part)
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot import the checkpoint's policy {describe(name)}: {describe_error(exc)}"
+        ) from exc
+    if not (isinstance(target, type) and issubclass(target, StalenessPolicy)):
+        raise CheckpointError(f"the checkpoint's policy {describe(name)} is not a StalenessPolicy subclass")
+    try:
         return target(config, **config.sampler_kwargs)
     except Exception as exc:
         raise CheckpointError(

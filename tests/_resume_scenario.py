@@ -1,0 +1,282 @@
+"""A seeded, scheduling-independent training run for the checkpoint acceptance test (issue 12).
+
+The run is a trainer task that awaits ``sample(s, B)`` (it parks on asyncio or trio) and a
+producer task that changes the buffer only through ``*_nowait`` calls, in *ticks*. The producer
+ticks only when every other task is blocked (``anyio.wait_all_tasks_blocked``), so the trainer
+evaluates exactly between two ticks and the buffer sees the same sequence of calls whatever the
+scheduler does. A tick's choices come from ``random.Random(f"{seed}:{tick}")`` and the producer's
+own state, which is plain JSON: the trainer saves it next to the buffer checkpoint, as a real
+trainer saves its data loader's position with its model.
+
+``tests/test_checkpoint_exactness.py`` runs it uninterrupted in the test process (saving the
+buffer at step k) and ``tests/_resume_worker.py`` restores and finishes it in a fresh process.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import attrs
+
+from stalebuf import (
+    Batch,
+    BufferFullError,
+    BufferStats,
+    Group,
+    GroupEvictedError,
+    ReplayBuffer,
+    SamplerConfig,
+)
+
+__all__ = [
+    "VARIANTS",
+    "Producer",
+    "Variant",
+    "batch_record",
+    "drive",
+    "regenerate",
+    "stats_record",
+]
+
+TICKS_PER_STEP = 400  # a step that needs more ticks than this is a hang, not a slow run
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of the acceptance test."""
+
+    strategy: str  # "drop" or "wait"
+    admission: bool
+    backend: str  # "asyncio" or "trio"
+    seed: int
+    steps: int = 14  # n
+    checkpoint_at: int = 6  # k
+    batch_size: int = 4
+
+    @property
+    def id(self) -> str:
+        return f"{self.strategy}-{'admission' if self.admission else 'open'}-{self.backend}"
+
+    def config(self) -> SamplerConfig:
+        return SamplerConfig(
+            max_off_policy_threshold=2,
+            max_off_policy_strategy=self.strategy,  # type: ignore[arg-type]
+            failure_strategy="evict",
+            admission_batch_size=self.batch_size if self.admission else None,
+            evict_stale_in_flight=self.strategy == "drop",
+        )
+
+
+# Seeds chosen so that at step k some groups are in flight (PENDING and RUNNING, holding
+# trajectories) and, after it, every rule fires (the test checks it, so a change of the scenario
+# that loses this fails loudly rather than passing vacuously).
+VARIANTS: tuple[Variant, ...] = tuple(
+    Variant(strategy, admission, backend, seed=seed)
+    for strategy, admission, seed in (
+        ("drop", False, 12),
+        ("drop", True, 12),
+        ("wait", False, 11),
+        ("wait", True, 15),
+    )
+    for backend in ("asyncio", "trio")
+)
+
+
+def payload(seed: int, uid: str, session: int) -> dict[str, Any]:
+    """What a producer generates for one session: a pure function, so it can be regenerated."""
+    return {"uid": uid, "session": session, "reward": random.Random(f"{seed}/{uid}/{session}").random()}
+
+
+@dataclass
+class Producer:
+    """The producers' side of the run: its state is JSON (``to_json`` / ``from_json``)."""
+
+    seed: int
+    tick: int = 0
+    next_prompt: int = 0
+    retry: list[str] = field(default_factory=list)  # prompts refused by admission, FIFO
+    # uid -> {"running": bool, "sessions": int put so far, "planned": int, "fail": bool}
+    active: dict[str, dict[str, Any]] = field(default_factory=dict)
+    refused: int = 0  # how many add_prompt_nowait calls raised BufferFullError
+    evicted_in_flight: int = 0  # how many calls raised GroupEvictedError
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "tick": self.tick,
+            "next_prompt": self.next_prompt,
+            "retry": list(self.retry),
+            "active": {uid: dict(plan) for uid, plan in self.active.items()},
+            "refused": self.refused,
+            "evicted_in_flight": self.evicted_in_flight,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Producer:
+        return cls(**data)
+
+    def step(self, buf: ReplayBuffer, *, late: bool = False) -> None:
+        """One tick: retry refused prompts, dispatch new ones, advance every group in flight.
+
+        ``late``: first dispatch one prompt a step behind the clock, which admission control
+        refuses once the step before the clock was sampled (so it depends on restored state).
+        """
+        rng = random.Random(f"{self.seed}:{self.tick}")
+        self.tick += 1
+        if late:
+            uid = f"p{self.next_prompt}"
+            self.next_prompt += 1
+            if not self._add(buf, uid, rng, shift=-1):
+                self.retry.append(uid)
+        while self.retry and self._add(buf, self.retry[0], rng):
+            self.retry.pop(0)
+        for _ in range(rng.randint(0, 3) if len(self.retry) < 6 else 0):
+            uid = f"p{self.next_prompt}"
+            self.next_prompt += 1
+            if self.retry or not self._add(buf, uid, rng):
+                self.retry.append(uid)
+        for uid in list(self.active):
+            try:
+                self._advance(buf, uid, rng)
+            except GroupEvictedError:  # evicted as stale while in flight: stop generating it
+                del self.active[uid]
+                self.evicted_in_flight += 1
+        if rng.random() < 0.15:  # an exempt validation group, never sampled: it stays resident
+            uid = f"v{self.tick}"
+            buf.put_group_nowait(uid, [payload(self.seed, uid, 0)], partition="val", tags={"kind": "val"})
+
+    def _add(self, buf: ReplayBuffer, uid: str, rng: random.Random, shift: int | None = None) -> bool:
+        planned, fail = rng.randint(1, 4), rng.random() < 0.12
+        # Mostly at the clock or one ahead (a pipelined trainer); now and then one behind (a late
+        # dispatch), which admission refuses once the step before it was sampled.
+        shift = rng.choice((-1, 0, 0, 1, 1)) if shift is None else shift
+        step = max(0, buf.dispatch_step() + shift)
+        try:
+            buf.add_prompt_nowait(uid, global_steps=step, tags={"planned": planned})
+        except BufferFullError:
+            self.refused += 1
+            return False
+        self.active[uid] = {"running": False, "sessions": 0, "planned": planned, "fail": fail}
+        return True
+
+    def _advance(self, buf: ReplayBuffer, uid: str, rng: random.Random) -> None:
+        plan, r = self.active[uid], rng.random()
+        if not plan["running"]:
+            if r < 0.5:
+                buf.mark_running_nowait(uid)
+                plan["running"] = True
+            elif r < 0.7 and plan["sessions"] < plan["planned"]:  # a put while still PENDING
+                self._put(buf, uid, plan)
+            return
+        if plan["sessions"] < plan["planned"]:
+            if r < 0.6:
+                self._put(buf, uid, plan)
+            return
+        if r < 0.55:
+            (buf.mark_failed_nowait if plan["fail"] else buf.mark_finished_nowait)(uid)
+            del self.active[uid]
+
+    def _put(self, buf: ReplayBuffer, uid: str, plan: dict[str, Any]) -> None:
+        session = plan["sessions"]
+        buf.put_nowait(uid, payload(self.seed, uid, session), session_id=session)
+        plan["sessions"] = session + 1
+
+
+def regenerate(buf: ReplayBuffer, producer: Producer, reissue: tuple[Group, ...]) -> int:
+    """Generate the ``reissue`` groups again as far as they had got: replay their lost puts.
+
+    The producer may also hold groups evicted in flight that it has not heard of yet: they are
+    not reissued, and it learns of them as it would have (GroupEvictedError on its next call).
+    Returns how many trajectories were put again.
+    """
+    reissued = {group.uid for group in reissue}
+    assert reissued <= set(producer.active), "a reissued group the producer does not know"
+    assert not any(uid in buf for uid in set(producer.active) - reissued), "in flight, not reissued"
+    again = 0
+    for group in reissue:
+        plan = producer.active[group.uid]
+        if plan["running"]:
+            buf.mark_running_nowait(group.uid)
+        for session in range(plan["sessions"]):
+            buf.put_nowait(group.uid, payload(producer.seed, group.uid, session), session_id=session)
+            again += 1
+    return again
+
+
+def batch_record(batch: Batch, metrics: dict[str, float]) -> dict[str, Any]:
+    """Everything a batch says that must be identical across a resume, as JSON."""
+    return {
+        "step": batch.global_steps,
+        "uids": batch.uids,
+        "keys": batch.keys,
+        "payloads": batch.payloads,
+        "statuses": [group.status.value for group in batch],
+        "dispatch": [group.dispatch_step for group in batch],
+        "finish": [group.finish_step for group in batch],
+        "staleness": batch.staleness.tolist(),
+        "metrics": {name: value for name, value in sorted(metrics.items()) if "_seconds" not in name},
+    }
+
+
+def stats_record(stats: BufferStats) -> dict[str, Any]:
+    """``stats()`` as JSON: per partition and total."""
+    return {
+        "closed": stats.closed,
+        "partitions": {name: attrs.asdict(item) for name, item in stats.partitions.items()},
+        "total": attrs.asdict(stats.total),
+    }
+
+
+async def drive(
+    buf: ReplayBuffer,
+    producer: Producer,
+    variant: Variant,
+    first: int,
+    on_checkpoint: Callable[[], Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Train steps ``first..variant.steps``; return their batch records.
+
+    After each batch the producer ticks once before the next ``sample`` (it dispatches at the
+    clock the batch left behind, so the restored clock and admission state are exercised); at the
+    end of step ``variant.checkpoint_at`` ``await on_checkpoint()`` runs first, with the producer
+    paused (it saves the buffer and the producer's state). A resumed run (``first > 1``) starts
+    with that tick.
+    """
+    records: list[dict[str, Any]] = []
+    done = paused = False
+    resumed = anyio.Event()
+    limit = producer.tick + TICKS_PER_STEP * (variant.steps - first + 1)
+
+    async def produce() -> None:
+        while True:
+            await anyio.wait_all_tasks_blocked()
+            if done:
+                return
+            if paused:
+                await resumed.wait()
+                continue
+            if producer.tick >= limit:
+                raise RuntimeError(f"no batch after {producer.tick} ticks: the scenario hangs")
+            producer.step(buf)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            if first > 1:
+                producer.step(buf, late=True)  # the tick that followed the batch before the checkpoint
+            for step in range(first, variant.steps + 1):
+                batch, metrics = await buf.sample(step, variant.batch_size)
+                records.append(batch_record(batch, metrics))
+                if step == variant.checkpoint_at and on_checkpoint is not None:
+                    paused = True  # nothing changes the buffer while it is saved
+                    await on_checkpoint()
+                    paused = False
+                    resumed.set()
+                if step < variant.steps:
+                    producer.step(buf, late=True)
+            done = True
+    return records
