@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._partition import OpenGroup
+from .errors import BufferClosedError, GroupEvictedError
 
 if TYPE_CHECKING:
     from ._producers import Producers
@@ -100,6 +101,11 @@ async def rollout(
         state.watchers.append(evicted)
         try:
             yield group
+        except (GroupEvictedError, BufferClosedError):
+            if not group.evicted:
+                _end(buffer, uid, finished=False)
+                raise
+            # It wrote after the eviction, before its cancellation arrived: the same outcome.
         except BaseException:
             if not group.evicted:
                 _end(buffer, uid, finished=False)
