@@ -904,8 +904,12 @@ async def test_a_remote_rollout_block_ends_its_group_like_the_local_one(remote: 
             ("self", Status.FAILURE),
             ("cancelled", Status.FAILURE),
         ]
-        assert (await resolve(batch)).payloads == ["x", "y"]
+        resolved = await resolve(batch)
+        assert resolved.payloads == ["x", "y"]
         assert dict(batch.groups[0].tags) == {"k": 1}
+        timing = [(g.finish_step, g.generation_seconds) for g in batch.groups]
+        assert [(g.finish_step, g.generation_seconds) for g in resolved.groups] == timing
+        assert timing[0][1] > 0  # resolve kept it (it used to reset it to 0)
         started = asyncio.Event()
         closing = asyncio.ensure_future(generate("closing"))
         await started.wait()
