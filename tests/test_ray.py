@@ -31,21 +31,33 @@ import ray
 import ray.cloudpickle
 
 from scenarios import SCENARIOS, Harness, LocalHarness, Scenario, expect
-from stalebuf import Batch, BufferStats, EvictionEvent, SamplerConfig
+from stalebuf import Batch, BufferStats, EvictionEvent, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
+    BufferFullError,
     BufferUnavailableError,
+    CheckpointError,
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    GroupEvictedError,
     InvalidTransitionError,
 )
-from stalebuf.ray import PayloadRef, RemoteReplayBuffer, resolve, resolve_sync
+from stalebuf.ray import (
+    PayloadRef,
+    RemoteReplayBuffer,
+    RemoteRestoreResult,
+    RemoteRolloutGroup,
+    resolve,
+    resolve_sync,
+)
 from stalebuf.ray._protocol import (
     AddPrompt,
+    EndRollout,
     MarkFailed,
     MarkFinished,
     MarkRunning,
+    OpenRollout,
     ProtocolError,
     Put,
     PutGroup,
@@ -152,6 +164,17 @@ async def _until_dead(pid: int) -> None:
         if not _alive(pid):
             return
         await asyncio.sleep(0.05)
+
+
+async def _save_until_refused(buffer: RemoteReplayBuffer, path: Any) -> CheckpointError:
+    """Save until the actor refuses (it learns of a payload owner's death within moments)."""
+    for _ in range(100):
+        try:
+            await buffer.save(path)
+        except CheckpointError as error:
+            return error
+        await asyncio.sleep(0.1)
+    raise AssertionError("save kept writing payloads whose owner died")
 
 
 async def _resolve_repeatedly(batch: Batch) -> None:
@@ -310,9 +333,9 @@ async def test_parked_samplers_never_starve_producers() -> None:
 
 
 @pytest.mark.asyncio
-async def test_payload_owner_death_and_actor_owned_payloads() -> None:
-    """With payloads="producer" the objects die with the producer process; with "actor"
-    they survive it."""
+async def test_payload_owner_death_and_actor_owned_payloads(tmp_path: Any) -> None:
+    """With payloads="producer" the objects die with the producer process (and ``save`` refuses
+    to write a buffer that holds them); with "actor" they survive it."""
     name = _name()
     buffer = RemoteReplayBuffer(name=name, status_log_interval=None)
     try:
@@ -327,6 +350,13 @@ async def test_payload_owner_death_and_actor_owned_payloads() -> None:
                 pid = await producer.pid.remote()
                 ray.kill(producer)
                 await _until_dead(pid)
+                if mode == "producer":
+                    error = await _save_until_refused(buffer, tmp_path / "lost.ckpt")
+                    assert "lost" in str(error)
+                else:
+                    await buffer.save(tmp_path / "kept.ckpt")
+                    kept = ReplayBuffer.restore(tmp_path / "kept.ckpt").buffer.sample_nowait(0, 1)[0]
+                    assert [int(v[0]) for v in kept.payloads] == [1, 2]
                 batch, _ = await buffer.sample(0, 1)
                 if mode == "producer":  # Ray notices the owner's death within moments
                     with pytest.raises(ray.exceptions.ObjectLostError):
@@ -668,6 +698,344 @@ async def test_evicted_payloads_are_stripped_by_default() -> None:
         buffer.kill()
 
 
+# -- flow control: admission, the dispatch clock, rollout() --------------------------------------
+
+
+async def _until_waiting(buffer: RemoteReplayBuffer, count: int) -> None:
+    """Return once ``count`` producers wait for admission in the actor."""
+    while True:  # they wait in the actor: poll
+        if (await buffer.stats()).total.waiting_producers == count:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _until_stats(buffer: RemoteReplayBuffer, field: str, value: int) -> None:
+    """Return once the buffer's total ``field`` is ``value``."""
+    while True:  # the change happens in another process: poll
+        if getattr((await buffer.stats()).total, field) == value:
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_admission_waits_in_the_actor_in_order_and_a_cancelled_wait_adds_nothing() -> None:
+    """One group per dispatch step (b=1, T=2). Three producers park in the actor, whose admission
+    group has two slots (one result call queues in Ray): writes to the admitted group, control
+    calls and ``sample`` still go through. A cancelled wait adds nothing; a freed slot goes to
+    the head producer, tagged with the clock when it is admitted, not when it called."""
+    config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=1)
+    buffer = RemoteReplayBuffer(
+        config, actor_options={"concurrency_groups": {"admission": 2}}, status_log_interval=None
+    )
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.add_prompt("a")
+            waiting = {uid: asyncio.ensure_future(buffer.add_prompt(uid)) for uid in ("p1", "p2", "p3")}
+            await _until_waiting(buffer, 3)
+            await buffer.mark_running("a")
+            assert await buffer.put("a", "x") == "a_0_0"
+            await buffer.mark_finished("a")
+            assert await buffer.sampleable_count(0) == 1
+            assert (await buffer.full(), await buffer.free_slots(), await buffer.capacity()) == (True, 0, 2)
+            waiting["p2"].cancel()
+            await _until_waiting(buffer, 2)
+            batch, _ = await buffer.sample(1, 1)  # the clock moves to 1: one slot, for the head
+            assert batch.uids == ["a"]
+            await waiting["p1"]
+            await _until_waiting(buffer, 1)
+            assert not waiting["p3"].done()
+            await buffer.mark_finished("p1")
+            batch, _ = await buffer.sample(2, 1)
+            assert batch.uids == ["p1"]
+            assert batch.groups[0].dispatch_step == 1  # called at clock 0, admitted at clock 1
+            await waiting["p3"]
+            late = asyncio.ensure_future(buffer.put_group("p4", [1]))
+            await _until_waiting(buffer, 1)
+            await buffer.aclose()
+            await expect(BufferClosedError, late)
+            stats = (await buffer.stats()).total
+            info = await buffer.info()
+        assert waiting["p2"].cancelled()
+        assert (stats.admitted_groups, stats.sampled_groups, stats.pending) == (3, 2, 1)  # never p2
+        assert info["admissions"]["cancelled_waiting"] == 1
+        assert info["admissions"]["waiting"] == 0
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_nowait_producers_raise_buffer_full_error_and_flow_queries_are_coroutines() -> None:
+    config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=2)
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            flow = [buffer.dispatch_step(), buffer.capacity(), buffer.free_slots(), buffer.full()]
+            assert [await query for query in flow] == [0, 4, 2, False]
+            await buffer.add_prompt_nowait("a", tags={"k": 1})
+            assert await buffer.put_group_nowait("b", [1, 2]) == ["b_0_0", "b_1_0"]
+            before = await buffer.stats()
+            error = await expect(BufferFullError, buffer.add_prompt_nowait("c"))
+            assert "at most 2 per step" in str(error)
+            await expect(BufferFullError, buffer.put_group_nowait("c", [1], global_steps=0))
+            assert await buffer.stats() == before
+            assert await buffer.full()
+            assert await buffer.put_group_nowait("a", [3]) == ["a_0_0"]  # in the buffer: never gated
+            assert [await buffer.capacity("val"), await buffer.free_slots("val")] == [None, None]
+            assert not await buffer.full("val")
+            await buffer.put_group_nowait("v", [1], partition="val")  # exempt: never gated
+            await expect(ValueError, buffer.capacity(""))
+            await expect(TypeError, buffer.dispatch_step(5))  # type: ignore[arg-type]
+            batch, _ = await buffer.sample(1, 2)
+            assert batch.uids == ["a", "b"]
+            assert await buffer.dispatch_step() == 1
+            await buffer.add_prompt_nowait("d")  # tagged with the clock: 1
+            await buffer.put_group("d", ["x"])
+            await buffer.put_group("e", ["y"], global_steps=2)  # an explicit tag still works
+            batch, _ = await buffer.sample(2, 2)
+            assert [(g.uid, g.dispatch_step) for g in batch.groups] == [("d", 1), ("e", 2)]
+    finally:
+        buffer.kill()
+
+
+@ray.remote(num_cpus=0)
+def rollout_producer(buffer: RemoteReplayBuffer, uid: str) -> dict[str, Any]:
+    """A producer process: one rollout whose body writes once, then generates for a minute."""
+
+    async def main() -> dict[str, Any]:
+        reached_end = False
+        async with buffer.rollout(uid, tags={"kind": "long"}) as group:
+            await group.put("first")
+            await asyncio.sleep(60)  # cancelled when the group is evicted in flight
+            reached_end = True
+        return {"evicted": group.evicted, "reached_end": reached_end, "step": group.global_steps}
+
+    return asyncio.run(main())
+
+
+@pytest.mark.asyncio
+async def test_in_flight_eviction_cancels_a_remote_rollout_body_in_another_process() -> None:
+    """The trainer evicts a group whose producer (another process) is inside ``rollout()``: the
+    body is cancelled at once (the actor answers the block's parked watch), the block exits
+    quietly, and later writes raise GroupEvictedError. A rollout cancelled while it waits for
+    admission adds nothing, even once a slot opens."""
+    config = SamplerConfig(max_off_policy_threshold=1, admission_batch_size=1, evict_stale_in_flight=True)
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            stream = buffer.evictions(from_oldest=True)
+            report = rollout_producer.remote(buffer, "old")
+            await _until_stats(buffer, "trajectories", 1)
+            await buffer.put_group_nowait("fresh", ["f"], global_steps=2)
+            batch, metrics = await buffer.sample(2, 1)  # s = 2 > T: "old" can never be trained
+            assert batch.uids == ["fresh"]
+            assert metrics["training/off_policy/evicted_in_flight_groups"] == 1
+            assert await report == {"evicted": True, "reached_end": False, "step": 0}
+            event = await stream.__anext__()
+            [group] = event.groups
+            assert (event.reason, group.uid, group.status, len(group.trajectories)) == (
+                "stale",
+                "old",
+                Status.RUNNING,
+                1,
+            )
+            error = await expect(GroupEvictedError, buffer.put("old", "late", session_id=1))
+            assert "in flight" in str(error)
+            # Step 2 is closed (T*S = 1 and sample(2) returned): this rollout waits.
+            before = (await buffer.stats()).total
+            entering = asyncio.ensure_future(buffer.rollout("never").__aenter__())
+            await _until_waiting(buffer, 1)
+            entering.cancel()
+            await _until_waiting(buffer, 0)
+            await expect(TimeoutError, buffer.sample(3, 1, timeout=0))  # step 3 opens: a free slot
+            after = (await buffer.stats()).total
+            assert (after.admitted_groups, after.groups) == (before.admitted_groups, before.groups)
+            assert after.evicted_in_flight_groups == 1
+    finally:
+        buffer.kill()
+
+
+class Boom(Exception):
+    """A rollout body's own error."""
+
+
+@pytest.mark.asyncio
+async def test_a_remote_rollout_block_ends_its_group_like_the_local_one(remote: RemoteReplayBuffer) -> None:
+    """Body returns: FINISHED. Body raises: FAILED, the error propagates. Body ended the group
+    itself: left alone. Block cancelled from outside: FAILED. Buffer closed while the body runs:
+    the body is cancelled, the block exits quietly with ``evicted``."""
+    with anyio.fail_after(STEP_TIMEOUT):
+        async with remote.rollout("ok", tags={"k": 1}) as group:
+            assert isinstance(group, RemoteRolloutGroup)
+            assert (group.uid, group.partition, group.global_steps, group.evicted) == (
+                "ok",
+                "train",
+                0,
+                False,
+            )
+            assert await group.put("x", session_id=1, tags={"r": 2}) == "ok_1_0"
+
+        async def fail() -> None:
+            async with remote.rollout("boom") as group:
+                await group.put("y")
+                raise Boom
+
+        with pytest.raises(Boom):
+            await fail()
+        async with remote.rollout("self"):
+            await remote.mark_failed("self")
+        started = asyncio.Event()
+
+        async def generate(uid: str) -> RemoteRolloutGroup:
+            async with remote.rollout(uid) as group:
+                started.set()
+                await asyncio.sleep(60)
+            return group
+
+        cancelled = asyncio.ensure_future(generate("cancelled"))
+        await started.wait()
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await _until_stats(remote, "running", 0)  # the actor is told without waiting
+        batch, _ = await remote.sample(0, 4)
+        assert [(g.uid, g.status) for g in batch.groups] == [
+            ("ok", Status.FINISHED),
+            ("boom", Status.FAILURE),
+            ("self", Status.FAILURE),
+            ("cancelled", Status.FAILURE),
+        ]
+        resolved = await resolve(batch)
+        assert resolved.payloads == ["x", "y"]
+        assert dict(batch.groups[0].tags) == {"k": 1}
+        timing = [(g.finish_step, g.generation_seconds) for g in batch.groups]
+        assert [(g.finish_step, g.generation_seconds) for g in resolved.groups] == timing
+        assert timing[0][1] > 0  # resolve kept it (it used to reset it to 0)
+        started = asyncio.Event()
+        closing = asyncio.ensure_future(generate("closing"))
+        await started.wait()
+        await remote.aclose()
+        group = await closing
+        assert group.evicted
+        await expect(BufferClosedError, remote.rollout("after").__aenter__())
+        assert (await remote.info())["watched_rollouts"] == 0
+
+
+# -- checkpoint and resume ------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_save_and_restore_round_trip_with_object_ref_payloads(tmp_path: Any) -> None:
+    """Payloads held as references (producer-owned, actor-owned, a user's ObjectRef) and by value
+    are saved by value; the restored actor has the same counters, clock and order, stores the
+    payloads itself, and lists the in-flight groups for reissue."""
+    name = _name()
+    config = SamplerConfig(max_off_policy_threshold=3, admission_batch_size=8)
+    buffer = RemoteReplayBuffer(config, name=name, status_log_interval=None)
+    restored: RemoteReplayBuffer | None = None
+    arrays = [np.arange(4) + i for i in range(3)]
+    try:
+        with anyio.fail_after(2 * STEP_TIMEOUT):
+            await buffer.put_group("z", ["gone"])
+            await buffer.sample(1, 1)  # counters and the clock move
+            await buffer.put_group("a", arrays[:2], tags={"k": 1})  # producer-owned
+            await RemoteReplayBuffer.connect(name, payloads="actor").put_group("b", [arrays[2]])
+            await RemoteReplayBuffer.connect(name, payloads="inline").put_group("c", [{"v": 1}])
+            await buffer.put_group("d", [ray.put("own"), None])  # the user's own ObjectRef
+            await buffer.add_prompt("e")
+            await buffer.mark_running("e")
+            await buffer.put("e", "half")  # in flight: discarded on reissue
+            await buffer.add_prompt("f", partition="val", tags={"p": 2})
+            before = await buffer.stats()
+            path = tmp_path / "buffer.ckpt"
+            await buffer.save(path)
+            assert await buffer.stats() == before  # saving changes nothing
+            local = ReplayBuffer.restore(path)  # the file holds values, not references
+            assert isinstance(local.buffer.sample_nowait(1, 4)[0].payloads[0], np.ndarray)
+            result = RemoteReplayBuffer.restore(path, name=_name(), status_log_interval=None)
+            restored = result.buffer
+            assert isinstance(result, RemoteRestoreResult)
+            assert [
+                (g.uid, g.partition, g.dispatch_step, g.status, g.trajectories) for g in result.reissue
+            ] == [
+                ("e", "train", 1, Status.PENDING, ()),
+                ("f", "val", 0, Status.PENDING, ()),
+            ]
+            assert dict(result.reissue[1].tags) == {"p": 2}
+            assert await restored.dispatch_step() == 1
+            after = await restored.stats()
+            for field in (
+                "admitted_groups",
+                "admitted_trajectories",
+                "sampled_groups",
+                "finished",
+                "capacity",
+            ):
+                assert getattr(after.total, field) == getattr(before.total, field), field
+            assert (after.total.pending, after.total.running) == (2, 0)
+            assert (after.total.reissued_groups, after.total.reissued_trajectories) == (2, 1)
+            await restored.mark_running("e")  # regenerate the reissued groups under their uids
+            await restored.put("e", "whole")
+            await restored.mark_finished("e")
+            await restored.put_group("f", ["v"], partition="val")
+            batch, _ = await restored.sample(1, 5)
+            assert batch.uids == ["a", "b", "c", "d", "e"]  # the original order
+            assert isinstance(batch.payloads[0], PayloadRef)  # stored again, by the new actor
+            values = (await resolve(batch)).payloads
+            assert all(np.array_equal(got, want) for got, want in zip(values[:3], arrays, strict=True))
+            assert values[3:] == [{"v": 1}, "own", None, "whole"]
+            val, _ = await restored.sample(1, 1, partition="val")
+            assert (await resolve(val)).payloads == ["v"]
+    finally:
+        buffer.kill()
+        if restored is not None:
+            restored.kill()
+
+
+@pytest.mark.asyncio
+async def test_restore_evicts_in_flight_groups_and_refuses_bad_files(tmp_path: Any) -> None:
+    """A codec file restored with ``in_flight="evict"``: the "restart" eviction is the first
+    event the new actor's readers get. A corrupt or missing file raises its error and leaves no
+    actor behind."""
+    codec = (pickle.dumps, pickle.loads)
+    source = RemoteReplayBuffer(status_log_interval=None)
+    restored: RemoteReplayBuffer | None = None
+    try:
+        with anyio.fail_after(2 * STEP_TIMEOUT):
+            await source.put_group("done", ["d"])
+            await source.add_prompt("open")
+            await source.put("open", "partial")
+            path = tmp_path / "codec.ckpt"
+            await source.save(path, payload_codec=codec)
+            result = RemoteReplayBuffer.restore(
+                path, in_flight="evict", payload_codec=codec, payloads="inline"
+            )
+            restored = result.buffer
+            assert result.reissue == ()
+            event = await restored.evictions(from_oldest=True).__anext__()
+            assert (event.reason, [g.uid for g in event.groups]) == ("restart", ["open"])
+            stats = (await restored.stats()).total
+            assert (stats.evicted_restart_groups, stats.evicted_restart_trajectories) == (1, 1)
+            batch, _ = await restored.sample(0, 1)
+            assert batch.payloads == ["d"]  # inline: kept by value
+            corrupt = tmp_path / "corrupt.ckpt"
+            corrupt.write_bytes(b"not a checkpoint")
+            name = _name()
+            with pytest.raises(CheckpointError, match="not a stalebuf checkpoint"):
+                RemoteReplayBuffer.restore(corrupt, name=name)
+            with pytest.raises(BufferUnavailableError):
+                RemoteReplayBuffer.connect(name, start_timeout=5)  # nothing was built
+            with pytest.raises(FileNotFoundError):
+                RemoteReplayBuffer.restore(tmp_path / "missing.ckpt")
+            with pytest.raises(ConfigError, match="in_flight"):
+                RemoteReplayBuffer.restore(path, in_flight="drop")  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match="payload_codec"):
+                RemoteReplayBuffer.restore(path, payload_codec=pickle.dumps)  # type: ignore[arg-type]
+    finally:
+        source.kill()
+        if restored is not None:
+            restored.kill()
+
+
 # -- errors, naming, lifecycle --------------------------------------------------------------
 
 
@@ -785,12 +1153,15 @@ async def test_from_config_with_a_mapping_and_async_with() -> None:
 
 def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
     ops = [
-        AddPrompt("a", 3, "val", {"k": 1}),
+        AddPrompt(None, "a", 3, "val", {"k": 1}),
+        AddPrompt("token", "a", None, "train", None),
         MarkRunning("a"),
         Put("a", [1, 2], 0, 4, None),
         MarkFinished("a"),
         MarkFailed("a"),
-        PutGroup("b", [1], 0, "train", None, None, [2], None, "failed"),
+        PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed"),
+        OpenRollout("t2", "c", None, "train", {"k": 2}),
+        EndRollout("c", False),
     ]
     for op in ops:
         wire = encode(op)
@@ -830,7 +1201,7 @@ def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
     try:
 
         async def main() -> None:
-            ops = [AddPrompt("a", 0, "train", None), MarkFinished("a"), MarkFinished("a")]
+            ops = [AddPrompt(None, "a", 0, "train", None), MarkFinished("a"), MarkFinished("a")]
             outcomes = await host.submit([encode(op) for op in ops], False)
             assert outcomes[:2] == [(True, None), (True, None)]
             assert type(outcomes[2].value) is InvalidTransitionError

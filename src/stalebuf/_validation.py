@@ -25,6 +25,7 @@ __all__ = [
     "check_group_payloads",
     "check_index",
     "check_partition",
+    "check_payload_codec",
     "check_status_log_interval",
     "check_step",
     "check_tags",
@@ -235,6 +236,14 @@ def check_timeout(value: object) -> float | None:
             f"timeout must be None or a number of seconds >= 0 that fits a float, got {describe(value)}"
         )
     return number
+
+
+def check_payload_codec(value: object) -> Any:
+    """Return ``value`` if it is None or a pair ``(encode, decode)`` of callables; raise
+    ConfigError otherwise (the message is the one ``ReplayBuffer.restore`` uses)."""
+    if value is not None and not (isinstance(value, tuple) and len(value) == 2 and all(map(callable, value))):
+        raise ConfigError("payload_codec must be None or a pair (encode, decode) of callables")
+    return value
 
 
 def check_group_payloads(

@@ -7,30 +7,72 @@ hosted by a Ray actor. The type checker holds both classes to it (see
 drift apart. Default values are not compared by the type checker: they are written the same in
 all three places by hand.
 
-Left out on purpose, because a process boundary makes them differ:
+Both share, besides the producer calls and ``sample``: ``rollout()`` (an ``async with`` block
+yielding a :class:`RolloutHandle`) and ``save``. Left out on purpose, because a process boundary
+makes them differ:
 
-- ``sampleable_count`` and ``stats`` are plain methods locally but coroutines remotely (they
-  ask the actor). A protocol member can only have one of the two types, and code that awaits
-  one would break on the other; both classes keep these names, with the same parameters.
-- the ``*_nowait`` producer twins, ``close`` and ``on_evict``: local only (a synchronous call
-  cannot wait for an actor, and a callable cannot cross processes; remote clients read
-  ``evictions()`` instead).
+- ``sampleable_count``, ``stats`` and the flow-control queries ``dispatch_step``, ``capacity``,
+  ``free_slots`` and ``full`` are plain methods locally but coroutines remotely (they ask the
+  actor). A protocol member can only have one of the two types, and code that awaits one would
+  break on the other; both classes keep these names, with the same parameters.
+- ``add_prompt_nowait`` and ``put_group_nowait``: the same names and parameters on both, never
+  waiting for admission (BufferFullError instead), but synchronous locally and coroutines
+  remotely, for the same reason. The other ``*_nowait`` twins, ``close`` and ``on_evict`` are
+  local only (a synchronous call cannot wait for an actor, and a callable cannot cross
+  processes; remote clients read ``evictions()`` instead).
+- a rollout group's ``put_nowait`` (local only), ``checkpoint`` (local only: a remote checkpoint
+  is the file ``save`` writes), and ``restore``, a classmethod on both whose results differ
+  (``RestoreResult`` holds a ReplayBuffer, ``RemoteRestoreResult`` a RemoteReplayBuffer).
 - ``config`` and ``closed`` (local properties) and ``info``, ``evictions``, ``kill`` (remote
   only).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+from ._checkpoint_file import PayloadCodec
 from ._producers import GroupStatus
 from .records import Batch
 
-__all__ = ["AsyncReplayBuffer"]
+__all__ = ["AsyncReplayBuffer", "RolloutHandle"]
 
 _Buffer = TypeVar("_Buffer", bound="AsyncReplayBuffer")
+
+
+class RolloutHandle(Protocol):
+    """The group a ``rollout()`` block generates: :class:`~stalebuf.RolloutGroup` locally,
+    :class:`~stalebuf.ray.RemoteRolloutGroup` remotely."""
+
+    @property
+    def uid(self) -> str:
+        """The group's uid."""
+
+    @property
+    def partition(self) -> str:
+        """Its partition."""
+
+    @property
+    def global_steps(self) -> int:
+        """Its dispatch step (the tag admission gave it)."""
+
+    @property
+    def evicted(self) -> bool:
+        """True once the group was evicted (or the buffer closed) while the block ran."""
+
+    async def put(
+        self,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory to the group; return its key."""
 
 
 class AsyncReplayBuffer(Protocol):
@@ -50,11 +92,12 @@ class AsyncReplayBuffer(Protocol):
         self,
         uid: str,
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
     ) -> None:
-        """Admit a new PENDING group dispatched at ``global_steps``."""
+        """Admit a new PENDING group (waiting for admission), tagged ``global_steps`` or, for
+        None, with the dispatch clock when it is admitted."""
 
     async def mark_running(self, uid: str) -> None:
         """Move a group from PENDING to RUNNING."""
@@ -81,7 +124,7 @@ class AsyncReplayBuffer(Protocol):
         uid: str,
         payloads: Collection[Any],
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
@@ -100,6 +143,20 @@ class AsyncReplayBuffer(Protocol):
         timeout: float | None = None,
     ) -> tuple[Batch, dict[str, float]]:
         """Wait for, remove and return ``batch_size`` whole groups, oldest first, with metrics."""
+
+    def rollout(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> AbstractAsyncContextManager[RolloutHandle]:
+        """Return an ``async with`` block that admits, runs and ends one group (the body is
+        cancelled if the group is evicted in flight or the buffer closes)."""
+
+    async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
+        """Checkpoint the buffer at once and write it to ``path`` atomically."""
 
     async def aclose(self) -> None:
         """Close the buffer: parked and later samplers and producers raise BufferClosedError."""

@@ -6,7 +6,10 @@ Install with ``pip install 'stalebuf[ray]'``; ``import stalebuf`` never imports 
 - :class:`RemoteReplayBuffer` starts (or, by name, :meth:`~RemoteReplayBuffer.connect`\\ s to)
   an actor that hosts a real :class:`~stalebuf.ReplayBuffer`; the client has the same async
   methods, plus :meth:`~RemoteReplayBuffer.put_group` (a whole group in one round trip) and
-  :meth:`~RemoteReplayBuffer.evictions` (eviction events as an async iterator).
+  :meth:`~RemoteReplayBuffer.evictions` (eviction events as an async iterator). Admission waits
+  in the actor; :meth:`~RemoteReplayBuffer.rollout` yields a :class:`RemoteRolloutGroup` whose
+  body is cancelled when the group is evicted in flight; :meth:`~RemoteReplayBuffer.save` and
+  :meth:`~RemoteReplayBuffer.restore` (a :class:`RemoteRestoreResult`) checkpoint the buffer.
 - Payloads live in the Ray object store; batches carry :class:`PayloadRef`\\ s, and
   :func:`resolve` (or :func:`resolve_sync`) turns a batch into values in one call.
 """
@@ -18,16 +21,20 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("stalebuf.ray needs Ray: pip install 'stalebuf[ray]'") from exc
 
+from ._checkpoint import RemoteRestoreResult
 from ._client import RemoteReplayBuffer
 from ._events import EvictionStream
 from ._options import PayloadMode
 from ._payloads import PayloadRef, resolve, resolve_sync
+from ._rollout import RemoteRolloutGroup
 
 __all__ = [
     "EvictionStream",
     "PayloadMode",
     "PayloadRef",
     "RemoteReplayBuffer",
+    "RemoteRestoreResult",
+    "RemoteRolloutGroup",
     "resolve",
     "resolve_sync",
 ]

@@ -4,17 +4,17 @@ Ray runs each concurrency group of an async actor on its own thread and event lo
 buffer is not thread-safe, so it lives on one loop, its *home*: the default group's loop,
 where ``__init__`` runs and where ``sample`` calls run directly (parked samplers use only
 slots of the default group). Every other call runs in its own group (``producer``,
-``control``, ``events``) and hops onto the home loop with ``call_soon_threadsafe``: parked
-samplers can never take the slots producers need, and every buffer method still runs on
-the one loop, so each call stays atomic exactly as in the local buffer.
+``admission``, ``watch``, ``control``, ``events``) and hops onto the home loop with
+``call_soon_threadsafe``: parked samplers can never take the slots producers need, producers
+waiting for admission hold only ``admission`` slots (see ``_admission``) and watched rollouts only
+``watch`` slots (see ``_watches``), and every buffer method still runs on the one loop, so each
+call stays atomic exactly as in the local buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import threading
@@ -23,23 +23,37 @@ from typing import Any, TypeVar, cast
 
 import ray
 
+from .._checkpoint_file import PayloadCodec, write_checkpoint
 from .._validation import describe, int_at_least
 from ..buffer import ReplayBuffer
 from ..config import SamplerConfig
-from ..errors import ConfigError
-from ..records import Batch, EvictionEvent, Group, Status, Trajectory
+from ..errors import BufferFullError, ConfigError
+from ..records import Batch, EvictionEvent, Group, Status
 from ..stats import BufferStats
+from ._admission import AdmissionAbandonedError, AdmissionLedger
+from ._checkpoint import RestoreRequest, by_value, restore_buffer
 from ._ledger import SampleLedger, SampleResult
 from ._protocol import (
     PROTOCOL_VERSION,
+    AddPrompt,
+    EndRollout,
+    MarkFailed,
+    MarkFinished,
     Op,
+    OpenRollout,
     Outcome,
+    Parked,
+    ProtocolError,
+    PutGroup,
     SampleRequest,
+    WaitingOp,
     Wire,
     decode_op,
     decode_sample,
     store_payloads,
 )
+from ._ring import EvictionRing
+from ._watches import RolloutWatches
 
 __all__ = ["CONCURRENCY_GROUPS", "BufferHost", "actor_class"]
 
@@ -56,15 +70,31 @@ def _method(group: str, **options: Any) -> Callable[[F], F]:
 
 #: Concurrency groups of the actor; ``sample`` runs in Ray's default group.
 PRODUCER_GROUP = "producer"
+ADMISSION_GROUP = "admission"
+WATCH_GROUP = "watch"
 CONTROL_GROUP = "control"
 EVENTS_GROUP = "events"
-#: Default slots per concurrency group (producer calls only hop onto the home loop, so few
-#: slots serve many clients; each eviction reader holds one ``events`` slot while it polls).
-CONCURRENCY_GROUPS: Mapping[str, int] = {PRODUCER_GROUP: 64, CONTROL_GROUP: 16, EVENTS_GROUP: 64}
+#: Default slots per concurrency group. Producer calls only hop onto the home loop, so few slots
+#: serve many clients. A producer waiting for admission holds one ``admission`` slot while its
+#: client waits for the result (the wait itself is in the buffer's queue, so a full group only
+#: delays results), each entered remote rollout one ``watch`` slot (a full group delays when
+#: bodies learn of evictions), and each eviction reader one ``events`` slot while it polls.
+CONCURRENCY_GROUPS: Mapping[str, int] = {
+    PRODUCER_GROUP: 64,
+    ADMISSION_GROUP: 1024,
+    WATCH_GROUP: 4096,
+    CONTROL_GROUP: 16,
+    EVENTS_GROUP: 64,
+}
+#: The flow-control queries ``flow`` answers (ReplayBuffer methods taking a partition).
+FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full"})
+# Producer operations that end a group (a watched rollout's watch is then released).
+_ENDING = (MarkFinished, MarkFailed, PutGroup, EndRollout)
 
 
 class BufferHost:
-    """The actor's state: a ReplayBuffer on the home loop, plus the eviction-event ring.
+    """The actor's state: a ReplayBuffer on the home loop, the eviction-event ring, the sample
+    requests, the producers waiting for admission and the watched rollouts.
 
     Not used directly: :func:`actor_class` wraps it with ``ray.remote`` and
     :class:`~stalebuf.ray.RemoteReplayBuffer` is its client.
@@ -77,17 +107,20 @@ class BufferHost:
         status_log_interval: float | None,
         eviction_queue_size: int,
         keep_evicted_payloads: bool,
+        restore: RestoreRequest | None = None,
     ) -> None:
         self._home = _home_loop()
-        self._keep_evicted_payloads = keep_evicted_payloads
-        self._events: collections.deque[EvictionEvent] = collections.deque(maxlen=eviction_queue_size)
-        self._events_end = 0  # sequence number of the next event
-        self._events_overflowed = 0
-        self._events_changed = asyncio.Event()  # binds to the home loop on first use
+        self._ring = EvictionRing(eviction_queue_size, keep_evicted_payloads, lambda: self._buffer.closed)
         self._init_error: Exception | None = None
         self._ledger = SampleLedger(self._readmit_batch)
+        self._admissions = AdmissionLedger()
+        self._reissue: tuple[Group, ...] = ()
         try:
-            if use_factory:
+            if restore is not None:
+                self._buffer, self._reissue = restore_buffer(
+                    restore, self._record_eviction, status_log_interval
+                )
+            elif use_factory:
                 assert config is not None
                 self._buffer = ReplayBuffer.from_config(
                     config, on_evict=self._record_eviction, status_log_interval=status_log_interval
@@ -101,6 +134,7 @@ class BufferHost:
             self._init_error = exc
             self._buffer = ReplayBuffer(status_log_interval=None)
             self._buffer.close()
+        self._watches = RolloutWatches(self._buffer)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -126,6 +160,9 @@ class BufferHost:
         return await asyncio.wrap_future(future)
 
     async def _await_on_home(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the home loop; cancelling the caller cancels it there."""
+        if asyncio.get_running_loop() is self._home:
+            return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._home))
 
     # -- default group: samplers ------------------------------------------------------
@@ -159,7 +196,9 @@ class BufferHost:
         """Apply encoded producer operations in order, atomically with respect to samplers.
 
         With ``upload`` the payload values the ops carry are first stored in the object
-        store from this actor (one object per operation), so the actor owns them.
+        store from this actor (one object per operation), so the actor owns them. An operation
+        with a token that finds no admission slot is parked (its outcome is ``Parked(token)``:
+        collect it with :meth:`await_admission`); this call never waits for admission.
 
         Raises:
             ProtocolError: an operation this actor cannot decode (nothing is applied).
@@ -171,10 +210,65 @@ class BufferHost:
         return await self._on_home(lambda: [self._apply(op) for op in decoded])
 
     def _apply(self, op: Op) -> Outcome:
+        token = op.token if isinstance(op, (AddPrompt, PutGroup, OpenRollout)) else None
+        if token is not None and not self._admissions.arrived(token):
+            return Outcome(False, AdmissionAbandonedError(f"operation {token!r} was abandoned"))
         try:
-            return Outcome(True, op.apply(self._buffer))
+            value: Any = op.apply(self._buffer)
+        except BufferFullError as exc:
+            if token is None:
+                return Outcome(False, exc)
+            assert isinstance(op, (AddPrompt, PutGroup, OpenRollout))
+            self._admissions.park(token, self._admit_waiting(op))
+            return Outcome(True, Parked(token))
         except Exception as exc:
             return Outcome(False, exc)
+        if type(op) is OpenRollout:
+            value = self._watches.open(op.token, op.uid)
+        elif self._watches and isinstance(op, _ENDING):
+            self._watches.ended(op.uid)
+        return Outcome(True, value)
+
+    async def _admit_waiting(self, op: WaitingOp) -> Any:
+        """The waiting form of ``op`` (a parked task on the home loop)."""
+        value = await op.apply_waiting(self._buffer)
+        if type(op) is OpenRollout:  # in the step of the loop that admitted it
+            return self._watches.open(op.token, op.uid)
+        return value
+
+    # -- admission and watch groups ---------------------------------------------------
+
+    @_method(ADMISSION_GROUP)
+    async def await_admission(self, token: str) -> Any:
+        """Wait for the producer operation parked under ``token`` to be admitted; return its result.
+
+        Raises:
+            What the operation raised while it waited (e.g. BufferClosedError), or
+            AdmissionAbandonedError when nothing is parked under ``token``.
+        """
+        self._check_ready()
+        return await self._await_on_home(self._admissions.collect(token))
+
+    @_method(WATCH_GROUP, enable_task_events=False)
+    async def watch_rollout(self, token: str) -> str:
+        """Return "evicted" or "closed" when the rollout entered under ``token`` is evicted in
+        flight or the buffer closes, or "ended" once it ended otherwise."""
+        self._check_ready()
+        return await self._await_on_home(self._watches.watch(token))
+
+    @_method(CONTROL_GROUP)
+    async def abandon(self, token: str) -> None:
+        """The client's call under ``token`` was cancelled: a wait for admission is cancelled
+        (nothing is added), an entered rollout is failed, and an operation that has not arrived
+        yet will not be applied. An add_prompt or put_group admitted before this arrived stays."""
+
+        def abandon() -> None:
+            parked = self._admissions.abandon(token)
+            entered = self._watches.abandon(token)
+            if not (parked or entered):
+                self._admissions.remember_abandoned(token)
+
+        await self._on_home(abandon)
 
     # -- control group ----------------------------------------------------------------
 
@@ -183,6 +277,39 @@ class BufferHost:
         """``ReplayBuffer.sampleable_count`` on the home loop."""
         self._check_ready()
         return await self._on_home(lambda: self._buffer.sampleable_count(global_steps, partition))
+
+    @_method(CONTROL_GROUP)
+    async def flow(self, query: str, partition: str) -> Any:
+        """``ReplayBuffer.dispatch_step``, ``capacity``, ``free_slots`` or ``full`` on the home loop.
+
+        Raises:
+            ProtocolError: ``query`` is not one of :data:`FLOW_QUERIES`.
+        """
+        self._check_ready()
+        if query not in FLOW_QUERIES:
+            raise ProtocolError(f"unknown flow-control query {describe(query)}")
+        method = getattr(self._buffer, query)
+        return await self._on_home(lambda: method(partition))
+
+    @_method(CONTROL_GROUP)
+    async def save(self, path: str, payload_codec: PayloadCodec | None) -> None:
+        """Checkpoint the buffer at once (on the home loop), fetch every payload held as an object
+        reference, and write the file at ``path`` (on this node) in a worker thread, atomically.
+
+        Raises:
+            CheckpointError: a payload object is lost, or the codec's format cannot hold a value.
+            OSError: the file could not be written.
+        """
+        self._check_ready()
+        checkpoint = await by_value(await self._on_home(self._buffer.checkpoint))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, write_checkpoint, path, checkpoint, payload_codec)
+
+    @_method(CONTROL_GROUP)
+    async def reissued(self) -> tuple[Group, ...]:
+        """The groups a restored actor's buffer lists for reissue (empty unless restored)."""
+        self._check_ready()
+        return self._reissue
 
     @_method(CONTROL_GROUP)
     async def stats(self) -> BufferStats:
@@ -197,7 +324,7 @@ class BufferHost:
 
         def close() -> None:
             self._buffer.close()
-            self._notify_events()
+            self._ring.notify()
 
         await self._on_home(close)
 
@@ -240,23 +367,26 @@ class BufferHost:
         if buffer.closed or group.uid in buffer:
             return False
         trajectories = group.trajectories
-        buffer.put_group_nowait(
+        # A put-back refunds a group admission control had admitted, not a new admission: it
+        # skips the per-step cap (the buffer's ``granted`` path, what a woken producer uses).
+        buffer._put_group(
             group.uid,
             [t.payload for t in trajectories],
-            global_steps=group.global_steps,
-            partition=group.partition,
-            tags=group.tags,
-            trajectory_tags=[t.tags for t in trajectories],
-            session_ids=[t.session_id for t in trajectories],
-            indices=[t.index for t in trajectories],
-            status="finished" if group.status is Status.FINISHED else "failed",
+            group.global_steps,
+            group.partition,
+            group.tags,
+            [t.tags for t in trajectories],
+            [t.session_id for t in trajectories],
+            [t.index for t in trajectories],
+            Status.FINISHED if group.status is Status.FINISHED else Status.FAILURE,
+            granted=group.global_steps,
         )
         return True
 
     @_method(CONTROL_GROUP)
     async def info(self) -> dict[str, Any]:
-        """Facts about the actor: the config, whether closed, eviction-ring and sample-request
-        counters."""
+        """Facts about the actor: the config, whether closed, counters of the eviction ring, the
+        sample requests and the producers parked for admission, and the rollouts watched."""
         self._check_ready()
 
         def info() -> dict[str, Any]:
@@ -264,10 +394,12 @@ class BufferHost:
                 "config": self._buffer.config,
                 "buffer_class": f"{type(self._buffer).__module__}.{type(self._buffer).__qualname__}",
                 "closed": self._buffer.closed,
-                "eviction_queue_size": self._events.maxlen,
-                "evictions_emitted": self._events_end,
-                "evictions_overflowed": self._events_overflowed,
+                "eviction_queue_size": self._ring.size,
+                "evictions_emitted": self._ring.end,
+                "evictions_overflowed": self._ring.overflowed,
                 "sample_requests": self._ledger.counts(),
+                "admissions": self._admissions.counts(),
+                "watched_rollouts": len(self._watches),
             }
 
         return await self._on_home(info)
@@ -276,18 +408,7 @@ class BufferHost:
 
     def _record_eviction(self, event: EvictionEvent) -> None:
         """The buffer's on_evict (home loop, inside ``sample``): append to the ring, never block."""
-        if not self._keep_evicted_payloads:
-            event = _without_payloads(event)
-        events = self._events
-        if len(events) == events.maxlen:
-            self._events_overflowed += 1  # the oldest event falls off the ring
-        events.append(event)
-        self._events_end += 1
-        self._notify_events()
-
-    def _notify_events(self) -> None:
-        self._events_changed.set()
-        self._events_changed = asyncio.Event()
+        self._ring.record(event)
 
     @_method(EVENTS_GROUP)
     async def poll_evictions(
@@ -301,30 +422,7 @@ class BufferHost:
         ``closed`` is True once the buffer is closed and the reader has every event.
         """
         self._check_ready()
-        return await self._await_on_home(self._poll(cursor, from_oldest, limit, wait))
-
-    async def _poll(
-        self, cursor: int | None, from_oldest: bool, limit: int, wait: float
-    ) -> tuple[int, list[EvictionEvent], int, bool]:
-        events = self._events
-        start = self._events_end - len(events)
-        if cursor is None:
-            cursor = start if from_oldest else self._events_end
-        cursor = min(cursor, self._events_end)  # a cursor from before an actor restart
-        missed = max(0, start - cursor)
-        cursor = max(cursor, start)
-        if cursor == self._events_end and not self._buffer.closed and wait > 0:
-            changed = self._events_changed
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), wait)
-            start = self._events_end - len(events)
-            missed += max(0, start - cursor)
-            cursor = max(cursor, start)
-        offset = cursor - start
-        taken = [events[i] for i in range(offset, min(len(events), offset + limit))]
-        cursor += len(taken)
-        closed = self._buffer.closed and cursor == self._events_end
-        return cursor, taken, missed, closed
+        return await self._await_on_home(self._ring.poll(cursor, from_oldest, limit, wait))
 
 
 def _home_loop() -> asyncio.AbstractEventLoop:
@@ -335,18 +433,6 @@ def _home_loop() -> asyncio.AbstractEventLoop:
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="stalebuf-home", daemon=True).start()
         return loop
-
-
-def _without_payloads(event: EvictionEvent) -> EvictionEvent:
-    groups = tuple(
-        group.replace(
-            trajectories=tuple(
-                Trajectory(t.key, t.session_id, t.index, t.tags, None) for t in group.trajectories
-            ),
-        )
-        for group in event.groups
-    )
-    return EvictionEvent(event.partition, event.reason, groups, event.global_steps)
 
 
 @functools.lru_cache(maxsize=16)

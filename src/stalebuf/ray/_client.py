@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import ray
-
+from .._checkpoint_file import PayloadCodec
+from .._validation import check_payload_codec
 from ..buffer import GroupStatus
+from ..checkpoint import InFlightMode, check_in_flight
 from ..config import SamplerConfig
 from ..errors import ConfigError
 from ..records import Batch
-from ..stats import BufferStats
+from ._checkpoint import RemoteRestoreResult, RestoreRequest
+from ._client_base import ClientBase, add_prompt_op, plain_tags, put_group_op
 from ._connection import ActorConnection, connect_actor, start_actor
-from ._events import EvictionStream
 from ._options import PayloadMode
-from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, Put, PutGroup
+from ._protocol import MarkFailed, MarkFinished, MarkRunning, Put
 
 __all__ = ["RemoteReplayBuffer"]
-
-
-def _plain_tags(tags: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    # A plain dict travels everywhere (a mappingproxy does not pickle); anything that is not a
-    # mapping goes as it is, for the actor to reject with the local buffer's error.
-    return dict(tags) if isinstance(tags, Mapping) else tags
 
 
 def _attached(*connection: Any) -> RemoteReplayBuffer:
@@ -34,7 +30,7 @@ def _attached(*connection: Any) -> RemoteReplayBuffer:
     return self
 
 
-class RemoteReplayBuffer:
+class RemoteReplayBuffer(ClientBase):
     """A :class:`~stalebuf.ReplayBuffer` hosted by a Ray async actor, used through this client.
 
     The client has the buffer's async methods with the same names, signatures, results and
@@ -42,15 +38,22 @@ class RemoteReplayBuffer:
     is one line (``ReplayBuffer(config)`` -> ``RemoteReplayBuffer(config)``). Differences, all
     because a process boundary is crossed:
 
-    - ``sampleable_count`` and ``stats`` are coroutines here (sync on ReplayBuffer); the
-      ``*_nowait`` twins do not exist, and ``on_evict`` is replaced by :meth:`evictions`.
+    - ``sampleable_count``, ``stats``, ``dispatch_step``, ``capacity``, ``free_slots``,
+      ``full``, ``add_prompt_nowait`` and ``put_group_nowait`` are coroutines here (sync on
+      ReplayBuffer); the other ``*_nowait`` twins and ``checkpoint`` do not exist, and
+      ``on_evict`` is replaced by :meth:`evictions`.
+    - Admission waits happen in the actor (FIFO per partition, in the order the actor found no
+      slot for them), each holding a slot of its ``admission`` concurrency group only while its
+      client waits for the result; :meth:`rollout` parks one call per block in its ``watch``
+      group, and the body is cancelled when that call reports an eviction or a close.
     - Payloads go to the Ray object store, not through the actor (see ``payloads``): sampled
       batches hold :class:`~stalebuf.ray.PayloadRef`\\ s; :func:`~stalebuf.ray.resolve` turns a
       batch into values in one call.
     - Producer calls made concurrently from one client (one event loop) are combined into one
       actor call while the previous one is in flight; each call still gets its own result or
       error, and the calls of one coroutine apply in the order it made them. A producer call
-      cancelled before its actor call was sent is not applied; one cancelled later may be.
+      cancelled before its actor call was sent is not applied; one cancelled later may be
+      (``add_prompt`` and ``put_group`` are not if the actor hears of it first).
     - A dead or unreachable actor raises :class:`~stalebuf.errors.BufferUnavailableError`, and
       so does the first call to an actor that has not started within ``start_timeout``.
     - The client needs an asyncio event loop (Ray's async API is asyncio-only); use it from
@@ -59,7 +62,8 @@ class RemoteReplayBuffer:
     The client is picklable: pass it to Ray tasks and actors, or attach by name with
     :meth:`connect`. The actor runs ``sample`` in Ray's default concurrency group (its
     ``max_concurrency`` slots, 1000 by default, bound the parked samplers) and producer,
-    control and eviction calls in their own groups, so parked samplers never starve producers.
+    admission, watch, control and eviction calls in their own groups, so parked samplers never
+    starve producers and parked producers never starve samplers, writes or control calls.
 
     Args:
         config: the sampler config; None means ``SamplerConfig()``. As with ReplayBuffer's
@@ -74,7 +78,8 @@ class RemoteReplayBuffer:
             ``resources``, ``max_concurrency`` (sampler slots, default 1000), ``lifetime``
             ("detached" outlives the driver), ``max_restarts`` (a restarted actor starts with an
             empty buffer), ``scheduling_strategy``, ``runtime_env``, ``concurrency_groups``
-            (merged over the defaults ``producer``: 64, ``control``: 16, ``events``: 64).
+            (merged over the defaults ``producer``: 64, ``admission``: 1024, ``watch``: 4096,
+            ``control``: 16, ``events``: 64).
         payloads: where payload values passed to ``put``/``put_group`` go. "producer" (default):
             the client ``ray.put``\\ s them (one object per group, or per ``put``) and the
             producer process owns them: it must outlive their use by the trainer, or resolving
@@ -197,6 +202,58 @@ class RemoteReplayBuffer:
         self._connection = connect_actor(name, namespace, payloads, start_timeout)
         return self
 
+    @classmethod
+    def restore(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        in_flight: InFlightMode = "reissue",
+        payload_codec: PayloadCodec | None = None,
+        status_log_interval: float | None = 60.0,
+        name: str | None = None,
+        namespace: str | None = None,
+        actor_options: Mapping[str, Any] | None = None,
+        payloads: PayloadMode = "producer",
+        eviction_queue_size: int = 1024,
+        keep_evicted_payloads: bool = False,
+        start_timeout: float = 60.0,
+    ) -> RemoteRestoreResult:
+        """Start a new actor whose buffer is ``ReplayBuffer.restore(path, ...)`` and return its
+        client and the groups to reissue; blocks until the actor has restored (like :meth:`connect`).
+
+        The actor reads ``path`` (on its node). Unless ``payloads="inline"``, it stores each
+        restored group's payloads in the object store (one object per group, owned by the
+        actor), so sampled batches carry PayloadRefs as usual. Under ``in_flight="evict"`` the
+        "restart" evictions are the first events of ``evictions(from_oldest=True)``. The other
+        options are as for the class.
+
+        Raises:
+            CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must
+                not have) a payload codec; the actor is ended and nothing is built.
+            ConfigError: an invalid option, ``in_flight``, or ``payload_codec``; OSError: the
+                file cannot be read (e.g. FileNotFoundError).
+            BufferUnavailableError: the actor did not start within ``start_timeout``.
+        """
+        codec = check_payload_codec(payload_codec)
+        request = RestoreRequest(os.fspath(path), check_in_flight(in_flight), codec, payloads != "inline")
+        self = cls.__new__(cls)
+        self._connection = start_actor(
+            None,
+            False,
+            on_evict=None,
+            status_log_interval=status_log_interval,
+            name=name,
+            namespace=namespace,
+            get_if_exists=False,
+            actor_options=actor_options,
+            payloads=payloads,
+            eviction_queue_size=eviction_queue_size,
+            keep_evicted_payloads=keep_evicted_payloads,
+            start_timeout=start_timeout,
+            restore=request,
+        )
+        return RemoteRestoreResult(self, self._connection.restored())
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle as the actor handle plus options; queued calls and tasks stay behind."""
         return (_attached, self._connection.pickled())
@@ -205,43 +262,29 @@ class RemoteReplayBuffer:
         """Show the actor's name (or id) and the payload mode."""
         return f"<RemoteReplayBuffer actor {self._connection.where()} payloads={self.payloads!r}>"
 
-    @property
-    def handle(self) -> Any:
-        """The Ray actor handle of the hosting actor."""
-        return self._connection.handle
-
-    @property
-    def name(self) -> str | None:
-        """The actor's name, or None for an anonymous actor."""
-        return self._connection.name
-
-    @property
-    def namespace(self) -> str | None:
-        """The namespace given at creation or connection (None: Ray's current one)."""
-        return self._connection.namespace
-
-    @property
-    def payloads(self) -> str:
-        """The payload mode: "producer", "actor" or "inline"."""
-        return self._connection.payloads
-
     # -- producers --------------------------------------------------------------------
 
     async def add_prompt(
         self,
         uid: str,
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
     ) -> None:
-        """Admit a new PENDING group, as :meth:`ReplayBuffer.add_prompt`.
+        """Admit a new PENDING group, as :meth:`ReplayBuffer.add_prompt`: under admission control
+        it waits in the actor (FIFO per partition) for a slot, and ``global_steps=None`` tags the
+        group with the actor's dispatch clock when it is admitted.
+
+        Cancelling it while it waits adds nothing; a group the actor admitted before the
+        cancellation reached it stays, as for any producer call cancelled after it was sent.
 
         Raises:
             The same errors as ReplayBuffer.add_prompt; BufferUnavailableError when the actor
             is gone.
         """
-        await self._connection.submit(AddPrompt(uid, global_steps, partition, _plain_tags(tags)))
+        connection = self._connection
+        await connection.admit(add_prompt_op(connection.new_token(), uid, global_steps, partition, tags))
 
     async def mark_running(self, uid: str) -> None:
         """Move a group from PENDING to RUNNING, as :meth:`ReplayBuffer.mark_running`.
@@ -268,7 +311,7 @@ class RemoteReplayBuffer:
         Raises:
             The same errors as ReplayBuffer.put; BufferUnavailableError.
         """
-        result: str = await self._connection.submit(Put(uid, payload, session_id, index, _plain_tags(tags)))
+        result: str = await self._connection.submit(Put(uid, payload, session_id, index, plain_tags(tags)))
         return result
 
     async def mark_finished(self, uid: str) -> None:
@@ -292,7 +335,7 @@ class RemoteReplayBuffer:
         uid: str,
         payloads: Collection[Any],
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
@@ -301,25 +344,26 @@ class RemoteReplayBuffer:
         status: GroupStatus = "finished",
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one round trip; return its
-        keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor).
+        keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor). A new group waits
+        in the actor for admission like :meth:`add_prompt`.
 
         Raises:
             The same errors as ReplayBuffer.put_group; BufferUnavailableError.
         """
-        if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
-            raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
-        op = PutGroup(
+        connection = self._connection
+        op = put_group_op(
+            connection.new_token(),
             uid,
-            list(payloads),
+            payloads,
             global_steps,
             partition,
-            _plain_tags(tags),
-            None if trajectory_tags is None else [_plain_tags(t) for t in trajectory_tags],
-            None if session_ids is None else list(session_ids),
-            None if indices is None else list(indices),
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
             status,
         )
-        result: list[str] = await self._connection.submit(op)
+        result: list[str] = await connection.admit(op)
         return result
 
     # -- consumer ---------------------------------------------------------------------
@@ -350,57 +394,6 @@ class RemoteReplayBuffer:
         """
         return await self._connection.sample(global_steps, batch_size, partition, timeout)
 
-    async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
-        """Return how many groups ``sample`` could select right now, as
-        :meth:`ReplayBuffer.sampleable_count` (a coroutine here: it asks the actor).
-
-        Raises:
-            TypeError, ValueError: as ReplayBuffer.sampleable_count; BufferUnavailableError.
-        """
-        result: int = await self._connection.call("sampleable_count", global_steps, partition)
-        return result
-
-    async def stats(self) -> BufferStats:
-        """Return the buffer's :class:`~stalebuf.BufferStats`, as :meth:`ReplayBuffer.stats`
-        (a coroutine here: it asks the actor).
-
-        Raises:
-            BufferUnavailableError: the actor is gone.
-        """
-        result: BufferStats = await self._connection.call("stats")
-        return result
-
-    async def info(self) -> dict[str, Any]:
-        """Return facts about the actor: ``config``, ``buffer_class``, ``closed``,
-        ``eviction_queue_size``, ``evictions_emitted``, ``evictions_overflowed`` and
-        ``sample_requests`` (counters of the cancel protocol). Also a way to wait until the
-        actor is up.
-
-        Raises:
-            ConfigError: the actor could not build its buffer (e.g. a bad custom sampler).
-            BufferUnavailableError: the actor is gone or did not start within ``start_timeout``.
-        """
-        result: dict[str, Any] = await self._connection.call("info")
-        return result
-
-    def evictions(
-        self, *, from_oldest: bool = False, max_events: int = 256, poll_seconds: float = 10.0
-    ) -> EvictionStream:
-        """Return an async iterator of the buffer's :class:`~stalebuf.EvictionEvent`\\ s, the
-        remote ``on_evict`` (see :class:`~stalebuf.ray.EvictionStream` for what it yields).
-
-        Raises:
-            ConfigError: ``max_events`` is not an int >= 1 or ``poll_seconds`` not a finite
-                number > 0.
-        """
-        return EvictionStream(
-            self._connection,
-            repr(self),
-            from_oldest=from_oldest,
-            max_events=max_events,
-            poll_seconds=poll_seconds,
-        )
-
     # -- closing ----------------------------------------------------------------------
 
     async def aclose(self) -> None:
@@ -412,12 +405,6 @@ class RemoteReplayBuffer:
             BufferUnavailableError: the actor is gone.
         """
         await self._connection.call("close")
-
-    def kill(self) -> None:
-        """End the actor now (``ray.kill``): every pending and later call of every client raises
-        BufferUnavailableError. The buffer's contents are lost; payload objects live on while
-        referenced elsewhere."""
-        ray.kill(self._connection.handle, no_restart=True)
 
     async def __aenter__(self) -> RemoteReplayBuffer:
         """Return the client; ``async with`` closes the buffer on exit."""

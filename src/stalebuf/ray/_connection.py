@@ -17,13 +17,14 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from .._validation import check_timeout
 from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError
-from ..records import Batch
+from ..records import Batch, Group
 from ._actor import actor_class
+from ._checkpoint import RestoreRequest
 from ._errors import running_loop, translate
 from ._options import (
     check_options,
@@ -33,7 +34,7 @@ from ._options import (
     requested_resources,
 )
 from ._pipeline import ProducerPipeline
-from ._protocol import Op, SampleRequest, encode
+from ._protocol import Op, Parked, SampleRequest, WaitingOp, encode
 from ._start import MIN_SAMPLE_START_WAIT, StartGate
 
 __all__ = ["ActorConnection", "connect_actor", "start_actor"]
@@ -73,6 +74,32 @@ class ActorConnection:
         self._client_id = uuid.uuid4().hex[:16]
         self._request_ids = itertools.count()
 
+    def new_token(self) -> str:
+        """Return an id no other call of any client uses (for sample requests and parked operations)."""
+        return f"{self._client_id}:{next(self._request_ids)}"
+
+    def restored(self) -> tuple[Group, ...]:
+        """Block until a restoring actor has restored its buffer; return the groups to reissue.
+
+        Raises:
+            What the restore raised in the actor (CheckpointError, OSError, ...), the actor
+            being ended first; BufferUnavailableError: it did not start within ``start_timeout``.
+        """
+        error: BaseException
+        try:
+            self.gate.wait_blocking()
+            reissue: tuple[Group, ...] = ray.get(self.handle.reissued.remote(), timeout=self.start_timeout)
+            return reissue
+        except (RayActorError, RayTaskError) as exc:
+            error = translate(exc, self.where())
+        except GetTimeoutError:
+            error = self.gate.unavailable()
+        except BaseException:
+            ray.kill(self.handle, no_restart=True)
+            raise
+        ray.kill(self.handle, no_restart=True)  # nothing is built
+        raise error
+
     def pickled(self) -> tuple[Any, ...]:
         """The constructor arguments a copy in another process starts from."""
         return (self.handle, self.name, self.namespace, self.payloads, self.start_timeout, self.resources)
@@ -103,6 +130,28 @@ class ActorConnection:
             pipe = self._pipe = ProducerPipeline(loop, self.handle, self.payloads, self.gate, self.where)
         return await pipe.submit(op)
 
+    async def admit(self, op: WaitingOp) -> Any:
+        """Apply an operation that may wait for admission, and return its result.
+
+        It travels with the other producer operations; when the actor finds no slot for it, it
+        parks it under its token, and this waits for it with ``await_admission`` (in the actor's
+        ``admission`` concurrency group). Cancelling this tells the actor to abandon the token
+        (see ``_admission``).
+        """
+        assert op.token is not None
+        try:
+            result = await self.submit(op)
+            if type(result) is Parked:
+                result = await self.call("await_admission", result.token)
+        except asyncio.CancelledError:
+            self.abandon(op.token)
+            raise
+        return result
+
+    def abandon(self, token: str) -> None:
+        """Tell the actor, without waiting, that the call under ``token`` was cancelled."""
+        _tell(self.handle.abandon, token)
+
     async def sample(
         self, global_steps: int, batch_size: int, partition: str, timeout: float | None
     ) -> tuple[Batch, dict[str, float]]:
@@ -114,7 +163,7 @@ class ActorConnection:
         running_loop()
         if not self.gate.started:
             timeout = await self._wait_to_sample(timeout)
-        request_id = f"{self._client_id}:{next(self._request_ids)}"
+        request_id = self.new_token()
         handle = self.handle
         ref = handle.sample.remote(
             encode(SampleRequest(request_id, global_steps, batch_size, partition, timeout))
@@ -182,8 +231,10 @@ def start_actor(
     eviction_queue_size: int,
     keep_evicted_payloads: bool,
     start_timeout: float,
+    restore: RestoreRequest | None = None,
 ) -> ActorConnection:
-    """Check the options, start the actor (without waiting for it) and return the connection.
+    """Check the options, start the actor (without waiting for it) and return the connection;
+    with ``restore``, the actor restores its buffer from that checkpoint file.
 
     Raises:
         ConfigError: an invalid option, or Ray refused the actor (e.g. its name is taken).
@@ -209,7 +260,9 @@ def start_actor(
         handle = (
             actor_class(groups)
             .options(**options)
-            .remote(config, use_factory, status_log_interval, eviction_queue_size, keep_evicted_payloads)
+            .remote(
+                config, use_factory, status_log_interval, eviction_queue_size, keep_evicted_payloads, restore
+            )
         )
     except (TypeError, ValueError) as exc:  # bad options, or the name is taken
         raise ConfigError(f"cannot start the buffer actor: {exc}") from exc

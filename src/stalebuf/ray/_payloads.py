@@ -11,16 +11,24 @@ its own ``ray.ObjectRef`` as a payload; it is kept as it is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import anyio
 import attrs
 import ray
 
-from ..records import Batch, Group, Trajectory
+from ..records import Batch, Group, new_trajectory
 
-__all__ = ["PackedRun", "PayloadRef", "resolve", "resolve_sync", "store_group"]
+__all__ = [
+    "PackedRun",
+    "PayloadRef",
+    "resolve",
+    "resolve_sync",
+    "store_group",
+    "unique_refs",
+    "with_values",
+]
 
 
 @attrs.frozen(weakref_slot=False)
@@ -94,7 +102,8 @@ def store_group(payloads: Sequence[Any]) -> list[Any] | PackedRun:
     return items
 
 
-def _unique_refs(payloads: Iterable[Any]) -> list[ray.ObjectRef[Any]]:
+def unique_refs(payloads: Iterable[Any]) -> list[ray.ObjectRef[Any]]:
+    """Return the distinct stored objects that ``payloads`` reference (PayloadRefs and ObjectRefs)."""
     seen: dict[ray.ObjectRef[Any], None] = {}
     for payload in payloads:
         if isinstance(payload, PayloadRef):
@@ -104,8 +113,9 @@ def _unique_refs(payloads: Iterable[Any]) -> list[ray.ObjectRef[Any]]:
     return list(seen)
 
 
-def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:
-    by_ref = dict(zip(refs, values, strict=True))
+def with_values(group: Group, by_ref: Mapping[ray.ObjectRef[Any], Any]) -> Group:
+    """Return ``group`` with each referencing payload replaced by its value from ``by_ref``
+    (every other field, ``finish_step`` and ``generation_seconds`` included, kept)."""
 
     def value_of(payload: Any) -> Any:
         if isinstance(payload, PayloadRef):
@@ -114,20 +124,15 @@ def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequen
             return by_ref[payload]
         return payload
 
-    groups = tuple(
-        Group(
-            group.uid,
-            group.partition,
-            group.global_steps,
-            group.status,
-            group.tags,
-            tuple(
-                Trajectory(t.key, t.session_id, t.index, t.tags, value_of(t.payload))
-                for t in group.trajectories
-            ),
-        )
-        for group in batch.groups
+    trajectories = tuple(
+        new_trajectory(t.key, t.session_id, t.index, t.tags, value_of(t.payload)) for t in group.trajectories
     )
+    return group.replace(trajectories=trajectories)
+
+
+def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:
+    by_ref = dict(zip(refs, values, strict=True))
+    groups = tuple(with_values(group, by_ref) for group in batch.groups)
     return Batch(batch.partition, batch.global_steps, groups, batch.parameter_sync_step)
 
 
@@ -144,7 +149,7 @@ async def resolve(batch: Batch, *, timeout: float | None = None) -> Batch:
         ray.exceptions.ObjectLostError: a stored object is gone, e.g. ``OwnerDiedError`` when the
             producer process that stored it exited (see ``payloads=`` of RemoteReplayBuffer).
     """
-    refs = _unique_refs(batch.payloads)
+    refs = unique_refs(batch.payloads)
     if not refs:
         return batch
     with anyio.fail_after(timeout):
@@ -159,7 +164,7 @@ def resolve_sync(batch: Batch, *, timeout: float | None = None) -> Batch:
         ray.exceptions.GetTimeoutError: ``timeout`` seconds passed first (a TimeoutError).
         ray.exceptions.ObjectLostError: a stored object is gone (see :func:`resolve`).
     """
-    refs = _unique_refs(batch.payloads)
+    refs = unique_refs(batch.payloads)
     if not refs:
         return batch
     return _substitute(batch, refs, ray.get(refs, timeout=timeout))

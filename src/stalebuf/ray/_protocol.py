@@ -6,6 +6,10 @@ actor's :func:`decode_op` / :func:`decode_sample` turn it back, refusing a code 
 they do not know (a client and an actor of different stalebuf versions) with a clear error.
 Each producer record's ``apply`` runs it on the actor's buffer, so what a remote call carries
 and what it does are written in one place.
+
+Operations that add a group (:class:`AddPrompt`, :class:`PutGroup`, :class:`OpenRollout`) may carry
+a *token*: when admission control has no slot for one, the actor parks it under that token instead
+of failing it (the client then collects the result with ``await_admission``, or abandons it).
 """
 
 from __future__ import annotations
@@ -14,21 +18,31 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 from ..buffer import GroupStatus, ReplayBuffer
-from ..errors import StalebufError
+from ..errors import (
+    BufferClosedError,
+    GroupEvictedError,
+    InvalidTransitionError,
+    StalebufError,
+    UnknownGroupError,
+)
 from ._payloads import PackedRun, store_group
 
 __all__ = [
     "PROTOCOL_VERSION",
     "AddPrompt",
+    "EndRollout",
     "MarkFailed",
     "MarkFinished",
     "MarkRunning",
     "Op",
+    "OpenRollout",
     "Outcome",
+    "Parked",
     "ProtocolError",
     "Put",
     "PutGroup",
     "SampleRequest",
+    "WaitingOp",
     "Wire",
     "decode_op",
     "decode_sample",
@@ -37,7 +51,7 @@ __all__ = [
 ]
 
 #: Bumped whenever a record changes; the client compares it with the actor's on first contact.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
@@ -48,16 +62,24 @@ class ProtocolError(StalebufError):
 
 
 class AddPrompt(NamedTuple):
-    """``add_prompt(uid, global_steps=..., partition=..., tags=...)``."""
+    """``add_prompt(uid, global_steps=..., partition=..., tags=...)``; with a ``token`` it may wait
+    for admission (``add_prompt``), without one it may not (``add_prompt_nowait``)."""
 
+    token: str | None
     uid: str
-    global_steps: int
+    global_steps: int | None
     partition: str
     tags: Mapping[str, Any] | None
 
     def apply(self, buffer: ReplayBuffer) -> None:
         """Run the operation on ``buffer``; raises what ``add_prompt_nowait`` raises."""
         buffer.add_prompt_nowait(
+            self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
+        )
+
+    async def apply_waiting(self, buffer: ReplayBuffer) -> None:
+        """Run the operation on ``buffer``, waiting for admission; raises what ``add_prompt`` raises."""
+        await buffer.add_prompt(
             self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
         )
 
@@ -109,11 +131,13 @@ class MarkFailed(NamedTuple):
 
 
 class PutGroup(NamedTuple):
-    """``put_group(uid, payloads, ...)``: payloads as a list, or a PackedRun once stored."""
+    """``put_group(uid, payloads, ...)``: payloads as a list, or a PackedRun once stored; with a
+    ``token`` a new group may wait for admission."""
 
+    token: str | None
     uid: str
     payloads: list[Any] | PackedRun
-    global_steps: int
+    global_steps: int | None
     partition: str
     tags: Mapping[str, Any] | None
     trajectory_tags: Sequence[Mapping[str, Any] | None] | None
@@ -136,6 +160,70 @@ class PutGroup(NamedTuple):
             status=self.status,
         )
 
+    async def apply_waiting(self, buffer: ReplayBuffer) -> list[str]:
+        """Run the operation on ``buffer``, waiting for admission; raises what ``put_group`` raises."""
+        payloads = self.payloads
+        return await buffer.put_group(
+            self.uid,
+            payloads.expand() if isinstance(payloads, PackedRun) else payloads,
+            global_steps=self.global_steps,
+            partition=self.partition,
+            tags=self.tags,
+            trajectory_tags=self.trajectory_tags,
+            session_ids=self.session_ids,
+            indices=self.indices,
+            status=self.status,
+        )
+
+
+class OpenRollout(NamedTuple):
+    """Enter a remote ``rollout()``: ``add_prompt`` (waiting for admission under ``token``), then
+    ``mark_running``. The actor then watches the group for its client (see ``_watches``)."""
+
+    token: str
+    uid: str
+    global_steps: int | None
+    partition: str
+    tags: Mapping[str, Any] | None
+
+    def apply(self, buffer: ReplayBuffer) -> None:
+        """Run the operation on ``buffer``; raises what ``add_prompt_nowait`` raises."""
+        buffer.add_prompt_nowait(
+            self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
+        )
+        buffer.mark_running_nowait(self.uid)  # just added: cannot fail
+
+    async def apply_waiting(self, buffer: ReplayBuffer) -> None:
+        """Run the operation on ``buffer``, waiting for admission; raises what ``add_prompt`` raises."""
+        await buffer.add_prompt(
+            self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
+        )
+        # Admission returned in the same step of the loop it admitted in: nothing ran between.
+        buffer.mark_running_nowait(self.uid)
+
+
+class EndRollout(NamedTuple):
+    """Leave a remote ``rollout()``: finish or fail the group if it is still in flight."""
+
+    uid: str
+    finished: bool
+
+    def apply(self, buffer: ReplayBuffer) -> str:
+        """End the group; return "ended", or why not: "evicted" (in flight), "closed" (the
+        buffer), "gone" (the body ended it itself, or it is unknown). Never raises for those."""
+        try:
+            if self.finished:
+                buffer.mark_finished_nowait(self.uid)
+            else:
+                buffer.mark_failed_nowait(self.uid)
+        except GroupEvictedError:
+            return "evicted"
+        except BufferClosedError:
+            return "closed"
+        except (InvalidTransitionError, UnknownGroupError):
+            return "gone"
+        return "ended"
+
 
 class SampleRequest(NamedTuple):
     """``sample(global_steps, batch_size, partition=..., timeout=...)`` under a request id.
@@ -150,6 +238,13 @@ class SampleRequest(NamedTuple):
     timeout: float | None
 
 
+class Parked(NamedTuple):
+    """What an operation that must wait for admission returns at once: the token the actor
+    parked it under (collect its result with ``await_admission(token)``)."""
+
+    token: str
+
+
 class Outcome(NamedTuple):
     """The result of one producer operation: ``(True, value)`` or ``(False, the error it raised)``."""
 
@@ -158,7 +253,9 @@ class Outcome(NamedTuple):
 
 
 #: A producer operation.
-Op = AddPrompt | MarkRunning | Put | MarkFinished | MarkFailed | PutGroup
+Op = AddPrompt | MarkRunning | Put | MarkFinished | MarkFailed | PutGroup | OpenRollout | EndRollout
+#: The operations that may wait for admission (they carry a token).
+WaitingOp = AddPrompt | PutGroup | OpenRollout
 _Record = Op | SampleRequest
 
 # The wire code of a record is its position here: append new kinds, never reorder.
@@ -170,9 +267,11 @@ _KINDS: tuple[type[_Record], ...] = (
     MarkFailed,
     PutGroup,
     SampleRequest,
+    OpenRollout,
+    EndRollout,
 )
 _CODES: dict[type[_Record], int] = {kind: code for code, kind in enumerate(_KINDS)}
-_OPS = _KINDS[:6]
+_OPS = tuple(kind for kind in _KINDS if kind is not SampleRequest)
 
 
 def encode(record: _Record) -> Wire:

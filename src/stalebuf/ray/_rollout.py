@@ -1,0 +1,159 @@
+"""``RemoteReplayBuffer.rollout()``: the structured-concurrency producer loop, one process removed.
+
+Entering waits for admission in the actor and marks the group RUNNING, in one operation
+(``OpenRollout``). The block then parks one call in the actor, ``watch_rollout``, which returns
+when the group is evicted in flight or the buffer closes: the body is then cancelled through an
+anyio cancel scope, as in the local ``rollout()``, so a producer learns of the eviction without
+polling. Leaving the block finishes (the body returned) or fails (the body raised) the group if it
+is still in flight; a block cancelled from outside tells the actor without waiting, which fails
+the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..errors import BufferClosedError, GroupEvictedError
+from ._protocol import EndRollout, OpenRollout, Put
+
+if TYPE_CHECKING:
+    from ._connection import ActorConnection
+
+__all__ = ["RemoteRolloutGroup", "rollout"]
+
+# What the actor answers when the group is no longer ours to end (see EndRollout.apply).
+_EVICTED = ("evicted", "closed")
+# What a body raises when it writes to a group that was evicted or whose buffer closed: the
+# eviction's doing, so the block still exits quietly.
+_EVICTION_ERRORS = (GroupEvictedError, BufferClosedError)
+
+
+class RemoteRolloutGroup:
+    """The group a remote ``rollout()`` block generates (the remote twin of ``RolloutGroup``).
+
+    Attributes:
+        uid: the group's uid.
+        partition: its partition.
+        global_steps: its dispatch step (the tag the actor gave it at admission).
+        evicted: True once the group was evicted (or the buffer closed) while the block ran.
+    """
+
+    __slots__ = ("_connection", "evicted", "global_steps", "partition", "uid")
+
+    def __init__(self, connection: ActorConnection, uid: str, partition: str, global_steps: int) -> None:
+        self._connection = connection
+        self.uid = uid
+        self.partition = partition
+        self.global_steps = global_steps
+        self.evicted = False
+
+    def __repr__(self) -> str:
+        """Show the uid, partition, dispatch step and whether it was evicted."""
+        return (
+            f"<RemoteRolloutGroup {self.uid!r} partition={self.partition!r} "
+            f"global_steps={self.global_steps} evicted={self.evicted}>"
+        )
+
+    @property
+    def dispatch_step(self) -> int:
+        """The group's dispatch step (the same as ``global_steps``)."""
+        return self.global_steps
+
+    async def put(
+        self,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory to the group and return its key (see ``RemoteReplayBuffer.put``).
+
+        Raises:
+            The errors of ``RemoteReplayBuffer.put`` (GroupEvictedError once it was evicted).
+        """
+        plain = dict(tags) if isinstance(tags, Mapping) else tags  # a mappingproxy does not pickle
+        key: str = await self._connection.submit(Put(self.uid, payload, session_id, index, plain))
+        return key
+
+
+class _Block:
+    """Whether the block still runs: a watch answer that arrives after it ended changes nothing."""
+
+    __slots__ = ("group", "running", "scope")
+
+    def __init__(self, group: RemoteRolloutGroup, scope: anyio.CancelScope) -> None:
+        self.group = group
+        self.scope = scope
+        self.running = True
+
+
+@asynccontextmanager
+async def rollout(
+    connection: ActorConnection,
+    uid: str,
+    global_steps: int | None,
+    partition: str,
+    tags: Mapping[str, Any] | None,
+) -> AsyncIterator[RemoteRolloutGroup]:
+    """Admit, run and end one group in the actor (see ``RemoteReplayBuffer.rollout``)."""
+    token = connection.new_token()
+    step: int = await connection.admit(OpenRollout(token, uid, global_steps, partition, tags))
+    group = RemoteRolloutGroup(connection, uid, partition, step)
+    watch = asyncio.ensure_future(connection.call("watch_rollout", token))
+    with anyio.CancelScope() as scope:
+        block = _Block(group, scope)
+        watch.add_done_callback(functools.partial(_watched, block))
+        try:
+            yield group
+        except BaseException as exc:
+            if not await _quiet_after(connection, token, group, exc):
+                raise
+        else:
+            if not group.evicted and await _end(connection, token, uid, finished=True) in _EVICTED:
+                group.evicted = True  # evicted as the body returned: its work is lost
+        finally:
+            block.running = False
+            watch.cancel()  # the actor releases the watch itself once the group ended
+
+
+def _watched(block: _Block, watch: asyncio.Future[str]) -> None:
+    """The watch call returned: cancel the body if the group was evicted or the buffer closed."""
+    if watch.cancelled():
+        return
+    error = watch.exception()  # retrieved: an actor that died is the body's next write's news
+    if error is None and block.running and watch.result() in _EVICTED:
+        block.group.evicted = True
+        block.scope.cancel()
+
+
+async def _quiet_after(
+    connection: ActorConnection, token: str, group: RemoteRolloutGroup, exc: BaseException
+) -> bool:
+    """The body raised ``exc``: end the group as the local block would; return True when the
+    block must exit quietly (the body failed because the group was evicted)."""
+    if group.evicted:  # the scope's own cancellation (swallowed by it), or the body's reaction
+        return isinstance(exc, _EVICTION_ERRORS)
+    if not isinstance(exc, Exception):  # cancelled from outside: tell the actor, don't wait
+        connection.abandon(token)
+        return False
+    if await _end(connection, token, group.uid, finished=False) in _EVICTED:
+        group.evicted = True  # the watch's answer is on its way: the body heard first
+        return isinstance(exc, _EVICTION_ERRORS)
+    return False
+
+
+async def _end(connection: ActorConnection, token: str, uid: str, *, finished: bool) -> str:
+    """Finish or fail ``uid`` if it is still in flight; return the actor's answer."""
+    try:
+        answer: str = await connection.submit(EndRollout(uid, finished))
+    except BaseException:
+        connection.abandon(token)  # it still fails the group if it is in flight
+        raise
+    return answer
