@@ -423,6 +423,9 @@ class Producers(Sampling):
                     raise DuplicateTrajectoryError(
                         f"group {describe(uid)} already holds trajectory {describe(key)}"
                     )
+        elif uid in self._evicted_in_flight:  # only add_prompt may start such a uid afresh
+            self._open_group(uid, "put a group into")  # raises GroupEvictedError
+            raise AssertionError("unreachable")
         elif granted is not None:
             step = granted
         else:

@@ -53,6 +53,8 @@ class Sampling(Admission):
                 self._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before)
             events = self._evict(part, global_steps, stale, stale_in_flight, metrics)
             left = True
+            if part.producers:  # slots freed: wake before on_evict runs, which may raise
+                self._wake_producer(part)
             readmitted_from = self._next_seq
             evicted_before = frozenset(group.uid for event in events for group in event.groups)
             self._emit(events)

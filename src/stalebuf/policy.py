@@ -173,6 +173,18 @@ class SubclassHooks(StalenessPolicy):
         """
         return resident_at_tag < cap and not self.is_stale(last_sampled + 1, tag, partition)
 
+    def admission_batch_size(self, partition: str) -> int | None:
+        return self.base.admission_batch_size(partition)
+
+    def evicts_in_flight(self, partition: str) -> bool:
+        return self.base.evicts_in_flight(partition)
+
+    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
+        if type(self.base).admits is not StalenessPolicy.admits:
+            return self.base.admits(tag, resident_at_tag, last_sampled, cap, partition)
+        # The default rule, asked through the subclass's own _is_stale.
+        return StalenessPolicy.admits(self, tag, resident_at_tag, last_sampled, cap, partition)
+
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
         return self.owner._is_stale(global_steps, dispatch_step, partition)
 
