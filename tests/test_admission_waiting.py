@@ -133,6 +133,31 @@ async def test_a_group_leaving_frees_its_slot_at_once_and_wakes_the_waiting_prod
     assert_conserved(buf)
 
 
+@pytest.mark.parametrize("path", ["failure", "stale"])
+async def test_an_eviction_frees_its_slot_and_wakes_the_producer_even_when_on_evict_raises(path: str) -> None:
+    """The groups left the buffer before on_evict ran (the error propagates from sample with the
+    buffer consistent), so their slots are free: the head producer must not wait for an
+    unrelated wake-up that may never come."""
+
+    def on_evict(event: object) -> None:
+        raise RuntimeError("on_evict failed")
+
+    buf = make(admission_batch_size=1, on_evict=on_evict, **REFUND_CONFIGS[path])
+    occupy(buf, path)
+    requested = 0 if path == "stale" else None
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            producer = await start_call(tg, lambda: buf.add_prompt("p", global_steps=requested))
+            with pytest.raises(RuntimeError, match="on_evict failed"):
+                buf.sample_nowait(0 if path == "failure" else 2, 1)
+            assert "a" not in buf
+            await settle()
+            admitted = producer.returned
+            producer.scope.cancel()
+    assert admitted, "the freed slot did not wake the waiting producer"
+    assert steps_of(buf, "p") == [0]
+
+
 async def test_close_wakes_every_waiting_producer_with_buffer_closed_error_and_adds_nothing() -> None:
     buf = make(admission_batch_size=1)
     buf.add_prompt_nowait("a")
