@@ -37,8 +37,8 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import event as note
+from hypothesis import HealthCheck, currently_in_test_context, settings
+from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -257,6 +257,13 @@ class Model:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def note(what: str) -> None:
+    """Record a coverage event (shown by ``--hypothesis-show-statistics``), also when a test
+    replays a sequence outside Hypothesis."""
+    if currently_in_test_context():
+        hypothesis_event(what)
 
 
 class CallbackError(Exception):
@@ -1079,3 +1086,28 @@ def test_drive_rejects_a_coroutine_that_awaits() -> None:
 
     with pytest.raises(AssertionError, match="awaited"):
         drive(waits())
+
+
+def test_replay_a_freed_slot_wakes_the_producer_although_on_evict_raised() -> None:
+    """A sequence the machine found (kept so that every run replays it): a failed group is
+    evicted, on_evict raises, and the producer parked on that step must still be admitted."""
+    state = BufferMachine()
+    state.make_buffer(
+        strategy="drop",
+        failure="evict",
+        threshold=1,
+        sync=1,
+        partitions=("train", "val"),
+        exempt=frozenset({"val"}),
+        callback="raise",
+        backend="asyncio",
+        admission=1,
+        in_flight=False,
+        seeds=[(0, 0, "run-fail")],
+    )
+    state.admission_matches_model()
+    state.producer_waits_for_a_sample(partition=0, lag=0, by_clock=False, advance=0, batch_size=1)
+    state.admission_matches_model()
+    state.buffer_matches_model()
+    state.stats_match_and_conserve()
+    state.teardown()
