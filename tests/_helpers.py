@@ -7,25 +7,30 @@ stalebuf module), so a rename inside stalebuf needs this file updated and no tes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from stalebuf import Batch, ReplayBuffer, SamplerConfig, Status, Trajectory
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
 from stalebuf._index import _SPENT as SPENT
 from stalebuf._partition import OpenGroup, PartitionState
+from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
 
 __all__ = [
+    "EVICTED_UIDS_REMEMBERED",
     "LIMIT",
     "SPENT",
+    "Background",
     "GroupView",
     "OpenGroup",
     "PartitionState",
     "add_group",
+    "admission_counts",
     "assert_conserved",
     "evaluations",
     "full_snapshot",
@@ -43,7 +48,10 @@ __all__ = [
     "settle",
     "snapshot",
     "spent_slots",
+    "start_call",
     "status_timer_running",
+    "steps_of",
+    "train_stats",
 ]
 
 LIMIT = 10  # seconds; bounds every wait, so that a hang fails instead of stalling CI
@@ -88,6 +96,38 @@ async def settle() -> None:
     await anyio.wait_all_tasks_blocked()
 
 
+class Background:
+    """One call that may wait (a producer waiting for admission, a sample), run in a task."""
+
+    def __init__(self, call: Callable[[], Awaitable[object]]) -> None:
+        self.call = call
+        self.returned = False
+        self.error: BaseException | None = None
+        self.scope = anyio.CancelScope()
+
+    async def run(self) -> None:
+        with self.scope:
+            try:
+                await self.call()
+                self.returned = True
+            except Exception as exc:
+                self.error = exc
+
+    @property
+    def done(self) -> bool:
+        """Whether the call returned or raised (a cancelled call is neither)."""
+        return self.returned or self.error is not None
+
+
+async def start_call(tg: anyio.abc.TaskGroup, call: Callable[[], Awaitable[object]]) -> Background:
+    """Start ``call`` in ``tg`` and let it run until it parks; trio starts tasks in random order,
+    so starting them one by one keeps their arrival order fixed."""
+    background = Background(call)
+    tg.start_soon(background.run)
+    await settle()
+    return background
+
+
 def sample_now(buf: ReplayBuffer, g: int, b: int, partition: str = "train") -> tuple[Batch, dict[str, float]]:
     """Evaluate once, without waiting, outside any event loop (raises TimeoutError if no batch)."""
 
@@ -98,6 +138,17 @@ def sample_now(buf: ReplayBuffer, g: int, b: int, partition: str = "train") -> t
 
 
 # -- checks -----------------------------------------------------------------------------------
+
+
+def train_stats(buf: ReplayBuffer) -> Any:
+    """The "train" partition's :class:`~stalebuf.PartitionStats`."""
+    return buf.stats().partitions["train"]
+
+
+def steps_of(buf: ReplayBuffer, *uids: str) -> list[int]:
+    """The dispatch steps the resident groups ``uids`` were tagged with."""
+    groups = resident_groups(buf)
+    return [groups[uid].dispatch_step for uid in uids]
 
 
 def assert_conserved(buf: ReplayBuffer) -> None:
@@ -142,7 +193,9 @@ def snapshot(buf: ReplayBuffer) -> Any:
 def full_snapshot(buf: ReplayBuffer) -> Any:
     """:func:`snapshot` and more: each group's partition and form (in flight or terminal), its
     payloads by identity, every index's failed list, in-flight counts, waiters and flags, the
-    closed flag and the next admission number."""
+    admission state (dispatch clocks, per-step slot counts, waiting producers, the last step a
+    sample returned at, the uids remembered as evicted in flight), the closed flag and the next
+    admission number."""
     groups = {
         uid: (
             group.in_flight,
@@ -162,10 +215,16 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
             len(part.waiters),
             part.exempt,
             part.evict_failures,
+            part.evict_in_flight,
+            part.cap,
+            admission_counts(buf, name),
+            len(part.producers),
+            part.last_sampled,
         )
         for name, part in _indexes(buf).items()
     }
-    return buf.stats(), buf.closed, groups, indexes, buf._next_seq
+    admission = (dict(buf._clocks), list(buf._evicted_in_flight))
+    return buf.stats(), buf.closed, groups, indexes, admission, buf._next_seq
 
 
 # -- reading the buffer's internals (the only code that does) -----------------------------------
@@ -252,6 +311,15 @@ def in_flight_heap_size(buf: ReplayBuffer, partition: str = "train") -> int:
 def in_flight_step_count(buf: ReplayBuffer, partition: str = "train") -> int:
     """How many distinct dispatch steps have groups in flight. Reads ``in_flight``."""
     return len(_indexes(buf)[partition].in_flight.groups)
+
+
+def admission_counts(buf: ReplayBuffer, partition: str = "train") -> dict[int, int] | None:
+    """The admission slots in use per dispatch step, as the buffer counts them (None without
+    admission control). Reads the partition's ``resident_at``."""
+    part = _indexes(buf).get(partition)
+    if part is None or part.resident_at is None:
+        return None
+    return dict(part.resident_at)
 
 
 def evaluations(buf: ReplayBuffer) -> int:

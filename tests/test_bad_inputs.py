@@ -25,6 +25,20 @@ run       train      RUNNING, sessions 0 and 1
 vfin      val        FINISHED (exempt partition)
 vfail     val        FAILURE (exempt partition: sampleable)
 ========  =========  ==========================================================
+
+Rows marked ``flow=True`` run against a second buffer with admission control (T=2, b=2,
+drop with ``evict_stale_in_flight``; see :func:`populated_flow`), whose dispatch clock and
+last returned sample are at step 3, so step 3 is full and steps 1 and below are closed:
+
+========  =========  ==========================================================
+uid       partition  state
+========  =========  ==========================================================
+gone      train      evicted as stale while RUNNING (dispatched at 0, sampled at 3)
+took      train      sampled at step 3
+fa        train      RUNNING at step 3, session 0
+fb        train      FINISHED at step 3 (put_group)
+vfin      val        FINISHED (exempt partition: never gated)
+========  =========  ==========================================================
 """
 
 from __future__ import annotations
@@ -43,10 +57,12 @@ from _helpers import LIMIT, assert_conserved, full_snapshot, resident_groups, re
 from stalebuf import ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
+    BufferFullError,
     CheckpointError,
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    GroupEvictedError,
     InvalidTransitionError,
     UnknownGroupError,
 )
@@ -71,6 +87,7 @@ class Case:
     error: type[Exception]
     match: str
     closed: bool = False  # close the buffer before the call (and before the snapshot)
+    flow: bool = False  # run against populated_flow() instead of populated()
 
 
 def write(ctx: Ctx, name: str, source: str) -> str:
@@ -172,6 +189,12 @@ async def restore_codec_file(ctx: Ctx) -> object:
     path = ctx.tmp_path / "codec.ckpt"
     await ctx.buf.save(path, payload_codec=(lambda p: repr(p).encode(), bytes.decode))
     return ReplayBuffer.restore(path)
+
+
+async def enter(block: Any) -> None:
+    """Enter and leave an ``async with`` block (a rollout whose entry must fail)."""
+    async with block:
+        pytest.fail("entered a rollout that must fail")
 
 
 C = Case
@@ -910,13 +933,13 @@ CASES: tuple[Case, ...] = (
     # a failed sample on an unseen partition must not create it (item 17)
     C(
         "sample-unseen-partition-timeout0",
-        lambda c: c.buf.sample(6, 1, partition="fresh", timeout=0),
+        lambda c: c.buf.sample(0, 1, partition="fresh", timeout=0),  # step 0: the clock stays
         TimeoutError,
         "'fresh'",
     ),
     C(
         "sample-huge-partition-timeout0",
-        lambda c: c.buf.sample(6, 1, partition=HUGE_STR, timeout=0),
+        lambda c: c.buf.sample(0, 1, partition=HUGE_STR, timeout=0),
         TimeoutError,
         "partition",
     ),
@@ -999,6 +1022,209 @@ CASES: tuple[Case, ...] = (
         "closed",
         closed=True,
     ),
+    # -- flow control: config ----------------------------------------------------------------
+    C("admission-0", lambda c: SamplerConfig(admission_batch_size=0), ConfigError, "admission_batch_size.*0"),
+    C(
+        "admission-negative",
+        lambda c: SamplerConfig(admission_batch_size=-4),
+        ConfigError,
+        "admission_batch_size.*-4",
+    ),
+    C(
+        "admission-bool",
+        lambda c: SamplerConfig(admission_batch_size=True),
+        ConfigError,
+        "admission_batch_size.*True",
+    ),
+    C(
+        "admission-float",
+        lambda c: SamplerConfig(admission_batch_size=2.0),
+        ConfigError,
+        "admission_batch_size.*2.0",
+    ),
+    C(
+        "admission-str",
+        lambda c: SamplerConfig(admission_batch_size="8"),
+        ConfigError,
+        "admission_batch_size.*'8'",
+    ),
+    C(
+        "admission-mapping-0",
+        lambda c: SamplerConfig.from_mapping({"admission_batch_size": 0}),
+        ConfigError,
+        "admission_batch_size",
+    ),
+    C(
+        "evict-in-flight-str",
+        lambda c: SamplerConfig(evict_stale_in_flight="yes"),
+        ConfigError,
+        "evict_stale_in_flight.*'yes'",
+    ),
+    C(
+        "evict-in-flight-int",
+        lambda c: SamplerConfig(evict_stale_in_flight=1),
+        ConfigError,
+        "evict_stale_in_flight.*1",
+    ),
+    C(
+        "evict-in-flight-None",
+        lambda c: SamplerConfig(evict_stale_in_flight=None),
+        ConfigError,
+        "evict_stale_in_flight.*None",
+    ),
+    C(
+        "evict-in-flight-under-wait",
+        lambda c: SamplerConfig(max_off_policy_strategy="wait", evict_stale_in_flight=True),
+        ConfigError,
+        "evict_stale_in_flight.*drop",
+    ),
+    C(
+        "evict-in-flight-mapping-wait",
+        lambda c: SamplerConfig.from_mapping(
+            {"max_off_policy_strategy": "wait", "evict_stale_in_flight": True}
+        ),
+        ConfigError,
+        "evict_stale_in_flight",
+    ),
+    # -- flow control: a full partition (BufferFullError changes nothing) --------------------
+    C(
+        "full-add",
+        lambda c: c.buf.add_prompt_nowait("new"),
+        BufferFullError,
+        "dispatch step 3",
+        flow=True,
+    ),
+    C(
+        "full-add-explicit",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=3, tags={"a": 1}),
+        BufferFullError,
+        "dispatch step 3",
+        flow=True,
+    ),
+    C(
+        "full-add-closed-step",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=1),
+        BufferFullError,
+        "dispatch step 1",
+        flow=True,
+    ),
+    C(
+        "full-put-group",
+        lambda c: c.buf.put_group_nowait("new", [1, 2]),
+        BufferFullError,
+        "step 3",
+        flow=True,
+    ),
+    C(
+        "full-put-group-explicit-failed",
+        lambda c: c.buf.put_group_nowait("new", [1], global_steps=3, status="failed"),
+        BufferFullError,
+        "step 3",
+        flow=True,
+    ),
+    C(
+        "full-put-group-closed-step",
+        lambda c: c.buf.put_group_nowait("new", [1], global_steps=0),
+        BufferFullError,
+        "dispatch step 0",
+        flow=True,
+    ),
+    C("full-bad-uid-first", lambda c: c.buf.add_prompt_nowait("a_b"), ValueError, "'a_b'", flow=True),
+    C(
+        "full-duplicate-first",
+        lambda c: c.buf.add_prompt_nowait("fa"),
+        DuplicateGroupError,
+        "'fa'",
+        flow=True,
+    ),
+    C(
+        "full-put-group-bad-status-first",
+        lambda c: c.buf.put_group_nowait("new", [1], status="running"),
+        ValueError,
+        "status",
+        flow=True,
+    ),
+    C(
+        "full-put-group-bad-payloads-first",
+        lambda c: c.buf.put_group_nowait("new", 5),
+        TypeError,
+        "payloads",
+        flow=True,
+    ),
+    C(
+        "full-put-group-other-step",
+        lambda c: c.buf.put_group_nowait("fa", [1], global_steps=2),
+        DuplicateGroupError,
+        "'fa'",
+        flow=True,
+    ),
+    C(
+        "full-put-group-existing-duplicate",
+        lambda c: c.buf.put_group_nowait("fa", [1]),
+        DuplicateTrajectoryError,
+        "fa_0_0",
+        flow=True,
+    ),
+    C(
+        "full-rollout-duplicate",
+        lambda c: enter(c.buf.rollout("fb")),
+        DuplicateGroupError,
+        "'fb'",
+        flow=True,
+    ),
+    C(
+        "full-closed",
+        lambda c: c.buf.add_prompt_nowait("new"),
+        BufferClosedError,
+        "closed",
+        closed=True,
+        flow=True,
+    ),
+    C(
+        "full-closed-async",
+        lambda c: c.buf.put_group("new", [1]),
+        BufferClosedError,
+        "closed",
+        closed=True,
+        flow=True,
+    ),
+    # -- flow control: a group evicted in flight -------------------------------------------
+    C(
+        "evicted-put",
+        lambda c: c.buf.put_nowait("gone", 1, session_id=4),
+        GroupEvictedError,
+        "'gone'.*evicted as stale while in flight",
+        flow=True,
+    ),
+    C(
+        "evicted-put-async",
+        lambda c: c.buf.put("gone", 1, session_id=4),
+        GroupEvictedError,
+        "'gone'",
+        flow=True,
+    ),
+    C("evicted-running", lambda c: c.buf.mark_running_nowait("gone"), GroupEvictedError, "'gone'", flow=True),
+    C("evicted-finish", lambda c: c.buf.mark_finished("gone"), GroupEvictedError, "'gone'", flow=True),
+    C("evicted-fail", lambda c: c.buf.mark_failed_nowait("gone"), GroupEvictedError, "'gone'", flow=True),
+    C(
+        "evicted-put-group",
+        lambda c: c.buf.put_group_nowait("gone", [1]),
+        GroupEvictedError,
+        "'gone'.*evicted as stale while in flight",
+        flow=True,
+    ),
+    C("sampled-put-flow", lambda c: c.buf.put_nowait("took", 1), UnknownGroupError, "'took'", flow=True),
+    # -- flow control: the new read-only calls and rollout() ---------------------------------
+    C("dispatch-step-partition-int", lambda c: c.buf.dispatch_step(3), TypeError, "partition.*int"),
+    C("dispatch-step-partition-empty", lambda c: c.buf.dispatch_step(""), ValueError, "partition"),
+    C("capacity-partition-None", lambda c: c.buf.capacity(None), TypeError, "partition.*NoneType"),
+    C("free-slots-partition-empty", lambda c: c.buf.free_slots(""), ValueError, "partition", flow=True),
+    C("full-partition-bytes", lambda c: c.buf.full(b"train"), TypeError, "partition.*bytes", flow=True),
+    C("rollout-uid-underscore", lambda c: enter(c.buf.rollout("a_b")), ValueError, "'a_b'"),
+    C("rollout-step-negative", lambda c: enter(c.buf.rollout("new", global_steps=-1)), ValueError, "-1"),
+    C("rollout-partition-int", lambda c: enter(c.buf.rollout("new", partition=2)), TypeError, "partition"),
+    C("rollout-duplicate", lambda c: enter(c.buf.rollout("run")), DuplicateGroupError, "'run'"),
+    C("rollout-closed", lambda c: enter(c.buf.rollout("new")), BufferClosedError, "closed", closed=True),
 )
 
 
@@ -1040,6 +1266,24 @@ async def populated() -> ReplayBuffer:
     return buf
 
 
+async def populated_flow() -> ReplayBuffer:
+    """The buffer of the ``flow=True`` rows (see the module docstring)."""
+    config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=2, evict_stale_in_flight=True)
+    buf = ReplayBuffer(config, status_log_interval=None)
+    buf.add_prompt_nowait("gone")  # tagged 0 by the clock
+    buf.mark_running_nowait("gone")
+    buf.put_nowait("gone", "g0")
+    buf.put_group_nowait("took", ["t0", "t1"], global_steps=2)
+    batch, _ = await buf.sample(3, 1, timeout=0)  # evicts "gone" in flight (s = 4 > 2)
+    assert batch.uids == ["took"]
+    buf.add_prompt_nowait("fa")  # tagged 3 by the clock
+    buf.mark_running_nowait("fa")
+    buf.put_nowait("fa", "a0")
+    buf.put_group_nowait("fb", ["b0"])
+    buf.put_group_nowait("vfin", ["v0"], partition="val")
+    return buf
+
+
 # -- the tests -------------------------------------------------------------------------------
 
 
@@ -1052,7 +1296,7 @@ async def invoke(case: Case, ctx: Ctx) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) -> None:
     with anyio.fail_after(LIMIT):
-        buf = await populated()
+        buf = await (populated_flow() if case.flow else populated())
         if case.closed:
             buf.close()
         before = full_snapshot(buf)
@@ -1064,7 +1308,12 @@ async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) 
         assert len(str(info.value)) <= MAX_MESSAGE, f"a message of {len(str(info.value))} characters"
         assert full_snapshot(buf) == before, "a failed call changed the buffer"
         # the buffer still works for legal calls afterwards
-        if not case.closed:
+        if case.flow and not case.closed:
+            buf.mark_finished_nowait("fa")
+            batch, _ = await buf.sample(3, 2, timeout=0)
+            assert batch.uids == ["fa", "fb"]
+            assert buf.free_slots() == 2  # step 3 is open again: s = 2 at the next sample
+        elif not case.closed:
             buf.mark_running_nowait("pend")
             buf.mark_finished_nowait("pend")
             batch, _ = await buf.sample(5, 2, timeout=0)
@@ -1174,6 +1423,8 @@ def test_the_table_is_big_and_distinct() -> None:
         DuplicateTrajectoryError,
         InvalidTransitionError,
         BufferClosedError,
+        BufferFullError,
+        GroupEvictedError,
     ):
         assert required in errors, f"no row raises {required.__name__}"
 
@@ -1187,3 +1438,9 @@ async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
         assert (train.sampled_groups, train.evicted_stale_groups, train.evicted_failure_groups) == (1, 1, 1)
         assert (val.finished, val.failure) == (1, 1)
         assert set(resident_uids(buf)) == {"fin", "failr", "pend", "run", "vfin", "vfail"}
+        flow = await populated_flow()
+        train = flow.stats().partitions["train"]
+        assert (train.running, train.finished, train.capacity) == (1, 1, 4)
+        assert (train.sampled_groups, train.evicted_in_flight_groups) == (1, 1)
+        assert (flow.dispatch_step(), flow.free_slots(), flow.full()) == (3, 0, True)
+        assert set(resident_uids(flow)) == {"fa", "fb", "vfin"}

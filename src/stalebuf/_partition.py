@@ -277,12 +277,22 @@ class PartitionState:
 
     # -- waiting ------------------------------------------------------------------------
 
-    def drop_abandoned(self) -> None:
-        """Forget waiters whose event loop was closed under them: they will never run."""
-        for name in ("waiters", "producers"):
-            queue: deque[Waiter] = getattr(self, name)
-            if queue and any(waiter.abandoned() for waiter in queue):
-                setattr(self, name, deque(waiter for waiter in queue if not waiter.abandoned()))
+    def drop_abandoned(self, everywhere: bool = False) -> None:
+        """Forget waiters whose event loop was closed under them: they will never run.
+
+        Only the heads are checked (a waiter behind a live head does not matter until it is
+        at the head), so this is O(1) on the hot paths; ``everywhere`` checks every waiter
+        (``stats()`` and ``close()`` do: they count or wake them all).
+        """
+        for queue in (self.waiters, self.producers):
+            if everywhere:
+                if any(waiter.abandoned() for waiter in queue):
+                    live = [waiter for waiter in queue if not waiter.abandoned()]
+                    queue.clear()
+                    queue.extend(live)
+            else:
+                while queue and queue[0].abandoned():
+                    queue.popleft()
 
     def has_live_waiter(self) -> bool:
         """Whether a ``sample`` that can still run waits on this partition."""

@@ -51,6 +51,9 @@ class Sampling(Admission):
                 break
             if evicted_before:
                 self._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before)
+            # State changes from here on: the call has gone through, so the clock moves now
+            # (a hook that raised above left everything, the clock included, as it was).
+            self._advance_clock(part.name, global_steps)
             events = self._evict(part, global_steps, stale, stale_in_flight, metrics)
             left = True
             if part.producers:  # slots freed: wake before on_evict runs, which may raise
@@ -91,16 +94,21 @@ class Sampling(Admission):
         if stale or stale_in_flight:
             dropped = part.take_stale(stale)
             if stale_in_flight:
-                in_flight = self._in_flight_records(part, part.take_stale_in_flight(stale_in_flight))
+                in_flight = self._in_flight_records(
+                    part, part.take_stale_in_flight(stale_in_flight), global_steps
+                )
                 metrics.in_flight_groups += len(in_flight)
                 dropped = sorted(dropped + in_flight, key=lambda group: group.dispatch_step)
             metrics.add_dropped(dropped, global_steps)
             events.append(self._evicted(part, "stale", dropped, global_steps))
         return events
 
-    def _in_flight_records(self, part: PartitionState, groups: list[OpenGroup]) -> list[Group]:
+    def _in_flight_records(
+        self, part: PartitionState, groups: list[OpenGroup], global_steps: int
+    ) -> list[Group]:
         """Records of groups evicted in flight; remember their uids and tell their watchers."""
-        clock, now = self._clocks.get(part.name, 0), monotonic()
+        # The sample evicting them moves the clock to its step (once it goes through).
+        clock, now = max(self._clocks.get(part.name, 0), global_steps), monotonic()
         remembered = self._evicted_in_flight
         records = []
         for group in groups:

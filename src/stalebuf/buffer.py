@@ -237,12 +237,14 @@ class ReplayBuffer(Producers):
             Exception: whatever a policy hook or ``on_evict`` raised, with the buffer consistent.
         """
         part = self._check_sample(global_steps, batch_size, partition)
-        self._advance_clock(partition, global_steps)
         if part is not None and not part.has_live_waiter():
             metrics = SampleMetrics()
             groups = self._evaluate(part, global_steps, batch_size, metrics)
+            # The clock moves once the call went through: a hook that raised changed nothing.
+            self._advance_clock(partition, global_steps)
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
+        self._advance_clock(partition, global_steps)
         raise BatchNotReadyError(
             f"no batch of {batch_size} may be returned from partition {describe(partition)} now"
         )
@@ -287,14 +289,16 @@ class ReplayBuffer(Producers):
             # changes. (One with timeout=0 never touches the backend, so any caller may check.)
             binding.check_backend()
         part = self._check_sample(global_steps, batch_size, partition)
-        self._advance_clock(partition, global_steps)
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
             part = self._partition(partition)
         metrics = SampleMetrics()
         if part is not None and not part.has_live_waiter():
             groups = self._evaluate(part, global_steps, batch_size, metrics)
+            # The clock moves once the call went through: a hook that raised changed nothing.
+            self._advance_clock(partition, global_steps)
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
+        self._advance_clock(partition, global_steps)
         if timeout == 0:
             raise TimeoutError(f"no batch of {batch_size} ready in partition {describe(partition)}")
         assert part is not None  # created above for a call that may wait
@@ -399,7 +403,7 @@ class ReplayBuffer(Producers):
         """
         self._binding.check_thread()
         for part in self._partitions.values():
-            part.drop_abandoned()
+            part.drop_abandoned(everywhere=True)
         partitions = {
             name: part.stats(self._capacity(part, name)) for name, part in sorted(self._partitions.items())
         }
@@ -422,7 +426,7 @@ class ReplayBuffer(Producers):
             return
         self._closed = True
         for part in self._partitions.values():
-            part.drop_abandoned()
+            part.drop_abandoned(everywhere=True)
             for waiter in (*part.waiters, *part.producers):
                 waiter.wake()
         for group in list(self._groups.values()):

@@ -153,27 +153,6 @@ class SubclassHooks(StalenessPolicy):
         return self.base.evicts_failures(partition)
 
     def admission_batch_size(self, partition: str) -> int | None:
-        """The per-dispatch-step cap ``b`` of ``partition``'s admission control, or None for no
-        admission control (always None for exempt partitions). Asked once per partition."""
-        return None if self.is_exempt(partition) else self.config.admission_batch_size
-
-    def evicts_in_flight(self, partition: str) -> bool:
-        """Whether ``sample`` also evicts stale PENDING/RUNNING groups of ``partition`` (drop with
-        ``evict_stale_in_flight``, never exempt partitions). Asked once per partition."""
-        return self.drops and self.config.evict_stale_in_flight and not self.is_exempt(partition)
-
-    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
-        """Whether one more group may be admitted at dispatch step ``tag``.
-
-        ``resident_at_tag`` groups tagged ``tag`` are resident; ``last_sampled`` is the largest
-        step a ``sample`` on the partition returned a batch at (-1 before any). Default: fewer
-        than ``cap`` resident at the tag, and a group tagged ``tag`` could still be trained
-        fresh enough by the next sample (not ``is_stale(last_sampled + 1, tag)``) — which, with
-        ``T*S == 1``, closes tag ``c`` once ``sample(c)`` has returned.
-        """
-        return resident_at_tag < cap and not self.is_stale(last_sampled + 1, tag, partition)
-
-    def admission_batch_size(self, partition: str) -> int | None:
         return self.base.admission_batch_size(partition)
 
     def evicts_in_flight(self, partition: str) -> bool:

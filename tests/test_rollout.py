@@ -1,0 +1,378 @@
+"""rollout() (issue 11) and the concurrent properties 1 (hard bound under wait) and 2 (no deadlock).
+
+``async with buffer.rollout(uid) as group`` admits a group (waiting for a slot), marks it
+RUNNING, and ends it with the block: FINISHED on a normal exit, FAILED when the body raises
+(the error propagates); if the group is evicted while the body runs (in-flight eviction, or
+close) the body is cancelled and the block exits quietly with ``group.evicted``. Every test runs
+on asyncio and trio, every wait bounded by ``anyio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import pytest
+
+from _helpers import LIMIT, add_group, assert_conserved, make, resident_groups, settle
+from stalebuf import (
+    BatchNotReadyError,
+    BufferClosedError,
+    EvictionEvent,
+    GroupEvictedError,
+    ReplayBuffer,
+    RolloutGroup,
+    Status,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+class Boom(Exception):
+    """The body's own error."""
+
+
+def status_of(buf: ReplayBuffer, uid: str) -> Status:
+    return resident_groups(buf)[uid].status
+
+
+# -- the block's exits ---------------------------------------------------------------------------
+
+
+async def test_a_body_that_returns_finishes_the_group() -> None:
+    buf = make(admission_batch_size=2)
+    with anyio.fail_after(LIMIT):
+        async with buf.rollout("a", tags={"kind": "math"}) as group:
+            assert isinstance(group, RolloutGroup)
+            assert (group.uid, group.partition, group.global_steps, group.evicted) == ("a", "train", 0, False)
+            assert status_of(buf, "a") is Status.RUNNING
+            assert await group.put("x") == "a_0_0"
+            assert group.put_nowait("y", session_id=1, index=2, tags={"r": 1}) == "a_1_2"
+    assert not group.evicted
+    view = resident_groups(buf)["a"]
+    assert view.status is Status.FINISHED
+    assert [t.key for t in view.trajectories] == ["a_0_0", "a_1_2"]
+    assert dict(view.tags) == {"kind": "math"}
+    batch, _ = buf.sample_nowait(0, 1)
+    assert batch.payloads == ["x", "y"]
+
+
+async def test_a_body_that_raises_fails_the_group_and_the_error_propagates() -> None:
+    buf = make(admission_batch_size=2)
+    groups: list[RolloutGroup] = []
+
+    async def produce() -> None:
+        async with buf.rollout("a") as group:
+            groups.append(group)
+            await group.put("x")
+            raise Boom
+
+    with anyio.fail_after(LIMIT), pytest.raises(Boom):
+        await produce()
+    assert status_of(buf, "a") is Status.FAILURE
+    assert not groups[0].evicted
+
+
+async def test_a_body_that_ends_the_group_itself_is_left_alone() -> None:
+    buf = make(admission_batch_size=2)
+
+    async def finish_then_raise() -> None:
+        async with buf.rollout("b"):
+            await buf.mark_finished("b")
+            raise Boom
+
+    with anyio.fail_after(LIMIT):
+        async with buf.rollout("a"):
+            await buf.mark_failed("a")
+        with pytest.raises(Boom):
+            await finish_then_raise()
+    assert (status_of(buf, "a"), status_of(buf, "b")) == (Status.FAILURE, Status.FINISHED)
+
+
+async def test_eviction_in_flight_cancels_the_body_and_the_block_exits_quietly() -> None:
+    events: list[EvictionEvent] = []
+    buf = make(
+        admission_batch_size=2,
+        max_off_policy_threshold=1,
+        evict_stale_in_flight=True,
+        on_evict=events.append,
+    )
+    reached: list[str] = []
+    groups: dict[str, RolloutGroup] = {}
+
+    async def produce(uid: str, step: int | None) -> None:
+        async with buf.rollout(uid, global_steps=step) as group:
+            groups[uid] = group
+            await group.put(uid)
+            if uid == "old":
+                await anyio.sleep_forever()
+            reached.append(f"{uid} body end")
+        reached.append(f"{uid} after block")
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce, "old", None)
+            await settle()
+            assert status_of(buf, "old") is Status.RUNNING
+            add_group(buf, "fresh", 2)
+            batch, _ = buf.sample_nowait(2, 1)  # s = 3 > T: no later sample could return "old"
+            assert batch.uids == ["fresh"]
+            await settle()
+            # (T*S = 1 and sample(2) returned: step 2 is closed, step 3 is open.)
+            tg.start_soon(produce, "new", 3)  # a body the eviction did not touch finishes
+    assert reached == ["old after block", "new body end", "new after block"]
+    assert groups["old"].evicted
+    assert not groups["new"].evicted
+    assert "old" not in buf
+    assert status_of(buf, "new") is Status.FINISHED
+    [event] = events
+    assert event.reason == "stale"
+    [evicted] = event.groups
+    assert (evicted.uid, evicted.status, [t.payload for t in evicted.trajectories]) == (
+        "old",
+        Status.RUNNING,
+        ["old"],
+    )
+    with pytest.raises(GroupEvictedError):
+        groups["old"].put_nowait("late", session_id=1)
+    assert_conserved(buf)
+
+
+async def test_a_shielded_body_learns_of_the_eviction_on_its_next_write() -> None:
+    buf = make(admission_batch_size=1, max_off_policy_threshold=1, evict_stale_in_flight=True)
+    errors: list[BaseException] = []
+
+    async def produce() -> None:
+        async with buf.rollout("a") as group:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.02)  # the eviction lands here
+                try:
+                    await group.put("late")
+                except GroupEvictedError as exc:
+                    errors.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            await settle()
+            with pytest.raises(BatchNotReadyError):
+                buf.sample_nowait(3, 1)  # evicts "a" while its body is shielded
+    assert len(errors) == 1
+    assert "in flight" in str(errors[0])
+    assert buf.stats().total.evicted_in_flight_groups == 1
+
+
+@pytest.mark.parametrize("how", ["in-flight eviction", "close"])
+async def test_a_body_that_writes_before_the_cancellation_reaches_it_still_exits_quietly(how: str) -> None:
+    """The body's generation completes (its await is done, the task is scheduled to resume) and,
+    before it runs, the trainer evicts the group or closes the buffer. Cancellation only lands
+    at the body's next checkpoint, so its next write runs first and is refused: the block must
+    still exit without raising, with ``group.evicted`` set."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=1, evict_stale_in_flight=True)
+    generated = anyio.Event()
+    outcome: list[object] = []
+
+    async def produce() -> None:
+        try:
+            async with buf.rollout("a") as group:
+                await generated.wait()
+                await group.put("result")  # no checkpoint before this write
+                outcome.append("wrote")
+            outcome.append(group.evicted)
+        except Exception as exc:
+            outcome.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            await settle()
+            generated.set()  # the producer may resume...
+            if how == "close":  # ...but first, in the same step of the loop:
+                buf.close()
+            else:
+                with pytest.raises(BatchNotReadyError):
+                    buf.sample_nowait(2, 1)
+    assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
+
+
+async def test_close_while_the_body_runs_cancels_it_and_the_group_stays() -> None:
+    buf = make(admission_batch_size=1)
+    reached: list[str] = []
+    group: RolloutGroup | None = None
+
+    async def produce() -> None:
+        nonlocal group
+        async with buf.rollout("a") as group:
+            await group.put(1)
+            await anyio.sleep_forever()
+            reached.append("body end")
+        reached.append("after block")
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            await settle()
+            buf.close()
+    assert reached == ["after block"]
+    assert group is not None
+    assert group.evicted
+    assert status_of(buf, "a") is Status.RUNNING  # close keeps the groups, as they were
+    with pytest.raises(BufferClosedError):
+        async with buf.rollout("b"):
+            pass
+
+
+async def test_entering_waits_for_admission_and_is_tagged_when_admitted() -> None:
+    buf = make(admission_batch_size=1)
+    buf.add_prompt_nowait("a")
+    entered: list[RolloutGroup] = []
+
+    async def produce() -> None:
+        async with buf.rollout("b") as group:
+            entered.append(group)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            await settle()
+            assert not entered
+            assert buf.stats().total.waiting_producers == 1
+            with pytest.raises(BatchNotReadyError):
+                buf.sample_nowait(4, 1)  # the clock moves to 4: a fresh slot
+    [group] = entered
+    assert group.global_steps == 4 == resident_groups(buf)["b"].dispatch_step
+    assert status_of(buf, "b") is Status.FINISHED
+    with anyio.fail_after(LIMIT):
+        async with buf.rollout("c", global_steps=1, partition="val") as group:
+            assert (group.global_steps, group.partition) == (1, "val")
+
+
+async def test_a_rollout_cancelled_while_waiting_to_enter_adds_nothing() -> None:
+    buf = make(admission_batch_size=1)
+    buf.add_prompt_nowait("a")
+
+    async def produce() -> None:
+        with anyio.fail_after(0.02):
+            async with buf.rollout("b"):
+                pytest.fail("entered without a slot")
+
+    with anyio.fail_after(LIMIT), pytest.raises(TimeoutError):
+        await produce()
+    assert "b" not in buf
+    assert buf.stats().total.waiting_producers == 0
+
+
+@pytest.mark.parametrize("how", ["cancel scope", "fail_after"])
+async def test_outer_cancellation_of_the_body_propagates(how: str) -> None:
+    buf = make(admission_batch_size=2)
+    reached: list[str] = []
+    groups: list[RolloutGroup] = []
+
+    async def produce_under_deadline() -> None:
+        with anyio.fail_after(0.02):
+            async with buf.rollout("a") as group:
+                groups.append(group)
+                await anyio.sleep_forever()
+            reached.append("after block")
+
+    with anyio.fail_after(LIMIT):
+        if how == "cancel scope":
+            with anyio.CancelScope() as outer:
+                async with buf.rollout("a") as group:
+                    groups.append(group)
+                    outer.cancel()
+                    await anyio.sleep_forever()
+                reached.append("after block")  # must not run: the cancellation is not swallowed
+            assert outer.cancelled_caught
+        else:
+            with pytest.raises(TimeoutError):
+                await produce_under_deadline()
+    assert reached == []
+    assert not groups[0].evicted
+    assert status_of(buf, "a") is Status.FAILURE  # a cancelled body did not finish its group
+
+
+# -- properties 1 and 2, concurrently -----------------------------------------------------------
+
+# (T, S, b, strategy): T*S from 1 to 4, drop with evict_stale_in_flight.
+PROPERTY_CASES = [
+    (1, 1, 1, "wait"),
+    (1, 1, 3, "wait"),
+    (2, 1, 2, "wait"),
+    (1, 2, 2, "wait"),
+    (3, 1, 1, "wait"),
+    (2, 2, 2, "wait"),
+    (1, 1, 2, "drop"),
+    (2, 1, 2, "drop"),
+    (1, 3, 1, "drop"),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("T", "S", "b", "strategy"), PROPERTY_CASES)
+async def test_a_consecutive_trainer_and_rollout_producers_never_exceed_T_and_never_deadlock(
+    T: int, S: int, b: int, strategy: str, seed: int
+) -> None:
+    """A trainer calls sample(g, b) for g = 0, 1, 2, ...; more producers than slots loop
+    ``async with buffer.rollout(...)`` with random latencies. Under wait no sampled group has
+    s > T and nothing is dropped (property 1); under either strategy everyone finishes
+    (property 2) and at most T*S*b groups are ever resident."""
+    rng = random.Random(seed * 1000 + T * 100 + S * 10 + b)
+    buf = make(
+        max_off_policy_threshold=T,
+        parameter_sync_step=S,
+        max_off_policy_strategy=strategy,
+        admission_batch_size=b,
+        evict_stale_in_flight=strategy == "drop",
+    )
+    capacity = T * S * b
+    assert buf.capacity() == capacity
+    steps = 20
+    seen: dict[str, Any] = {"max_staleness": 0.0, "max_resident": 0, "bodies": 0, "evicted": 0}
+
+    def check_resident() -> None:
+        resident = buf.stats().total.groups
+        seen["max_resident"] = max(seen["max_resident"], resident)
+        assert resident <= capacity
+
+    async def worker(w: int) -> None:
+        for n in range(10**6):
+            try:
+                async with buf.rollout(f"w{w}n{n}") as group:
+                    check_resident()
+                    seen["bodies"] += 1
+                    await anyio.sleep(rng.random() * 0.003)
+                    await group.put(n)
+                    if rng.random() < 0.5:
+                        await anyio.sleep(rng.random() * 0.003)
+                seen["evicted"] += group.evicted
+            except BufferClosedError:
+                return
+
+    async def trainer() -> None:
+        for g in range(steps):
+            batch, metrics = await buf.sample(g, b)
+            check_resident()
+            assert len(batch) == b
+            seen["max_staleness"] = max(seen["max_staleness"], float(batch.staleness.max()))
+            generation = metrics["training/off_policy/sampled_generation_steps/mean"]
+            queue = metrics["training/off_policy/sampled_queue_steps/mean"]
+            assert generation + queue == pytest.approx(g - sum(x.dispatch_step for x in batch) / b)
+            await anyio.sleep(rng.random() * 0.003)  # training: producers run meanwhile
+        await buf.aclose()
+
+    with anyio.fail_after(4 * LIMIT):
+        async with anyio.create_task_group() as tg:
+            for w in range(capacity + 2):
+                tg.start_soon(worker, w)
+            tg.start_soon(trainer)
+    stats = buf.stats().total
+    assert stats.sampled_groups == steps * b
+    assert seen["max_staleness"] <= T
+    if strategy == "wait":
+        assert stats.evicted_stale_groups == 0
+        assert stats.evicted_in_flight_groups == 0
+    assert stats.waiting_producers == 0
+    assert stats.waiting_samplers == 0
+    assert_conserved(buf)
