@@ -74,7 +74,7 @@ class _Run:
     """
 
     # Set inside the event loop, from trio itself: anyio's twins look the backend up on every
-    # call, and anyio's memory stream creates an event per wait: together a third of a run.
+    # call, and anyio's memory stream creates an event per wait: together a sixth of a run.
     now: Callable[[], float]
     sleep: Callable[[float], Awaitable[None]]
     send: trio.MemorySendChannel[_Prompt]  # the dispatch queue (without admission)
