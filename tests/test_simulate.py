@@ -6,7 +6,10 @@ real ``python -m stalebuf simulate`` in a subprocess, the others call ``main`` i
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +23,14 @@ import stalebuf.errors
 import stalebuf.simulate
 from stalebuf.cli import main
 from stalebuf.errors import ConfigError
-from stalebuf.simulate import Latency, MissingDependencyError, SimulationConfig, simulate
+from stalebuf.simulate import Latency, MissingDependencyError, SimulationConfig, _model, simulate
 
 SMALL = ["--steps", "30", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
 # Tight enough that drop evicts something and wait has to wait.
 TIGHT = [*SMALL, "--threshold", "1", "--latency", "lognormal:2.3,1.0", "--train-step-seconds", "5"]
+# The four runs of the default command line, in the order the report prints them.
+LABELS = ["drop", "drop+admission", "wait", "wait+admission"]
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def run_json(tmp_path: Path, *args: str, name: str = "out.json") -> dict[str, Any]:
@@ -51,17 +57,74 @@ def test_python_dash_m_runs_end_to_end(tmp_path: Path) -> None:
     assert proc.stderr == ""  # no progress bar when stderr is not a TTY
     assert "trained groups per simulated hour" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("drop"))
-    assert header.split() == ["drop", "wait"]
+    assert header.split() == LABELS
     document = json.loads(path.read_text(encoding="utf-8"))
-    assert set(document["results"]) == {"drop", "wait"}
+    assert list(document["results"]) == LABELS
+    for label, result in document["results"].items():
+        assert result["config"]["admission"] == label.endswith("+admission")
 
 
-def test_single_strategy_prints_one_column(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", *SMALL, "--strategy", "wait"]) == 0
+def column_headers(out: str) -> list[list[str]]:
+    """The report's header lines: those made only of run labels."""
+    return [line.split() for line in out.splitlines() if line.split() and set(line.split()) <= set(LABELS)]
+
+
+def test_single_strategy_without_admission_prints_one_column(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--strategy", "wait", "--admission", "off"]) == 0
     out = capsys.readouterr().out
-    assert any(line.split() == ["wait"] for line in out.splitlines())
-    assert not any(line.split() == ["drop", "wait"] for line in out.splitlines())
-    assert "as many groups per hour" not in out  # the comparison needs both
+    assert column_headers(out) == [["wait"]]
+    assert "as many groups per hour" not in out  # the comparison needs two runs
+
+
+@pytest.mark.parametrize(
+    ("argv", "labels"),
+    [
+        (["--strategy", "wait"], ["wait", "wait+admission"]),
+        (["--strategy", "drop", "--admission", "both"], ["drop", "drop+admission"]),
+        (["--admission", "off"], ["drop", "wait"]),
+        (["--admission", "on"], ["drop+admission", "wait+admission"]),
+        (["--strategy", "drop", "--admission", "on"], ["drop+admission"]),
+    ],
+)
+def test_strategy_and_admission_choose_the_columns(
+    tmp_path: Path, argv: list[str], labels: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    document = run_json(tmp_path, *SMALL, "--steps", "5", *argv)
+    out = capsys.readouterr().out
+    assert column_headers(out) == [labels]
+    assert list(document["results"]) == labels
+    for label in labels:
+        assert document["results"][label]["config"]["strategy"] == label.split("+")[0]
+        assert document["results"][label]["config"]["admission"] == ("+" in label)
+    if len(labels) == 2:
+        fast, slow = sorted(labels, key=lambda k: -document["results"][k]["trained_groups_per_hour"])
+        assert f"\n{fast} trains " in out
+        assert f" as many groups per hour as {slow}.\n" in out
+
+
+def test_the_four_way_verdict_names_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TIGHT]) == 0
+    out = capsys.readouterr().out
+    verdict = out.split("\n\n")[-1].splitlines()
+    assert "as many groups per hour as" in verdict[0]
+    assert [line.split()[0] for line in verdict[1:]] == LABELS
+    assert all(line.endswith(";") for line in verdict[1:-1])
+    assert verdict[-1].endswith(".")
+
+
+def test_progress_bar_fits_every_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["simulate", *SMALL, "--steps", "4"]) == 0
+    bars = re.findall(r"simulating (.*?) \[", terminal.getvalue())
+    assert {bar.strip() for bar in bars} == set(LABELS)
+    assert {len(bar) for bar in bars} == {len("drop+admission")}  # aligned
+    assert terminal.getvalue().endswith("\r\033[K")  # the bar is cleared
 
 
 def test_report_lists_every_number(capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,15 +158,27 @@ def test_report_lists_every_number(capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_numbers_obey_the_sanity_laws(tmp_path: Path, extra: list[str]) -> None:
     results = run_json(tmp_path, *TIGHT, *extra)["results"]
-    drop, wait = results["drop"], results["wait"]
-    threshold = drop["config"]["threshold"]
-    assert wait["dropped_groups"] == 0
-    assert wait["dropped_fraction"] == 0.0
-    assert wait["wasted_generation_fraction"] == 0.0
-    assert drop["staleness"]["max"] <= threshold
-    assert all(item["staleness"] <= threshold for item in drop["staleness"]["histogram"])
-    for result in (drop, wait):
+    assert list(results) == LABELS
+    threshold = results["drop"]["config"]["threshold"]
+    for label in ("wait", "wait+admission"):
+        assert results[label]["dropped_groups"] == 0
+        assert results[label]["dropped_fraction"] == 0.0
+        assert results[label]["wasted_generation_fraction"] == 0.0
+    # drop never trains above T; wait+admission neither (the hard bound), plain wait may.
+    for label in ("drop", "drop+admission", "wait+admission"):
+        assert results[label]["staleness"]["max"] <= threshold
+        assert all(item["staleness"] <= threshold for item in results[label]["staleness"]["histogram"])
+    for result in results.values():
         config = result["config"]
+        if config["admission"]:
+            assert config["capacity"] == threshold * config["parameter_sync_step"] * config["batch_size"]
+            assert config["batch_size"] <= result["max_resident_groups"] <= config["capacity"]
+            # A worker is always generating or waiting for admission, never idle otherwise.
+            assert result["worker_utilization"] + result["admission_wait_fraction"] == pytest.approx(1.0)
+        else:
+            assert config["capacity"] is None
+            assert result["max_resident_groups"] == config["dispatch_budget"]
+            assert result["admission_wait_fraction"] == 0.0
         assert 0.0 <= result["trainer_idle_fraction"] <= 1.0
         assert 0.0 <= result["worker_utilization"] <= 1.0
         assert result["trained_groups"] == config["steps"] * config["batch_size"]
@@ -144,6 +219,86 @@ def test_the_tradeoff_shows_up() -> None:
     assert wait.trainer_idle_fraction > drop.trainer_idle_fraction
 
 
+# -- admission ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """The report and JSON results of ``stalebuf simulate`` with every default (about 4 s)."""
+    path = tmp_path_factory.mktemp("default") / "default.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["simulate", "--json", str(path)]) == 0
+    results: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))["results"]
+    wrote = f"wrote {path}\n"
+    assert out.getvalue().endswith(wrote)
+    return out.getvalue().removesuffix(wrote), results
+
+
+def test_admission_does_what_it_promises_at_the_default_settings(
+    default_run: tuple[str, dict[str, Any]],
+) -> None:
+    _, results = default_run
+    assert list(results) == LABELS
+    threshold = results["wait+admission"]["config"]["threshold"]
+    assert results["wait+admission"]["staleness"]["max"] <= threshold
+    assert results["wait+admission"]["dropped_groups"] == 0
+    wasted = {label: result["wasted_generation_fraction"] for label, result in results.items()}
+    assert wasted["drop+admission"] < wasted["drop"]
+
+
+def test_the_readme_shows_the_default_run_exactly(default_run: tuple[str, dict[str, Any]]) -> None:
+    report, _ = default_run
+    section = README.read_text(encoding="utf-8").split("## `stalebuf simulate`", 1)[1]
+    pasted = section.split("```text\n", 1)[1].split("```", 1)[0]
+    assert pasted == report
+
+
+def test_admission_ignores_the_dispatch_budget() -> None:
+    """With admission the workers dispatch whenever the buffer admits: --dispatch-ahead is unused."""
+    settings: dict[str, Any] = {"admission": True, "threshold": 2, "steps": 20, "batch_size": 4, "workers": 8}
+    results = [simulate(SimulationConfig(dispatch_ahead=ahead, **settings)).to_dict() for ahead in (0, 5)]
+    for result in results:
+        del result["config"]
+    assert results[0] == results[1]
+
+
+def test_a_rollout_evicted_in_flight_frees_its_worker_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under drop with admission the buffer evicts groups that turned stale in flight; the
+    rollout() block cancels their generation, so the worker spent less than the group's length."""
+    runs: list[Any] = []
+
+    class Spy(_model._Run):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            runs.append(self)
+
+    monkeypatch.setattr(_model, "_Run", Spy)
+    config = SimulationConfig(
+        strategy="drop",
+        admission=True,
+        threshold=2,
+        steps=40,
+        batch_size=4,
+        workers=8,
+        latency=Latency.parse("lognormal:2.3,1.0"),
+        train_step_seconds=5.0,
+    )
+    result = simulate(config)
+    (run,) = runs
+    stats = run.buffer.stats().partitions["train"]
+    assert stats.evicted_in_flight_groups > 0
+    assert stats.evicted_stale_groups == result.dropped_groups
+    cut_short = [
+        prompt
+        for prompt in run.dispatched
+        if prompt.fate == "stale"
+        and prompt.spent < (prompt.seconds if prompt.fail_after is None else prompt.fail_after) - 1e-6
+    ]
+    assert len(cut_short) == stats.evicted_in_flight_groups
+    assert all(prompt.done and not prompt.failed for prompt in cut_short)
+
+
 def test_timeline_is_contiguous() -> None:
     config = SimulationConfig(steps=10, batch_size=2, workers=4, train_step_seconds=7.0)
     result = simulate(config)
@@ -174,19 +329,22 @@ def test_same_seed_same_json(tmp_path: Path) -> None:
     assert first != other
 
 
+@pytest.mark.parametrize("admission", [False, True])
 @pytest.mark.parametrize("latency", ["fixed:10", "fixed:5", "exponential:10"])
-def test_simultaneous_events_do_not_break_reproducibility(latency: str) -> None:
+def test_simultaneous_events_do_not_break_reproducibility(latency: str, admission: bool) -> None:
     """Fixed latencies make many tasks wake at the same virtual instant; trio runs those in
     a random order, which must not change the result. Reseed trio's scheduler RNG (a private
-    detail, used only if present) to force different orders."""
+    detail, used only if present) to force different orders. With admission, more workers
+    and T=2 make producers queue for admission and rollouts get evicted in flight."""
     trio_run = pytest.importorskip("trio._core._run")
     rng = getattr(trio_run, "_r", None)
     config = SimulationConfig(
         strategy="drop",
-        threshold=1,
+        admission=admission,
+        threshold=2 if admission else 1,
         steps=25,
         batch_size=4,
-        workers=3,
+        workers=12 if admission else 3,
         latency=Latency.parse(latency),
         train_step_seconds=10.0,
         failure_rate=0.3,
@@ -229,6 +387,8 @@ def test_plot_without_matplotlib_is_one_line(
     ("argv", "needle"),
     [
         (["simulate", "--strategy", "sometimes"], "--strategy"),
+        (["simulate", "--admission", "yes"], "--admission"),
+        (["simulate", "--admission", "true"], "--admission"),
         (["simulate", "--threshold", "0"], "--threshold"),
         (["simulate", "--threshold", "two"], "--threshold"),
         (["simulate", "--parameter-sync-step", "-1"], "--parameter-sync-step"),
@@ -315,6 +475,7 @@ def test_a_rule_across_fields_is_one_line_naming_no_single_option(
 # field to. A new field must appear here, or in NOT_ON_THE_COMMAND_LINE with the reason.
 EVERY_FIELD: dict[str, tuple[list[str], object]] = {
     "strategy": (["--strategy", "wait"], "wait"),
+    "admission": (["--admission", "on"], True),
     "threshold": (["--threshold", "3"], 3),
     "parameter_sync_step": (["--parameter-sync-step", "2"], 2),
     "failure_strategy": (["--failure-strategy", "sample"], "sample"),
@@ -337,7 +498,7 @@ def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -
     assert not set(EVERY_FIELD) & set(NOT_ON_THE_COMMAND_LINE)
     defaults = SimulationConfig().to_dict()
     argv = [arg for args, _ in EVERY_FIELD.values() for arg in args]
-    config = run_json(tmp_path, *argv)["results"]["wait"]["config"]
+    config = run_json(tmp_path, *argv)["results"]["wait+admission"]["config"]
     for name, (_, value) in EVERY_FIELD.items():
         assert value != defaults[name], name  # else an ignored option would go unnoticed
         assert config[name] == value, name
@@ -382,6 +543,9 @@ def test_simulate_module_imports_without_trio() -> None:
     "kwargs",
     [
         {"strategy": "sometimes"},
+        {"admission": 1},
+        {"admission": "on"},
+        {"admission": None},
         {"threshold": 0},
         {"threshold": True},
         {"steps": 2.0},

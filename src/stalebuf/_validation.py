@@ -21,6 +21,7 @@ from .records import EMPTY_TAGS
 __all__ = [
     "MAX_INT",
     "MIN_STATUS_LOG_INTERVAL",
+    "a_bool",
     "check_batch_size",
     "check_group_payloads",
     "check_index",
@@ -102,6 +103,16 @@ def int_at_least(label: str, low: int) -> Any:
     def check(_instance: object, _attribute: object, value: object) -> None:
         if type(value) is not int or not low <= value <= MAX_INT:
             raise ConfigError(f"{label} must be an int >= {low} (and < 2**63), got {describe(value)}")
+
+    return check
+
+
+def a_bool(label: str) -> Any:
+    """Return a validator accepting True or False only (not 0, 1 or other truthy values)."""
+
+    def check(_instance: object, _attribute: object, value: object) -> None:
+        if type(value) is not bool:
+            raise ConfigError(f"{label} must be a bool (True or False), got {describe(value)}")
 
     return check
 

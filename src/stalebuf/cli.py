@@ -1,4 +1,5 @@
-"""The ``stalebuf`` command line: ``stalebuf simulate`` compares drop and wait.
+"""The ``stalebuf`` command line: ``stalebuf simulate`` compares drop and wait, with and
+without admission control.
 
 This module only parses. The options of ``simulate`` are derived from the fields of
 :class:`~stalebuf.simulate.SimulationConfig` (name, default and type), and every value is
@@ -37,11 +38,13 @@ from .simulate._report import require_matplotlib
 __all__ = ["main"]
 
 _DEFAULTS = SimulationConfig()
+#: ``--admission`` choices and the ``SimulationConfig.admission`` value each stands for.
+_ADMISSION: dict[str, bool] = {"off": False, "on": True}
 
 #: The ``simulate`` option of each SimulationConfig field, in ``--help`` order, as its
 #: ``(metavar, help)``: the flag is the field's name with dashes, and its default and type are the
-#: field's. A new field needs one line here. ``strategy`` has no entry: ``--strategy`` also
-#: takes "both", which runs one config per strategy.
+#: field's. A new field needs one line here. ``strategy`` and ``admission`` have no entry:
+#: ``--strategy drop|wait|both`` and ``--admission off|on|both`` choose which configs run.
 _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "threshold": ("T", "max_off_policy_threshold"),
     "parameter_sync_step": ("S", "parameter_sync_step"),
@@ -49,7 +52,10 @@ _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "batch_size": ("B", "groups per trainer step"),
     "group_size": ("N", "trajectories per group (GRPO n)"),
     "workers": ("W", "rollout workers, one group at a time each"),
-    "dispatch_ahead": ("K", "prompts dispatched beyond the batch being filled, in batches"),
+    "dispatch_ahead": (
+        "K",
+        "without admission: prompts dispatched beyond the batch being filled, in batches",
+    ),
     "latency": (
         "SPEC",
         "generation time per group in seconds: lognormal:MU,SIGMA (of ln seconds), "
@@ -97,16 +103,24 @@ def _latency_option(text: str) -> Latency:
 
 _MODEL = """\
 the model:
-  The trainer keeps batch-size * (1 + dispatch-ahead) prompts dispatched
-  (taken from the dataset, not yet trained or evicted). Each step it calls
-  sample(g, batch-size) on the real ReplayBuffer (idle time), dispatches as
-  many new prompts tagged with step g, and trains for train-step-seconds (busy
-  time). Rollout workers take prompts in dispatch order; each prompt's
+  Each step the trainer calls sample(g, batch-size) on the real ReplayBuffer
+  (idle time) and trains for train-step-seconds (busy time). Each prompt's
   generation time (its "length") is drawn from --latency; a worker puts
   group-size trajectories and marks the group finished, or fails it part-way
-  with probability --failure-rate. Groups the buffer evicts (stale under drop,
-  failed under --failure-strategy evict) are replaced with fresh prompts from
-  on_evict. Time is virtual (trio's MockClock); a seed reproduces a run.
+  with probability --failure-rate. Time is virtual (trio's MockClock); a seed
+  reproduces a run.
+
+  Without admission, the trainer keeps batch-size * (1 + dispatch-ahead)
+  prompts dispatched (taken from the dataset, not yet trained or evicted): after
+  each sample it dispatches as many new prompts tagged with step g, and groups
+  the buffer evicts (stale under drop, failed under --failure-strategy evict)
+  are replaced from on_evict. Workers take prompts in dispatch order.
+
+  With admission (the buffer's admission_batch_size = batch-size), each worker
+  loops "async with buffer.rollout(uid)": it waits until the buffer admits a
+  group (at most batch-size groups per dispatch step, T*S*batch-size resident)
+  and generates it. Under drop the buffer also evicts groups that turned stale
+  in flight (evict_stale_in_flight), which cancels their rollout at once.
 
 reading the report:
   "long prompts" are the slowest quarter of the prompts whose fate was decided
@@ -129,17 +143,24 @@ def _build_parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim = commands.add_parser(
         "simulate",
-        help="compare the drop and wait strategies in a simulated async RL pipeline",
+        help="compare drop and wait, with and without admission, in a simulated async RL pipeline",
         description=(
             "Run the real ReplayBuffer inside a simulated asynchronous GRPO pipeline (a trainer\n"
-            "and rollout workers) on a virtual clock, and compare the drop and wait strategies:\n"
-            "throughput, trainer idle time, wasted rollouts, staleness and length bias."
+            "and rollout workers) on a virtual clock, and compare the drop and wait strategies,\n"
+            "with and without admission control: throughput, trainer idle time, wasted rollouts,\n"
+            "staleness and length bias."
         ),
         epilog=_MODEL,
         formatter_class=_HelpFormatter,
     )
     sim.add_argument(
         "--strategy", choices=(*get_args(Strategy), "both"), default="both", help="strategies to run"
+    )
+    sim.add_argument(
+        "--admission",
+        choices=(*_ADMISSION, "both"),
+        default="both",
+        help="run without (off) or with (on) admission control, or both, for each strategy",
     )
     types = get_type_hints(SimulationConfig)
     for name, (metavar, help_text) in _FIELD_OPTIONS.items():
@@ -214,11 +235,17 @@ def _check_output_path(option: str, path: str) -> None:
 
 
 def _configs(args: argparse.Namespace) -> list[SimulationConfig]:
-    """Build the config of each strategy to run; a value the config rejects is a usage error."""
+    """Build the config of each run, strategy by strategy, without admission first; a value the
+    config rejects is a usage error."""
     values = {name: getattr(args, name) for name in _FIELD_OPTIONS}
     strategies = get_args(Strategy) if args.strategy == "both" else (args.strategy,)
+    admissions = tuple(_ADMISSION.values()) if args.admission == "both" else (_ADMISSION[args.admission],)
     try:
-        return [SimulationConfig(strategy=strategy, **values) for strategy in strategies]
+        return [
+            SimulationConfig(strategy=strategy, admission=admission, **values)
+            for strategy in strategies
+            for admission in admissions
+        ]
     except ConfigError as exc:
         raise _UsageError(f"stalebuf simulate: error: {_option_at_fault(values)}{exc}") from None
 
@@ -246,8 +273,9 @@ def _simulate_command(args: argparse.Namespace) -> int:
         require_matplotlib()
     show_progress = not getattr(args, "no_progress", False) and sys.stderr.isatty()
     results = []
+    label_width = max(len(config.label) for config in configs)
     for config in configs:
-        bar = _ProgressBar(config.strategy, sys.stderr) if show_progress else None
+        bar = _ProgressBar(config.label, label_width, sys.stderr) if show_progress else None
         try:
             results.append(simulate(config, progress=bar))
         finally:
@@ -266,7 +294,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
 def _write_json(results: Sequence[SimulationResult], path: str) -> None:
     document = {
         "stalebuf_version": __version__,
-        "results": {result.config.strategy: result.to_dict() for result in results},
+        "results": {result.config.label: result.to_dict() for result in results},
     }
     with open(path, "w", encoding="utf-8") as file:
         json.dump(document, file, indent=2, allow_nan=False)
@@ -276,8 +304,8 @@ def _write_json(results: Sequence[SimulationResult], path: str) -> None:
 class _ProgressBar:
     """A one-line progress bar, redrawn in place on a TTY stream."""
 
-    def __init__(self, label: str, stream: IO[str], width: int = 30) -> None:
-        self.label = label
+    def __init__(self, label: str, label_width: int, stream: IO[str], width: int = 30) -> None:
+        self.label = f"{label:<{label_width}}"
         self.stream = stream
         self.width = width
         self.shown = -1
@@ -289,7 +317,7 @@ class _ProgressBar:
             return
         self.shown = percent
         bar = "#" * filled + "-" * (self.width - filled)
-        self.stream.write(f"\rsimulating {self.label:<4} [{bar}] {percent:3d}% step {done}/{total}")
+        self.stream.write(f"\rsimulating {self.label} [{bar}] {percent:3d}% step {done}/{total}")
         self.stream.flush()
 
     def clear(self) -> None:

@@ -1,24 +1,28 @@
 """Simulate an asynchronous RL pipeline around the real :class:`~stalebuf.ReplayBuffer`.
 
-The model is a GRPO-style trainer fed by rollout workers:
+The model is a GRPO-style trainer fed by rollout workers. Each step the trainer calls
+``sample(g, batch_size)`` (time spent there is *idle*) and trains for ``train_step_seconds``
+(*busy*). Each prompt has a generation time drawn from the latency distribution when it is
+dispatched (its "length": long, hard prompts take longer); a worker generates one group at a
+time: it spends that time, puts ``group_size`` trajectories and finishes the group, or with
+probability ``failure_rate`` fails it part-way, after putting only some trajectories. How
+prompts are dispatched depends on ``admission``:
 
-- The trainer keeps ``round(batch_size * (1 + dispatch_ahead))`` prompts dispatched: taken
-  from the dataset but not yet trained or evicted. It starts by dispatching that many at
-  step 0; each step it calls ``sample(g, batch_size)`` (time spent there is *idle*),
-  immediately dispatches as many new prompts as it received (tagged with step ``g``),
-  trains for ``train_step_seconds`` (*busy*) and moves on to ``g + 1``.
-- ``workers`` rollout workers pull prompts from an anyio memory object stream. Each prompt
-  has a generation time drawn from the latency distribution when it is dispatched (its
-  "length": long, hard prompts take longer); a worker marks the group running, spends that
-  time, puts ``group_size`` trajectories and marks it finished. With probability
-  ``failure_rate`` it instead fails part-way, after putting only some trajectories.
-- Groups evicted by ``sample`` (stale ones under "drop", failed ones under
-  ``failure_strategy="evict"``) are replaced with fresh prompts from ``on_evict``.
+- Without admission the trainer keeps ``round(batch_size * (1 + dispatch_ahead))`` prompts
+  dispatched: taken from the dataset but not yet trained or evicted. It dispatches that many at
+  step 0 and, after each ``sample``, as many as it received (tagged with step ``g``); groups
+  evicted by ``sample`` (stale ones under "drop", failed ones under ``failure_strategy="evict"``)
+  are replaced from ``on_evict``. Workers pull prompts from a memory channel in dispatch order.
+- With admission the buffer paces the producers (``admission_batch_size = batch_size``; under
+  "drop" also ``evict_stale_in_flight``): each worker loops ``async with buffer.rollout(uid)``,
+  which waits until the buffer admits a group and tags it with the trainer's current step. A
+  group evicted while it generates has its body cancelled, which frees the worker at once.
 
 It runs on trio's virtual clock (``trio.testing.MockClock(autojump_threshold=0)``), so
-simulated hours take seconds, and every random draw is made in dispatch order from one
-``random.Random(seed)``, so a seed reproduces a run exactly, whatever order trio's
-scheduler runs simultaneous tasks in. trio is imported only when a simulation runs.
+simulated hours take seconds, and every random draw is made in dispatch order (admission
+order, with admission) from one ``random.Random(seed)``, so a seed reproduces a run exactly,
+whatever order trio's scheduler runs simultaneous tasks in. trio is imported only when a
+simulation runs.
 
 The package reads top-down: :mod:`._config` (the validated settings), :mod:`._model` (the
 simulation), :mod:`._result` (what a run returns) and :mod:`._report` (the text report and the

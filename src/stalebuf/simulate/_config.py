@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import attrs
 
-from .._validation import describe, finite_in, int_at_least, one_of
+from .._validation import a_bool, describe, finite_in, int_at_least, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
 
@@ -158,6 +158,10 @@ class SimulationConfig:
 
     Attributes:
         strategy: the buffer's ``max_off_policy_strategy``, "drop" or "wait".
+        admission: whether the buffer paces the producers (its ``admission_batch_size`` is
+            ``batch_size``; under "drop" it also evicts stale groups in flight). With it, each
+            worker loops ``async with buffer.rollout(...)`` and ``dispatch_ahead`` is unused;
+            without it, the trainer keeps ``dispatch_budget`` prompts dispatched.
         threshold: the buffer's ``max_off_policy_threshold`` ``T`` (int >= 1).
         parameter_sync_step: the buffer's ``parameter_sync_step`` ``S`` (int >= 1).
         failure_strategy: the buffer's ``failure_strategy``, "evict" (failed groups are
@@ -166,9 +170,9 @@ class SimulationConfig:
         batch_size: groups per trainer step (int >= 1).
         group_size: trajectories per group, the GRPO ``n`` (int >= 1).
         workers: concurrent rollout workers, each generating one group at a time (int >= 1).
-        dispatch_ahead: prompts dispatched beyond the batch being collected, in batches, in
-            ``[0, 1000]``: the trainer keeps ``round(batch_size * (1 + dispatch_ahead))`` prompts
-            dispatched.
+        dispatch_ahead: without admission, prompts dispatched beyond the batch being collected,
+            in batches, in ``[0, 1000]``: the trainer keeps ``round(batch_size * (1 +
+            dispatch_ahead))`` prompts dispatched.
         latency: the distribution of a group's generation time (its "length").
         train_step_seconds: the time one trainer step takes once it has its batch (> 0).
         failure_rate: the probability that a group's generation fails, in [0, 1).
@@ -179,6 +183,7 @@ class SimulationConfig:
     """
 
     strategy: Strategy = attrs.field(default="drop", validator=one_of("strategy", get_args(Strategy)))
+    admission: bool = attrs.field(default=False, validator=a_bool("admission"))
     threshold: int = attrs.field(default=4, validator=int_at_least("threshold", 1))
     parameter_sync_step: int = attrs.field(default=1, validator=int_at_least("parameter_sync_step", 1))
     failure_strategy: FailureStrategy = attrs.field(
@@ -206,9 +211,22 @@ class SimulationConfig:
             raise ConfigError(f"latency must be a Latency, got {describe(value)}")
 
     @property
+    def label(self) -> str:
+        """The run's name in reports: the strategy, plus ``"+admission"`` with admission."""
+        return f"{self.strategy}+admission" if self.admission else self.strategy
+
+    @property
     def dispatch_budget(self) -> int:
-        """How many prompts the trainer keeps dispatched: ``round(B * (1 + dispatch_ahead))``."""
+        """How many prompts the trainer keeps dispatched without admission:
+        ``round(B * (1 + dispatch_ahead))``."""
         return max(self.batch_size, round(self.batch_size * (1.0 + self.dispatch_ahead)))
+
+    @property
+    def capacity(self) -> int | None:
+        """The buffer's bound on resident groups with admission, ``T * S * B``; else None."""
+        if not self.admission:
+            return None
+        return self.threshold * self.parameter_sync_step * self.batch_size
 
     def sampler_config(self) -> SamplerConfig:
         """Return the :class:`SamplerConfig` the simulated buffer is built with."""
@@ -217,6 +235,8 @@ class SimulationConfig:
             max_off_policy_strategy=self.strategy,
             parameter_sync_step=self.parameter_sync_step,
             failure_strategy=self.failure_strategy,
+            admission_batch_size=self.batch_size if self.admission else None,
+            evict_stale_in_flight=self.admission and self.strategy == "drop",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,4 +244,5 @@ class SimulationConfig:
         values = attrs.asdict(self, recurse=False)
         values["latency"] = str(self.latency)
         values["dispatch_budget"] = self.dispatch_budget
+        values["capacity"] = self.capacity
         return values

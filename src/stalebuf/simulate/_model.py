@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 import numpy as np
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..buffer import ReplayBuffer
 from ..errors import ConfigError, MissingDependencyError
@@ -24,6 +24,9 @@ from ..records import EvictionEvent
 from ..staleness import age as staleness_age
 from ._config import SimulationConfig
 from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord
+
+if TYPE_CHECKING:
+    import trio
 
 __all__ = ["ProgressCallback", "simulate"]
 
@@ -37,6 +40,7 @@ class _Prompt:
         "dispatch_step",
         "done",
         "fail_after",
+        "failed",
         "fate",
         "seconds",
         "spent",
@@ -53,8 +57,13 @@ class _Prompt:
         self.started: float | None = None  # when a worker took it
         self.spent = 0.0  # generation time spent on it, once done
         self.done = False
+        self.failed = False  # it failed part-way (not: it was evicted in flight before failing)
         self.fate: Literal["trained", "stale", "failure"] | None = None
         self.trained_step = -1
+
+
+class _GenerationFailed(Exception):
+    """Raised in a ``rollout()`` body to fail its group: the block marks it FAILED."""
 
 
 class _Run:
@@ -64,8 +73,12 @@ class _Run:
     events happened, so that float sums do not depend on how trio orders simultaneous tasks.
     """
 
-    send: MemoryObjectSendStream[_Prompt]  # the dispatch queue, created inside the event loop
-    receive: MemoryObjectReceiveStream[_Prompt]
+    # Set inside the event loop, from trio itself: anyio's twins look the backend up on every
+    # call, and anyio's memory stream creates an event per wait: together a sixth of a run.
+    now: Callable[[], float]
+    sleep: Callable[[float], Awaitable[None]]
+    send: trio.MemorySendChannel[_Prompt]  # the dispatch queue (without admission)
+    receive: trio.MemoryReceiveChannel[_Prompt]
 
     def __init__(self, config: SimulationConfig, progress: ProgressCallback | None) -> None:
         self.config = config
@@ -73,71 +86,119 @@ class _Run:
         self.rng = random.Random(config.seed)
         self.dispatched: list[_Prompt] = []
         self.in_buffer: dict[str, _Prompt] = {}
+        self.max_resident = 0
         self.step_dropped = 0
         self.records: list[StepRecord] = []
+        self.rollouts = 0  # rollout() blocks entered, for their uids
+        self.waits: list[float] = []  # each admitted prompt's wait for admission
+        self.asking: dict[int, float] = {}  # worker -> since when it waits for admission
         self.buffer = ReplayBuffer(config.sampler_config(), on_evict=self.on_evict, status_log_interval=None)
 
-    def dispatch(self, step: int) -> None:
-        """Take a new prompt from the dataset, tag it with ``step`` and queue it."""
+    def new_prompt(self, uid: str, step: int) -> _Prompt:
+        """Take a new prompt from the dataset as ``uid``, tagged ``step``, and draw its fate."""
         rng, config = self.rng, self.config
         seconds = config.latency.sample(rng)
         fails = rng.random() < config.failure_rate
         fraction = rng.random()  # always drawn, so prompt k is the same whatever the failure rate
-        prompt = _Prompt(f"p{len(self.dispatched)}", step, seconds, seconds * fraction if fails else None)
+        prompt = _Prompt(uid, step, seconds, seconds * fraction if fails else None)
         self.dispatched.append(prompt)
-        self.in_buffer[prompt.uid] = prompt
+        self.in_buffer[uid] = prompt
+        self.max_resident = max(self.max_resident, len(self.in_buffer))
+        return prompt
+
+    def dispatch(self, step: int) -> None:
+        """Without admission: add a new prompt tagged ``step`` to the buffer and queue it."""
+        prompt = self.new_prompt(f"p{len(self.dispatched)}", step)
         self.buffer.add_prompt_nowait(prompt.uid, global_steps=step)
         self.send.send_nowait(prompt)
 
     def on_evict(self, event: EvictionEvent) -> None:
-        """Record the evicted groups and dispatch one fresh prompt for each."""
+        """Record the evicted groups; without admission, dispatch one fresh prompt for each."""
         for group in event.groups:
             self.in_buffer.pop(group.uid).fate = "stale" if event.reason == "stale" else "failure"
-            self.dispatch(event.global_steps)
+            if not self.config.admission:
+                self.dispatch(event.global_steps)
         if event.reason == "stale":
             self.step_dropped += len(event.groups)
 
+    async def generate(self, prompt: _Prompt, put: Callable[..., object]) -> bool:
+        """Spend the prompt's generation time and ``put`` its trajectories; return whether it
+        finished (else it failed part-way, after putting some)."""
+        prompt.started = self.now()
+        n = self.config.group_size
+        if prompt.fail_after is None:
+            await self.sleep(prompt.seconds)
+        else:
+            await self.sleep(prompt.fail_after)
+            n = int(n * prompt.fail_after / prompt.seconds)
+            prompt.failed = True
+        for session in range(n):
+            put(None, session_id=session)
+        return not prompt.failed
+
+    def settle(self, prompt: _Prompt) -> None:
+        """Record that a worker is done with ``prompt`` (finished, failed or evicted in flight)."""
+        prompt.spent = self.now() - cast(float, prompt.started)
+        prompt.done = True
+
     async def worker(self) -> None:
-        """Generate groups one at a time, forever (until cancelled)."""
-        buffer, n = self.buffer, self.config.group_size
+        """Without admission: generate queued prompts one at a time, forever (until cancelled)."""
+        buffer = self.buffer
         async for prompt in self.receive:
-            uid = prompt.uid
-            buffer.mark_running_nowait(uid)
-            prompt.started = started = anyio.current_time()
-            if prompt.fail_after is None:
-                await anyio.sleep(prompt.seconds)
-                for session in range(n):
-                    buffer.put_nowait(uid, None, session_id=session)
-                buffer.mark_finished_nowait(uid)
+            buffer.mark_running_nowait(prompt.uid)
+            if await self.generate(prompt, partial(buffer.put_nowait, prompt.uid)):
+                buffer.mark_finished_nowait(prompt.uid)
             else:
-                await anyio.sleep(prompt.fail_after)
-                for session in range(int(n * prompt.fail_after / prompt.seconds)):
-                    buffer.put_nowait(uid, None, session_id=session)
-                buffer.mark_failed_nowait(uid)
-            prompt.spent = anyio.current_time() - started
-            prompt.done = True
+                buffer.mark_failed_nowait(prompt.uid)
+            self.settle(prompt)
+
+    async def admitted_worker(self, index: int) -> None:
+        """With admission: generate one group per ``rollout()`` block, forever (until cancelled).
+
+        Entering the block waits until the buffer admits a group; a group evicted in flight
+        has its body cancelled, so the worker moves on at once.
+        """
+        while True:
+            uid = f"r{self.rollouts}"
+            self.rollouts += 1
+            self.asking[index] = self.now()
+            prompt: _Prompt | None = None
+            try:
+                async with self.buffer.rollout(uid) as group:
+                    # Admitted just now, in this step of the loop: draw the prompt in admission order.
+                    self.waits.append(self.now() - self.asking.pop(index))
+                    prompt = self.new_prompt(uid, group.global_steps)
+                    if not await self.generate(prompt, group.put_nowait):
+                        raise _GenerationFailed  # the block marks the group FAILED
+            except _GenerationFailed:
+                pass
+            if prompt is not None:  # finished, failed, or evicted in flight (the block cancelled it)
+                self.settle(prompt)
 
     async def trainer(self, origin: float) -> None:
-        """Sample, refill, train; ``steps`` times."""
+        """Sample, refill (without admission), train; ``steps`` times."""
         config, buffer = self.config, self.buffer
-        for _ in range(config.dispatch_budget):
-            self.dispatch(0)
+        refill = not config.admission
+        if refill:
+            for _ in range(config.dispatch_budget):
+                self.dispatch(0)
         for step in range(config.steps):
             # Let every task due at this instant run first, so that a group finishing exactly
             # when a train step ends is in the buffer whatever order trio runs them in.
             await anyio.lowlevel.checkpoint()
             self.step_dropped = 0
-            sample_start = anyio.current_time() - origin
+            sample_start = self.now() - origin
             batch, _metrics = await buffer.sample(step, config.batch_size)
-            train_start = anyio.current_time() - origin
+            train_start = self.now() - origin
             for group in batch:
                 prompt = self.in_buffer.pop(group.uid)
                 prompt.fate = "trained"
                 prompt.trained_step = step
-            for _ in range(len(batch)):
-                self.dispatch(step)
-            await anyio.sleep(config.train_step_seconds)
-            train_end = anyio.current_time() - origin
+            if refill:
+                for _ in range(len(batch)):
+                    self.dispatch(step)
+            await self.sleep(config.train_step_seconds)
+            train_end = self.now() - origin
             self.records.append(
                 StepRecord(
                     step=step,
@@ -153,15 +214,21 @@ class _Run:
 
     async def main(self) -> tuple[float, float]:
         """Run the workers and the trainer; return the virtual start and end times."""
-        origin = anyio.current_time()
+        import trio
+
+        self.now, self.sleep = trio.current_time, trio.sleep
+        origin = self.now()
         # Unbounded: the dispatch budget bounds it, and dispatching must never block.
-        self.send, self.receive = anyio.create_memory_object_stream[_Prompt](math.inf)
+        self.send, self.receive = trio.open_memory_channel[_Prompt](math.inf)
         with self.send, self.receive:
             async with anyio.create_task_group() as tg:
-                for _ in range(self.config.workers):
-                    tg.start_soon(self.worker)
+                for index in range(self.config.workers):
+                    if self.config.admission:
+                        tg.start_soon(self.admitted_worker, index)
+                    else:
+                        tg.start_soon(self.worker)
                 await self.trainer(origin)
-                end = anyio.current_time()
+                end = self.now()
                 tg.cancel_scope.cancel()
         self.buffer.close()
         return origin, end
@@ -179,14 +246,14 @@ class _Run:
         for prompt in self.dispatched:
             if prompt.done:
                 busy += prompt.spent
-                failed += prompt.fail_after is not None
+                failed += prompt.failed
             elif prompt.started is not None:
                 busy += end - prompt.started
             if prompt.fate is None:
                 continue
             resolved += 1
             generated += prompt.spent
-            failed_resolved += prompt.fail_after is not None
+            failed_resolved += prompt.failed
             resolved_lengths.append(prompt.seconds)
             if prompt.fate == "trained":
                 trained_lengths.append(prompt.seconds)
@@ -196,6 +263,8 @@ class _Run:
                 wasted += prompt.spent
         trained = len(trained_lengths)
         idle = math.fsum(record.wait_seconds for record in self.records)
+        # fsum is exact, so these sums do not depend on the order workers were admitted in.
+        waited = math.fsum([*self.waits, *(end - since for since in self.asking.values())])
         return SimulationResult(
             config=config,
             simulated_seconds=simulated,
@@ -211,6 +280,8 @@ class _Run:
             wasted_generation_fraction=wasted / generated if generated else 0.0,
             failed_fraction=failed_resolved / resolved,
             worker_utilization=min(1.0, busy / (config.workers * simulated)),
+            admission_wait_fraction=min(1.0, waited / (config.workers * simulated)),
+            max_resident_groups=self.max_resident,
             staleness=_staleness_summary(ages, sync_step),
             length_bias=_length_bias(resolved_lengths, trained_lengths),
             steps=tuple(self.records),

@@ -41,8 +41,26 @@ def _describe_latency(latency: Latency) -> str:
     )
 
 
+def _dispatch_lines(results: Sequence[SimulationResult]) -> list[str]:
+    """Describe how prompts are dispatched in the runs without and with admission."""
+    c = results[0].config
+    lines = []
+    if any(not r.config.admission for r in results):
+        lines.append(
+            f"  without admission: {c.dispatch_budget} prompts kept dispatched "
+            f"(dispatch-ahead {c.dispatch_ahead:g})"
+        )
+    if any(r.config.admission for r in results):
+        lines.append(
+            f"  with admission: each worker loops rollout(); at most {c.batch_size} groups per dispatch "
+            f"step, {c.threshold * c.parameter_sync_step * c.batch_size} resident (T*S*B)"
+        )
+    return lines
+
+
 def format_report(results: Sequence[SimulationResult]) -> str:
-    """Return the side-by-side text report of runs that share their settings but the strategy.
+    """Return the side-by-side text report of runs that share their settings but the strategy
+    and admission.
 
     Raises:
         ValueError: ``results`` is empty.
@@ -52,11 +70,12 @@ def format_report(results: Sequence[SimulationResult]) -> str:
     c = results[0].config
     header = [
         f"stalebuf simulate: {c.steps} trainer steps x {c.batch_size} groups x {c.group_size} "
-        f"trajectories, {c.workers} rollout workers, {c.dispatch_budget} prompts kept dispatched",
+        f"trajectories, {c.workers} rollout workers",
         f"  threshold T={c.threshold}, parameter_sync_step S={c.parameter_sync_step}, "
         f"train step {_seconds(c.train_step_seconds)}, failure rate {_percent(c.failure_rate)} "
         f"({c.failure_strategy}), seed {c.seed}",
         f"  generation time per group: {_describe_latency(c.latency)}",
+        *_dispatch_lines(results),
         "",
     ]
     rows: list[tuple[str, Callable[[SimulationResult], str]]] = [
@@ -68,6 +87,8 @@ def format_report(results: Sequence[SimulationResult]) -> str:
         ("  generation time wasted on them", lambda r: _percent(r.wasted_generation_fraction)),
         ("rollouts failed", lambda r: _percent(r.failed_fraction)),
         ("rollout worker utilization", lambda r: _percent(r.worker_utilization)),
+        ("  time waiting for admission", lambda r: _percent(r.admission_wait_fraction)),
+        ("max resident groups", lambda r: f"{r.max_resident_groups}"),
         ("staleness of trained groups: mean", lambda r: f"{r.staleness.mean:.2f}"),
         ("                              p50", lambda r: f"{r.staleness.p50:.2f}"),
         ("                              p95", lambda r: f"{r.staleness.p95:.2f}"),
@@ -79,30 +100,44 @@ def format_report(results: Sequence[SimulationResult]) -> str:
         ("  vs dispatched (1.00x = no bias)", lambda r: f"{r.length_bias.ratio:.2f}x"),
     ]
     label_width = max(len(label) for label, _ in rows) + 2
-    column = 10
-    lines = [*header, " " * label_width + "".join(f"{r.config.strategy:>{column}}" for r in results)]
+    column = max(10, *(len(r.config.label) + 2 for r in results))
+    lines = [*header, " " * label_width + "".join(f"{r.config.label:>{column}}" for r in results)]
     lines += [
         f"{label:<{label_width}}" + "".join(f"{cell(r):>{column}}" for r in results) for label, cell in rows
     ]
-    if len(results) == 2:
-        lines += ["", *_verdict(results[0], results[1])]
+    if len(results) >= 2:
+        lines += ["", *_verdict(results)]
     return "\n".join(lines)
 
 
-def _verdict(a: SimulationResult, b: SimulationResult) -> list[str]:
-    fast, slow = (a, b) if a.trained_groups_per_hour >= b.trained_groups_per_hour else (b, a)
+def _verdict(results: Sequence[SimulationResult]) -> list[str]:
+    """One line on throughput (the fastest run against the slowest), then one per run on its cost."""
+    fast = max(results, key=lambda r: r.trained_groups_per_hour)
+    slow = min(results, key=lambda r: r.trained_groups_per_hour)
     ratio = fast.trained_groups_per_hour / slow.trained_groups_per_hour
-    drop, wait = (a, b) if a.config.strategy == "drop" else (b, a)
+    costs = []
+    for r in results:
+        if r.config.strategy == "drop":
+            costs.append(
+                f"{r.config.label} throws away {_percent(r.wasted_generation_fraction)} of generation time "
+                f"and trains long prompts at {r.length_bias.ratio:.2f}x their share"
+            )
+        else:
+            costs.append(
+                f"{r.config.label} idles the trainer {_percent(r.trainer_idle_fraction)} of the time and "
+                f"trains groups up to staleness {r.staleness.max:g}"
+            )
     return [
-        f"{fast.config.strategy} trains {ratio:.2f}x as many groups per hour as {slow.config.strategy}.",
-        f"drop throws away {_percent(drop.wasted_generation_fraction)} of generation time and trains long "
-        f"prompts at {drop.length_bias.ratio:.2f}x their share;",
-        f"wait idles the trainer {_percent(wait.trainer_idle_fraction)} of the time and trains groups "
-        f"up to staleness {wait.staleness.max:g}.",
+        f"{fast.config.label} trains {ratio:.2f}x as many groups per hour as {slow.config.label}.",
+        *(f"{cost};" for cost in costs[:-1]),
+        f"{costs[-1]}.",
     ]
 
 
 # -- the plot -------------------------------------------------------------------------
+
+# One histogram colour per run, in the CLI's order: drop, drop+admission, wait, wait+admission.
+_COLORS = ("tab:blue", "tab:cyan", "tab:orange", "tab:olive")
 
 
 def require_matplotlib() -> None:
@@ -142,12 +177,10 @@ def write_plot(results: Sequence[SimulationResult], path: str) -> None:
         values = [s for s, _ in result.staleness.histogram]
         counts = [n for _, n in result.staleness.histogram]
         width = 0.8 / result.config.parameter_sync_step
-        ax.bar(values, counts, width=width, color="tab:blue" if i == 0 else "tab:orange")
+        ax.bar(values, counts, width=width, color=_COLORS[i % len(_COLORS)])
         ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"threshold T={threshold}")
         ax.set_ylim(0, top * 1.1)
-        ax.set_title(
-            f"{result.config.strategy}: staleness of trained groups (mean {result.staleness.mean:.2f})"
-        )
+        ax.set_title(f"{result.config.label}\nstaleness of trained groups (mean {result.staleness.mean:.2f})")
         ax.set_xlabel("staleness (g - p + 1) / S")
         ax.set_ylabel("trained groups")
         ax.legend(loc="upper left")
@@ -157,7 +190,7 @@ def write_plot(results: Sequence[SimulationResult], path: str) -> None:
         busy = [(r.train_start / 3600, (r.train_end - r.train_start) / 3600) for r in result.steps]
         timeline.broken_barh(busy, (lane - 0.4, 0.8), facecolors="tab:green")
         timeline.broken_barh(idle, (lane - 0.4, 0.8), facecolors="tab:red")
-    timeline.set_yticks(range(count), [r.config.strategy for r in results])
+    timeline.set_yticks(range(count), [r.config.label for r in results])
     timeline.invert_yaxis()
     timeline.set_xlim(left=0)
     timeline.set_xlabel("simulated hours")

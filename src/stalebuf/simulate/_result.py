@@ -95,14 +95,18 @@ class SimulationResult:
             ``sample``, in [0, 1].
         mean_wait_seconds: mean time per step spent waiting in ``sample``.
         dispatched_groups: prompts dispatched (``add_prompt`` calls), refills included.
-        dropped_groups: groups evicted as stale (drop strategy).
+        dropped_groups: groups evicted as stale (drop strategy), in flight ones included.
         failed_groups: groups whose generation failed (evicted or trained, by failure_strategy).
         resolved_groups: groups trained or evicted by the end of the run.
         dropped_fraction: ``dropped_groups / resolved_groups``.
-        wasted_generation_fraction: generation time spent on dropped groups over generation
-            time spent on all resolved groups.
+        wasted_generation_fraction: generation time spent on dropped groups (up to their
+            eviction, for those evicted in flight) over generation time spent on all resolved groups.
         failed_fraction: ``failed_groups`` among resolved ones, over ``resolved_groups``.
         worker_utilization: share of the workers' time spent generating, in [0, 1].
+        admission_wait_fraction: share of the workers' time spent waiting for admission, in
+            [0, 1]; 0 without admission.
+        max_resident_groups: the most groups resident in the buffer at once (dispatched and not
+            yet trained or evicted).
         staleness: the staleness of the trained groups.
         length_bias: long prompts among trained versus dispatched groups.
         steps: one record per trainer step: the trainer's busy/idle timeline.
@@ -122,6 +126,8 @@ class SimulationResult:
     wasted_generation_fraction: float
     failed_fraction: float
     worker_utilization: float
+    admission_wait_fraction: float
+    max_resident_groups: int
     staleness: StalenessSummary
     length_bias: LengthBias
     steps: tuple[StepRecord, ...]
