@@ -1,0 +1,181 @@
+"""The sample tap behind :mod:`stalebuf.prometheus`'s histograms: cheap on ``sample``, folded on scrape.
+
+A ``prometheus_client.Histogram.observe`` takes a lock and walks its buckets in Python, about a
+microsecond; two of them per ``sample`` would cost more than the budget of the whole tap. So
+the tap only appends each call's metrics dict to its partition's list (atomic, so the scrape
+thread may drain it concurrently) and the values are binned with numpy when a scrape comes, or
+every ``FOLD_AT`` samples so that an unscraped process holds at most that many dicts per
+partition.
+
+The buffer has no observer API, so the tap wraps ``sample`` (and ``sample_nowait`` where it
+exists) on the instance; a core ``on_sample(batch, metrics)`` hook would make this unnecessary.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from functools import wraps
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .metrics import metric_prefix
+
+__all__ = ["FOLD_AT", "HistogramSnapshot", "SampleHistograms", "tap_samples"]
+
+#: Samples after which the tap bins what it holds itself, without waiting for a scrape.
+FOLD_AT = 512
+
+#: ``(cumulative counts per bound, then +Inf)``, sum: one partition's histogram at a scrape.
+HistogramSnapshot = tuple[list[int], float]
+
+_MISSING: Any = object()
+
+
+class _Bins:
+    """Counts per bucket (the last one is +Inf) and the sum of one histogram of one partition."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: npt.NDArray[np.float64]) -> None:
+        self.bounds = bounds
+        self.counts = np.zeros(len(bounds) + 1, dtype=np.int64)
+        self.total = 0.0
+
+    def add(self, values: npt.NDArray[np.float64]) -> None:
+        # side="left": a value equal to a bound belongs to that bound's bucket (Prometheus' "le").
+        slots = np.searchsorted(self.bounds, values, side="left")
+        self.counts += np.bincount(slots, minlength=len(self.counts))
+        self.total += float(values.sum())
+
+    def snapshot(self) -> HistogramSnapshot:
+        return [int(count) for count in np.cumsum(self.counts)], self.total
+
+
+class SampleHistograms:
+    """Histograms of sampled staleness and of ``wait_seconds``, per partition.
+
+    Args:
+        staleness_bounds, wait_bounds: the upper bounds of the buckets (+Inf is implied).
+    """
+
+    def __init__(self, staleness_bounds: Sequence[float], wait_bounds: Sequence[float]) -> None:
+        #: The metrics dicts not binned yet, per partition. Only the tap appends to a list;
+        #: :meth:`fold` removes from them and :meth:`rows_for` adds lists, under the lock.
+        self.pending: dict[str, list[Mapping[str, float]]] = {}
+        self._staleness_bounds = np.asarray(staleness_bounds, dtype=np.float64)
+        self._wait_bounds = np.asarray(wait_bounds, dtype=np.float64)
+        self._staleness: dict[str, _Bins] = {}
+        self._wait: dict[str, _Bins] = {}
+        self._keys: dict[str, tuple[Callable[[Any], float], Callable[[Any], float]]] = {}
+        self._lock = threading.Lock()
+
+    def fold(self, blocking: bool = True) -> None:
+        """Bin every pending observation; without ``blocking``, return at once if another
+        thread is folding (it or the next fold takes what is left)."""
+        if not self._lock.acquire(blocking):
+            return
+        try:
+            for partition, rows in list(self.pending.items()):
+                # The first n rows stay put while the tap appends, and each slice is atomic.
+                n = len(rows)
+                if n:
+                    taken = rows[:n]
+                    del rows[:n]
+                    self._bin(partition, taken)
+        finally:
+            self._lock.release()
+
+    def rows_for(self, partition: str) -> list[Mapping[str, float]]:
+        """Return the pending list of ``partition``, adding it the first time."""
+        with self._lock:
+            rows = self.pending.get(partition)
+            if rows is None:
+                rows = self.pending[partition] = []
+                prefix = metric_prefix(partition)
+                self._keys[partition] = (
+                    itemgetter(f"{prefix}/off_policy/sampled_staleness/mean"),
+                    itemgetter(f"{prefix}/off_policy/wait_seconds"),
+                )
+                self._staleness[partition] = _Bins(self._staleness_bounds)
+                self._wait[partition] = _Bins(self._wait_bounds)
+            return rows
+
+    def snapshot(self) -> dict[str, tuple[HistogramSnapshot, HistogramSnapshot]]:
+        """Fold, then return ``{partition: (staleness, wait_seconds)}`` for the partitions sampled."""
+        self.fold()
+        with self._lock:
+            return {
+                partition: (bins.snapshot(), self._wait[partition].snapshot())
+                for partition, bins in sorted(self._staleness.items())
+            }
+
+    def _bin(self, partition: str, rows: list[Mapping[str, float]]) -> None:
+        staleness_of, wait_of = self._keys[partition]
+        n = len(rows)
+        self._staleness[partition].add(np.fromiter(map(staleness_of, rows), np.float64, n))
+        self._wait[partition].add(np.fromiter(map(wait_of, rows), np.float64, n))
+
+
+def tap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], None]:
+    """Wrap ``buffer.sample`` (and ``sample_nowait`` if it has one) on the instance so that each
+    returned batch is recorded in ``histograms``; return a function that undoes it.
+
+    The wrappers spell out the signatures the buffers share (see
+    :class:`stalebuf.protocol.AsyncReplayBuffer`): forwarding ``*args, **kwargs`` would cost a
+    dict per call. Undoing restores what was there before, unless something wrapped the methods
+    again since: then the tap stays (it still folds every ``FOLD_AT`` samples, so it holds
+    nothing unbounded).
+    """
+    pending = histograms.pending
+    rows_for = histograms.rows_for
+    fold = histograms.fold
+    sample = buffer.sample
+    previous = {"sample": buffer.__dict__.get("sample", _MISSING)}
+
+    @wraps(sample)
+    async def observed_sample(
+        global_steps: int, batch_size: int, *, partition: str = "train", timeout: float | None = None
+    ) -> Any:
+        result = await sample(global_steps, batch_size, partition=partition, timeout=timeout)
+        rows = pending.get(partition)
+        if rows is None:
+            rows = rows_for(partition)
+        rows.append(result[1])
+        if len(rows) >= FOLD_AT:
+            fold(False)
+        return result
+
+    installed: dict[str, Any] = {"sample": observed_sample}
+    sample_nowait = getattr(buffer, "sample_nowait", None)
+    if sample_nowait is not None:
+        previous["sample_nowait"] = buffer.__dict__.get("sample_nowait", _MISSING)
+
+        @wraps(sample_nowait)
+        def observed_sample_nowait(global_steps: int, batch_size: int, *, partition: str = "train") -> Any:
+            result = sample_nowait(global_steps, batch_size, partition=partition)
+            rows = pending.get(partition)
+            if rows is None:
+                rows = rows_for(partition)
+            rows.append(result[1])
+            if len(rows) >= FOLD_AT:
+                fold(False)
+            return result
+
+        installed["sample_nowait"] = observed_sample_nowait
+    for name, method in installed.items():
+        setattr(buffer, name, method)
+
+    def untap() -> None:
+        for name, method in installed.items():
+            if buffer.__dict__.get(name) is not method:
+                continue  # wrapped again by someone else: leave the chain intact
+            if previous[name] is _MISSING:
+                delattr(buffer, name)
+            else:
+                setattr(buffer, name, previous[name])
+
+    return untap
