@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 from ._core import BufferCore
 from ._partition import PartitionState
 from ._status_log import logger
-from ._validation import describe
+from ._validation import check_partition, describe
 from ._waiting import Waiter, park
 from .errors import BufferFullError
 
@@ -157,3 +157,48 @@ class Admission(BufferCore):
         except Exception:
             logger.exception("a staleness policy hook raised while checking a waiting producer")
         head.wake()
+
+    # -- public queries (documented on ReplayBuffer) -------------------------------------
+
+    def dispatch_step(self, partition: str = "train") -> int:
+        """Return the step a group dispatched now is tagged with: the largest ``global_steps``
+        any ``sample`` on ``partition`` has been called with (0 before the first).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        check_partition(partition)
+        return self._clocks.get(partition, 0)
+
+    def capacity(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident groups under admission control,
+        ``T * S * admission_batch_size``; None without admission or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        check_partition(partition)
+        return self._capacity(self._partitions.get(partition), partition)
+
+    def free_slots(self, partition: str = "train") -> int | None:
+        """Return how many groups ``add_prompt`` would admit now at the clock's step without
+        waiting; None without admission control or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            Exception: whatever the policy's ``admits`` raised.
+        """
+        check_partition(partition)
+        part = self._partitions.get(partition)
+        if part is None:
+            cap = self._rules.admission_batch_size(partition)
+            return None if cap is None else cap  # an unused partition: every slot at its clock step
+        return self._free_slots(part)
+
+    def full(self, partition: str = "train") -> bool:
+        """Return whether ``free_slots(partition) == 0`` (never True without admission control).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        return self.free_slots(partition) == 0
