@@ -20,16 +20,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._validation import describe, describe_error
-from .checkpoint import (
-    FORMAT_VERSION,
-    BufferCheckpoint,
-    RestoreResult,
-    check_in_flight,
-    policy_from_name,
-    rebuild,
-)
 from .config import SamplerConfig
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
 from .policy import StalenessPolicy
 
 if TYPE_CHECKING:
@@ -132,40 +124,3 @@ def _import_file(path: str, spec: str) -> ModuleType:
             f"custom_sampler {describe(spec)}: executing {describe(path)} failed: {describe_error(exc)}"
         ) from exc
     return module
-
-
-def restore_buffer(
-    cls: type[ReplayBuffer],
-    source: object,
-    in_flight: object,
-    on_evict: object,
-    status_log_interval: object,
-    payload_codec: object,
-) -> RestoreResult:
-    """Build what ``ReplayBuffer.restore`` promises (see its docs)."""
-    from ._checkpoint_file import read_checkpoint
-    from .buffer import ReplayBuffer
-
-    mode = check_in_flight(in_flight)
-    if payload_codec is not None and not (
-        isinstance(payload_codec, tuple) and len(payload_codec) == 2 and all(map(callable, payload_codec))
-    ):
-        raise ConfigError("payload_codec must be None or a pair (encode, decode) of callables")
-    if isinstance(source, BufferCheckpoint):
-        checkpoint = source
-    elif isinstance(source, (str, os.PathLike)):
-        checkpoint = read_checkpoint(source, payload_codec)
-    else:
-        raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
-    if checkpoint.format_version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint format {checkpoint.format_version} is newer than {FORMAT_VERSION}")
-    options: dict[str, Any] = {"status_log_interval": status_log_interval}
-    if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
-        options["on_evict"] = on_evict
-    config = checkpoint.config
-    if checkpoint.policy is not None:
-        buffer: ReplayBuffer = cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
-    else:
-        buffer = build_from_config(cls, ReplayBuffer, config, options)
-    reissue = rebuild(buffer, checkpoint, mode)
-    return RestoreResult(buffer, reissue)

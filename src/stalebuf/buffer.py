@@ -20,7 +20,7 @@ import anyio.to_thread
 
 from ._checkpoint_file import PayloadCodec, write_checkpoint
 from ._core import EvictCallback
-from ._custom_sampler import build_from_config, restore_buffer
+from ._custom_sampler import build_from_config
 from ._producers import GroupStatus, Producers
 from ._rollout import RolloutGroup, rollout
 from ._threadsafe import ThreadsafeProducer
@@ -30,7 +30,7 @@ from ._validation import (
     check_timeout,
     describe,
 )
-from .checkpoint import BufferCheckpoint, InFlightMode, RestoreResult, capture
+from .checkpoint import BufferCheckpoint, InFlightMode, RestoreResult, capture, restore_buffer
 from .config import SamplerConfig
 from .errors import BatchNotReadyError, ConfigError, WrongThreadError
 from .metrics import SampleMetrics

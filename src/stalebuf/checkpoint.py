@@ -10,6 +10,7 @@ The file format lives in ``_checkpoint_file.py``.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from time import monotonic
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from ._partition import OpenGroup, PartitionState
-from ._validation import describe, describe_error
+from ._validation import check_payload_codec, describe, describe_error
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
 from .records import EvictionEvent, Group, Status, new_group
@@ -34,6 +35,7 @@ __all__ = [
     "InFlightMode",
     "PartitionCheckpoint",
     "RestoreResult",
+    "restore_buffer",
 ]
 
 #: The version of the checkpoint format (the value and the file); a newer one is refused.
@@ -293,3 +295,38 @@ def policy_from_name(name: str, config: SamplerConfig) -> Any:
         raise CheckpointError(
             f"cannot rebuild the checkpoint's policy {describe(name)}: {describe_error(exc)}"
         ) from exc
+
+
+def restore_buffer(
+    cls: type[ReplayBuffer],
+    source: object,
+    in_flight: object,
+    on_evict: object,
+    status_log_interval: object,
+    payload_codec: object,
+) -> RestoreResult:
+    """Build what ``ReplayBuffer.restore`` promises (see its docs)."""
+    from ._checkpoint_file import read_checkpoint  # it imports this module
+    from ._custom_sampler import build_from_config
+    from .buffer import ReplayBuffer
+
+    mode = check_in_flight(in_flight)
+    codec = check_payload_codec(payload_codec)
+    if isinstance(source, BufferCheckpoint):
+        checkpoint = source
+    elif isinstance(source, (str, os.PathLike)):
+        checkpoint = read_checkpoint(source, codec)
+    else:
+        raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
+    if checkpoint.format_version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint format {checkpoint.format_version} is newer than {FORMAT_VERSION}")
+    options: dict[str, Any] = {"status_log_interval": status_log_interval}
+    if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
+        options["on_evict"] = on_evict
+    config = checkpoint.config
+    if checkpoint.policy is not None:
+        buffer: ReplayBuffer = cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
+    else:
+        buffer = build_from_config(cls, ReplayBuffer, config, options)
+    reissue = rebuild(buffer, checkpoint, mode)
+    return RestoreResult(buffer, reissue)
