@@ -112,19 +112,38 @@ def test_the_four_way_verdict_names_every_run(capsys: pytest.CaptureFixture[str]
     assert verdict[-1].endswith(".")
 
 
-def test_progress_bar_fits_every_label(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal, so that the progress bar is drawn into it."""
 
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_names_each_run_and_shows_an_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["simulate", *SMALL, "--steps", "4"]) == 0
-    bars = re.findall(r"simulating (.*?) \[", terminal.getvalue())
-    assert {bar.strip() for bar in bars} == set(LABELS)
-    assert {len(bar) for bar in bars} == {len("drop+admission")}  # aligned
-    assert terminal.getvalue().endswith("\r\033[K")  # the bar is cleared
+    frames = [frame for frame in terminal.getvalue().split("\r") if frame.strip()]
+    runs = [re.match(r"(\d)/4 (.*?) +\d+%", frame) for frame in frames]
+    assert all(runs), frames
+    named = {(int(run[1]), run[2]) for run in runs if run}
+    assert named == {(i + 1, label) for i, label in enumerate(LABELS)}  # "2/4 drop+admission"
+    assert {frame.index("%") for frame in frames} == {frames[0].index("%")}  # aligned, whatever the label
+    assert all(re.search(r"step \d+/16, ETA (\?|\d\d:\d\d)$", frame) for frame in frames), frames
+    assert terminal.getvalue().endswith("\r")  # the bar is cleared: the report replaces it
+    assert not terminal.getvalue().rstrip("\r").split("\r")[-1].strip()
+
+
+def test_no_progress_bar_with_no_progress_or_without_tqdm(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["simulate", *SMALL, "--steps", "2", "--no-progress"]) == 0
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # the bar is optional: no tqdm, no bar
+        assert main(["simulate", *SMALL, "--steps", "2"]) == 0
+    assert terminal.getvalue() == ""
 
 
 def test_report_lists_every_number(capsys: pytest.CaptureFixture[str]) -> None:
@@ -358,14 +377,6 @@ def test_simultaneous_events_do_not_break_reproducibility(latency: str, admissio
 
 
 # -- the plot ------------------------------------------------------------------------------
-
-
-def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "sim.png"
-    assert main(["simulate", *SMALL, "--steps", "10", "--plot", str(path)]) == 0
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"wrote {path}" in capsys.readouterr().out
 
 
 def test_plot_without_matplotlib_is_one_line(

@@ -6,13 +6,16 @@ This module only parses. The options of ``simulate`` are derived from the fields
 checked by building that config: the CLI knows no range of its own.
 
 Every error is reported as one line on stderr with a non-zero exit status: 2 for bad
-options (including any value the config rejects), 1 for anything that goes wrong while
-running (a missing optional dependency, an unwritable output path), 130 when interrupted.
+options (including any value the config rejects, and a ``--latency empirical:`` file that
+cannot be read), 1 for anything that goes wrong while running (a missing optional dependency,
+an unwritable output path), 130 when interrupted. A reader that stops reading early
+(``stalebuf simulate | head -1``) is not an error: the run finishes quietly with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -33,7 +36,8 @@ from .simulate import (
     write_plot,
 )
 from .simulate._config import Strategy
-from .simulate._report import require_matplotlib
+from .simulate._model import ProgressCallback
+from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
 
 __all__ = ["main"]
 
@@ -59,7 +63,8 @@ _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "latency": (
         "SPEC",
         "generation time per group in seconds: lognormal:MU,SIGMA (of ln seconds), "
-        "exponential:MEAN or fixed:SECONDS",
+        "lognormal-fit:MEDIAN,P95 (seconds), exponential:MEAN, fixed:SECONDS, or "
+        "empirical:PATH[#COLUMN] (times read from a file and resampled with --seed; see below)",
     ),
     "train_step_seconds": ("SECONDS", "time one trainer step takes once it has its batch"),
     "failure_rate": ("P", "probability that a group's generation fails"),
@@ -122,9 +127,20 @@ the model:
   and generates it. Under drop the buffer also evicts groups that turned stale
   in flight (evict_stale_in_flight), which cancels their rollout at once.
 
+empirical latencies:
+  --latency empirical:PATH reads one number of seconds per line (blank lines
+  skipped), or a JSON array of numbers if PATH ends in .json.
+  --latency empirical:PATH#COLUMN reads that column of a CSV file with a
+  header row, or that field of a .json file (an array of objects or an object
+  of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
+  must be a number > 0. Each prompt's time is drawn from them uniformly, with
+  --seed. A file that cannot be read is one error line and exit status 2.
+
 reading the report:
-  "long prompts" are the slowest quarter of the prompts whose fate was decided
-  (trained, dropped or failed); "vs dispatched" is their share among trained
+  "long prompts" are the slowest quarter of the first steps * batch-size
+  dispatched prompts: every run dispatches those, with the same lengths for a
+  seed, so "long" is the same in every column, whichever --strategy and
+  --admission run. "vs dispatched" is the share of long prompts among trained
   groups over their share among those prompts: below 1.00x, the strategy
   under-trains long, hard prompts.
 """
@@ -178,13 +194,19 @@ def _build_parser() -> _Parser:
         "--plot",
         metavar="PATH",
         default=argparse.SUPPRESS,
-        help="write a PNG of staleness histograms and the trainer's busy/idle timeline (needs matplotlib)",
+        help=(
+            "write staleness histograms and the trainer's busy/idle timeline as a PNG or JPEG, by the "
+            f"suffix ({', '.join(PLOT_FORMATS)}); needs matplotlib"
+        ),
     )
     sim.add_argument(
         "--no-progress",
         action="store_true",
         default=argparse.SUPPRESS,
-        help="no progress bar on stderr (it is off anyway when stderr is not a TTY)",
+        help=(
+            "no progress bar on stderr (it is off anyway when stderr is not a TTY, or without tqdm, "
+            "which the sim extra installs)"
+        ),
     )
     return parser
 
@@ -214,7 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        return _simulate_command(args)
+        status = _simulate_command(args)
+        sys.stdout.flush()  # here, so that a reader gone early is caught below, not at exit
+        return status
+    except BrokenPipeError:
+        # The reader stopped reading (`stalebuf simulate | head -1`): not an error, as for
+        # other Unix tools. What is left of the report goes nowhere, and no exit-time flush fails.
+        _discard_stdout()
+        return 0
     except _UsageError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -224,6 +253,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stalebuf simulate: interrupted", file=sys.stderr)
         return 130
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so that nothing written to it later can fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def _say(line: str) -> None:
+    """Print ``line`` to stdout now; if the reader has gone, drop it and what follows quietly
+    (the run still writes its ``--json`` and ``--plot`` files)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        _discard_stdout()
 
 
 def _check_output_path(option: str, path: str) -> None:
@@ -270,24 +317,29 @@ def _simulate_command(args: argparse.Namespace) -> int:
         _check_output_path("--json", json_path)
     if plot_path is not None:
         _check_output_path("--plot", plot_path)
-        require_matplotlib()
-    show_progress = not getattr(args, "no_progress", False) and sys.stderr.isatty()
-    results = []
-    label_width = max(len(config.label) for config in configs)
-    for config in configs:
-        bar = _ProgressBar(config.label, label_width, sys.stderr) if show_progress else None
         try:
-            results.append(simulate(config, progress=bar))
-        finally:
-            if bar is not None:
-                bar.clear()
-    print(format_report(results))
+            plot_format(plot_path)
+        except ValueError as exc:
+            raise _UsageError(f"stalebuf simulate: error: argument --plot: {exc}") from None
+        require_matplotlib()
+    progress = None
+    if not getattr(args, "no_progress", False) and sys.stderr.isatty():
+        progress = _Progress.start(configs, sys.stderr)
+    results = []
+    try:
+        for index, config in enumerate(configs):
+            callback = progress.run(index) if progress is not None else None
+            results.append(simulate(config, progress=callback))
+    finally:
+        if progress is not None:
+            progress.close()
+    _say(format_report(results))
     if json_path is not None:
         _write_json(results, json_path)
-        print(f"wrote {json_path}")
+        _say(f"wrote {json_path}")
     if plot_path is not None:
         write_plot(results, plot_path)
-        print(f"wrote {plot_path}")
+        _say(f"wrote {plot_path}")
     return 0
 
 
@@ -301,26 +353,44 @@ def _write_json(results: Sequence[SimulationResult], path: str) -> None:
         file.write("\n")
 
 
-class _ProgressBar:
-    """A one-line progress bar, redrawn in place on a TTY stream."""
+class _Progress:
+    """One tqdm bar on stderr over every run of the command: the run ("2/4 drop+admission"),
+    trainer steps done out of all runs' steps, and the time left for the whole command."""
 
-    def __init__(self, label: str, label_width: int, stream: IO[str], width: int = 30) -> None:
-        self.label = f"{label:<{label_width}}"
-        self.stream = stream
-        self.width = width
-        self.shown = -1
+    def __init__(self, configs: Sequence[SimulationConfig], tqdm: Any, stream: IO[str]) -> None:
+        self.configs = configs
+        self.label_width = max(len(config.label) for config in configs)
+        self.bar = tqdm(
+            total=sum(config.steps for config in configs),
+            desc=self._describe(0),
+            file=stream,
+            leave=False,  # the report replaces it
+            bar_format="{desc} {percentage:3.0f}%|{bar}| step {n_fmt}/{total_fmt}, ETA {remaining}",
+        )
 
-    def __call__(self, done: int, total: int) -> None:
-        filled = self.width * done // total
-        percent = 100 * done // total
-        if percent == self.shown:
-            return
-        self.shown = percent
-        bar = "#" * filled + "-" * (self.width - filled)
-        self.stream.write(f"\rsimulating {self.label} [{bar}] {percent:3d}% step {done}/{total}")
-        self.stream.flush()
+    @classmethod
+    def start(cls, configs: Sequence[SimulationConfig], stream: IO[str]) -> _Progress | None:
+        """Show the bar, or return None if tqdm is not installed (the bar is optional)."""
+        try:
+            # Imported by name: tqdm is optional and ships no type hints.
+            tqdm = importlib.import_module("tqdm").tqdm
+        except ImportError:
+            return None
+        return cls(configs, tqdm, stream)
 
-    def clear(self) -> None:
-        if self.shown >= 0:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+    def _describe(self, index: int) -> str:
+        return f"{index + 1}/{len(self.configs)} {self.configs[index].label:<{self.label_width}}"
+
+    def run(self, index: int) -> ProgressCallback:
+        """Name run ``index`` on the bar and return the callback that advances it."""
+        self.bar.set_description_str(self._describe(index))
+        before = sum(config.steps for config in self.configs[:index])
+
+        def advance(done: int, _steps: int) -> None:
+            self.bar.update(before + done - self.bar.n)
+
+        return advance
+
+    def close(self) -> None:
+        """Clear the bar from the terminal."""
+        self.bar.close()

@@ -24,7 +24,8 @@ order, with admission) from one ``random.Random(seed)``, so a seed reproduces a 
 whatever order trio's scheduler runs simultaneous tasks in. trio is imported only when a
 simulation runs.
 
-The package reads top-down: :mod:`._config` (the validated settings), :mod:`._model` (the
+The package reads top-down: :mod:`._latency` (generation-time distributions, parametric, fitted
+or read from a file), :mod:`._config` (the validated settings), :mod:`._model` (the
 simulation), :mod:`._result` (what a run returns) and :mod:`._report` (the text report and the
 plot that ``stalebuf simulate`` prints and writes).
 """
@@ -32,7 +33,8 @@ plot that ``stalebuf simulate`` prints and writes).
 from __future__ import annotations
 
 from ..errors import MissingDependencyError
-from ._config import LATENCY_KINDS, Latency, SimulationConfig
+from ._config import SimulationConfig
+from ._latency import LATENCY_KINDS, Latency
 from ._model import simulate
 from ._report import format_report, write_plot
 from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord

@@ -1,15 +1,13 @@
-"""The settings of a simulated run: the latency distribution and :class:`SimulationConfig`.
+"""The settings of a simulated run: :class:`SimulationConfig` (its latency distribution is
+:class:`~._latency.Latency`).
 
-Both are frozen attrs records validated on construction with the shared checks of
+It is a frozen attrs record validated on construction with the shared checks of
 :mod:`stalebuf._validation`; every error is a :class:`~stalebuf.errors.ConfigError` whose
 message names the field. The command line derives its ``simulate`` options from these fields.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 import attrs
@@ -17,139 +15,18 @@ import attrs
 from .._validation import a_bool, describe, finite_in, int_at_least, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
+from ._latency import LATENCY_KINDS, Latency, LatencyKind, _finite
 
 __all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
 
-LatencyKind = Literal["lognormal", "exponential", "fixed"]
 Strategy = Literal["drop", "wait"]
 # The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
 FailureStrategy = Literal["evict", "sample"]
 
-#: Accepted latency distribution kinds (see :meth:`Latency.parse`).
-LATENCY_KINDS: tuple[str, ...] = get_args(LatencyKind)
-
-# Each kind's parameters, by the names its spec uses, and their checks in the same order.
-_PARAM_NAMES: dict[str, tuple[str, ...]] = {
-    "lognormal": ("MU", "SIGMA"),
-    "exponential": ("MEAN",),
-    "fixed": ("SECONDS",),
-}
-_PARAM_CHECKS: dict[str, tuple[Any, ...]] = {
-    "lognormal": (
-        finite_in("lognormal latency MU (log of seconds)", -30.0, 30.0),
-        finite_in("lognormal latency SIGMA", 0.0, 5.0),
-    ),
-    "exponential": (finite_in("exponential latency MEAN (seconds)", 0.0, open_low=True),),
-    "fixed": (finite_in("fixed latency SECONDS", 0.0, open_low=True),),
-}
-
-
-def _finite(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-def _short(value: float) -> str:
-    """Format ``value`` as ``%g`` when that is exact, else as its full repr."""
-    text = f"{value:g}"
-    return text if float(text) == value else repr(value)
-
-
-def _to_params(value: object) -> tuple[float, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ConfigError(f"latency params must be a sequence of numbers, got {describe(value)}")
-    params = tuple(value)
-    if not all(_finite(p) for p in params):
-        raise ConfigError(f"latency params must be finite numbers, got {describe(params)}")
-    return tuple(float(p) for p in params)
-
 
 def _as_float(value: object) -> object:
     # Store every accepted number as a float; leave the rest for the validator to reject.
-    return float(value) if _finite(value) else value  # type: ignore[arg-type]
-
-
-@attrs.frozen
-class Latency:
-    """A distribution of per-group generation times, in seconds.
-
-    Attributes:
-        kind: "lognormal" (params ``(mu, sigma)`` of the natural log of the seconds, with
-            ``|mu| <= 30`` and ``0 <= sigma <= 5``; long-tailed), "exponential" (params
-            ``(mean,)``, > 0) or "fixed" (params ``(seconds,)``, > 0).
-        params: the distribution's parameters, as floats.
-
-    Raises:
-        ConfigError: on construction, for an unknown kind or invalid parameters.
-    """
-
-    kind: LatencyKind = attrs.field(validator=one_of("latency kind", LATENCY_KINDS))
-    params: tuple[float, ...] = attrs.field(converter=_to_params)
-
-    def __attrs_post_init__(self) -> None:
-        names = _PARAM_NAMES[self.kind]
-        if len(self.params) != len(names):
-            raise ConfigError(
-                f"{self.kind} latency needs {','.join(names)}, got {len(self.params)} number(s)"
-            )
-        for check, value in zip(_PARAM_CHECKS[self.kind], self.params, strict=True):
-            check(self, None, value)
-
-    @classmethod
-    def parse(cls, spec: str) -> Latency:
-        """Parse ``"lognormal:MU,SIGMA"``, ``"exponential:MEAN"`` or ``"fixed:SECONDS"``.
-
-        Raises:
-            ConfigError: if ``spec`` is not of one of those forms or a parameter is invalid.
-        """
-        kind, sep, rest = str(spec).partition(":")
-        kind = kind.strip().lower()
-        if not sep or kind not in LATENCY_KINDS:
-            raise ConfigError(
-                f"latency must look like lognormal:MU,SIGMA, exponential:MEAN or fixed:SECONDS; got {spec!r}"
-            )
-        try:
-            params = tuple(float(part) for part in rest.split(","))
-        except ValueError:
-            raise ConfigError(f"latency parameters must be numbers, got {spec!r}") from None
-        return cls(kind, params)  # type: ignore[arg-type]
-
-    def sample(self, rng: random.Random) -> float:
-        """Draw one generation time in seconds from ``rng`` (deterministic given its state)."""
-        if self.kind == "lognormal":
-            mu, sigma = self.params
-            return math.exp(mu + sigma * rng.gauss(0.0, 1.0))
-        u = rng.random()
-        if self.kind == "exponential":
-            return -self.params[0] * math.log(1.0 - u)
-        return self.params[0]
-
-    def quantile(self, q: float) -> float:
-        """Return the ``q``-quantile (0 < q < 1) of the distribution, in seconds."""
-        if self.kind == "lognormal":
-            mu, sigma = self.params
-            from statistics import NormalDist
-
-            return math.exp(mu + sigma * NormalDist().inv_cdf(q))
-        if self.kind == "exponential":
-            return -self.params[0] * math.log(1.0 - q)
-        return self.params[0]
-
-    @property
-    def mean(self) -> float:
-        """The mean generation time in seconds."""
-        if self.kind == "lognormal":
-            mu, sigma = self.params
-            return math.exp(mu + sigma * sigma / 2)
-        return self.params[0]
-
-    def __str__(self) -> str:
-        """Return the spec form, e.g. ``lognormal:3.4,1``, which :meth:`parse` reads back exactly."""
-        return f"{self.kind}:{','.join(_short(p) for p in self.params)}"
+    return float(value) if _finite(value) else value
 
 
 @attrs.frozen(kw_only=True)

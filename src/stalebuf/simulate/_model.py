@@ -233,6 +233,16 @@ class _Run:
         self.buffer.close()
         return origin, end
 
+    def common_lengths(self) -> list[float]:
+        """The lengths of the first ``steps * batch_size`` dispatched prompts.
+
+        Every run dispatches at least that many (it trains that many groups), and prompt k draws
+        the same numbers in every run with the same seed and latency, so these are the same
+        prompts whatever the strategy, admission or pipeline settings: "long" cut from them
+        means the same in every column of a report.
+        """
+        return [prompt.seconds for prompt in self.dispatched[: self.config.steps * self.config.batch_size]]
+
     def result(self, origin: float, end: float) -> SimulationResult:
         """Summarise the finished run."""
         config = self.config
@@ -242,7 +252,6 @@ class _Run:
         resolved = dropped = failed = failed_resolved = 0
         ages: Counter[int] = Counter()
         trained_lengths: list[float] = []
-        resolved_lengths: list[float] = []
         for prompt in self.dispatched:
             if prompt.done:
                 busy += prompt.spent
@@ -254,7 +263,6 @@ class _Run:
             resolved += 1
             generated += prompt.spent
             failed_resolved += prompt.failed
-            resolved_lengths.append(prompt.seconds)
             if prompt.fate == "trained":
                 trained_lengths.append(prompt.seconds)
                 ages[staleness_age(prompt.trained_step, prompt.dispatch_step)] += 1
@@ -283,7 +291,7 @@ class _Run:
             admission_wait_fraction=min(1.0, waited / (config.workers * simulated)),
             max_resident_groups=self.max_resident,
             staleness=_staleness_summary(ages, sync_step),
-            length_bias=_length_bias(resolved_lengths, trained_lengths),
+            length_bias=_length_bias(self.common_lengths(), trained_lengths),
             steps=tuple(self.records),
         )
 
@@ -310,6 +318,8 @@ def _staleness_summary(ages: Counter[int], sync_step: int) -> StalenessSummary:
 
 
 def _length_bias(dispatched: list[float], trained: list[float]) -> LengthBias:
+    """Long prompts (at least the 75th percentile of ``dispatched``) among ``trained`` versus
+    ``dispatched``; the latter always holds one (its longest), so the ratio is always defined."""
     everything = np.array(dispatched, dtype=np.float64)
     chosen = np.array(trained, dtype=np.float64)
     long_seconds = float(np.quantile(everything, 0.75))

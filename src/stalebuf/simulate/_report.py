@@ -1,4 +1,4 @@
-"""What ``stalebuf simulate`` shows: the side-by-side text report and the PNG plot.
+"""What ``stalebuf simulate`` shows: the side-by-side text report and the plot (PNG or JPEG).
 
 Both read finished :class:`SimulationResult` records only; matplotlib is imported only when a
 plot is written.
@@ -6,13 +6,15 @@ plot is written.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import MissingDependencyError
 from ._config import Latency
 from ._result import SimulationResult
 
-__all__ = ["format_report", "require_matplotlib", "write_plot"]
+__all__ = ["PLOT_FORMATS", "format_report", "plot_format", "require_matplotlib", "write_plot"]
 
 
 def _duration(seconds: float) -> str:
@@ -32,11 +34,22 @@ def _percent(value: float) -> str:
     return f"{100 * value:.1f}%"
 
 
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 rollout worker"``, ``"2 rollout workers"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def _describe_latency(latency: Latency) -> str:
     if latency.kind == "fixed":
         return f"{latency} (always {_seconds(latency.mean)})"
+    spec = str(latency)
+    if latency.kind == "lognormal" and latency.spec is not None:  # lognormal-fit: show what it fitted
+        mu, sigma = latency.params
+        spec = f"{spec}, fitted MU,SIGMA = {mu:.4f},{sigma:.4f}"
+    elif latency.kind == "empirical":
+        spec = f"{spec}, {_count(len(latency.params), 'value')} resampled"
     return (
-        f"{latency} (median {_seconds(latency.quantile(0.5))}, mean {_seconds(latency.mean)}, "
+        f"{spec} (median {_seconds(latency.quantile(0.5))}, mean {_seconds(latency.mean)}, "
         f"p95 {_seconds(latency.quantile(0.95))})"
     )
 
@@ -47,13 +60,14 @@ def _dispatch_lines(results: Sequence[SimulationResult]) -> list[str]:
     lines = []
     if any(not r.config.admission for r in results):
         lines.append(
-            f"  without admission: {c.dispatch_budget} prompts kept dispatched "
+            f"  without admission: {_count(c.dispatch_budget, 'prompt')} kept dispatched "
             f"(dispatch-ahead {c.dispatch_ahead:g})"
         )
     if any(r.config.admission for r in results):
         lines.append(
-            f"  with admission: each worker loops rollout(); at most {c.batch_size} groups per dispatch "
-            f"step, {c.threshold * c.parameter_sync_step * c.batch_size} resident (T*S*B)"
+            "  with admission: each worker loops rollout(); "
+            f"at most {_count(c.batch_size, 'group')} per dispatch step, "
+            f"{c.threshold * c.parameter_sync_step * c.batch_size} resident (T*S*B)"
         )
     return lines
 
@@ -69,8 +83,8 @@ def format_report(results: Sequence[SimulationResult]) -> str:
         raise ValueError("format_report needs at least one result")
     c = results[0].config
     header = [
-        f"stalebuf simulate: {c.steps} trainer steps x {c.batch_size} groups x {c.group_size} "
-        f"trajectories, {c.workers} rollout workers",
+        f"stalebuf simulate: {_count(c.steps, 'trainer step')} x {_count(c.batch_size, 'group')} x "
+        f"{_count(c.group_size, 'trajectory', 'trajectories')}, {_count(c.workers, 'rollout worker')}",
         f"  threshold T={c.threshold}, parameter_sync_step S={c.parameter_sync_step}, "
         f"train step {_seconds(c.train_step_seconds)}, failure rate {_percent(c.failure_rate)} "
         f"({c.failure_strategy}), seed {c.seed}",
@@ -136,8 +150,22 @@ def _verdict(results: Sequence[SimulationResult]) -> list[str]:
 
 # -- the plot -------------------------------------------------------------------------
 
+#: The image formats ``write_plot`` writes, by the path's suffix (lower-cased).
+PLOT_FORMATS: dict[str, str] = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg"}
+
+# Okabe & Ito's palette, made to stay distinct under every common colour-vision deficiency.
+_BLUE, _ORANGE, _GREEN, _SKY, _VERMILLION, _PURPLE = (
+    "#0072B2",
+    "#E69F00",
+    "#009E73",
+    "#56B4E9",
+    "#D55E00",
+    "#CC79A7",
+)
 # One histogram colour per run, in the CLI's order: drop, drop+admission, wait, wait+admission.
-_COLORS = ("tab:blue", "tab:cyan", "tab:orange", "tab:olive")
+_RUN_COLORS = (_GREEN, _SKY, _PURPLE, _VERMILLION)
+# The timeline's two states: a dark and a light colour, apart in lightness as well as hue.
+_BUSY, _IDLE = _BLUE, _ORANGE
 
 
 def require_matplotlib() -> None:
@@ -154,45 +182,83 @@ def require_matplotlib() -> None:
         ) from None
 
 
+def plot_format(path: str) -> str:
+    """Return the image format ``write_plot`` writes ``path`` in, from its suffix.
+
+    Raises:
+        ValueError: the suffix is not one of :data:`PLOT_FORMATS` (the message lists them).
+    """
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in PLOT_FORMATS:
+        raise ValueError(
+            f"cannot write a plot to {suffix or 'a path without a suffix'}: "
+            f"use {', '.join(PLOT_FORMATS)} (PNG or JPEG)"
+        )
+    return PLOT_FORMATS[suffix]
+
+
 def write_plot(results: Sequence[SimulationResult], path: str) -> None:
-    """Write a PNG to ``path``: a staleness histogram per run and the trainer's busy/idle timeline.
+    """Write an image to ``path``, a PNG or a JPEG by its suffix: a staleness histogram per run
+    and the trainer's busy/idle timeline, in colour-blind-safe colours.
 
     Raises:
         MissingDependencyError: matplotlib is not installed (``pip install 'stalebuf[plot]'``).
-        ValueError: ``results`` is empty.
+        ValueError: ``results`` is empty, or ``path`` has no suffix of :data:`PLOT_FORMATS`.
         OSError: ``path`` cannot be written.
     """
     if not results:
         raise ValueError("write_plot needs at least one result")
+    image_format = plot_format(path)
     require_matplotlib()
     from matplotlib.figure import Figure
 
     count = len(results)
-    fig = Figure(figsize=(max(8.0, 4.5 * count), 7.0), layout="constrained")
+    # Small enough that a README shows it near its own size, so its text stays legible.
+    fig = Figure(figsize=(max(7.0, 3.2 * count), 6.5), layout="constrained")
     grid = fig.add_gridspec(2, count, height_ratios=(3.0, 2.0))
+    _histograms(fig, grid, results)
+    _timeline(fig.add_subplot(grid[1, :]), results)
+    # No "Software" stamp in a PNG, so that regenerating docs/simulate.png changes only its pixels.
+    metadata = {"Software": None} if image_format == "png" else None
+    fig.savefig(path, format=image_format, dpi=100, metadata=metadata)
+
+
+def _histograms(fig: Any, grid: Any, results: Sequence[SimulationResult]) -> None:
+    """One staleness histogram per run, on a shared count axis, with the threshold marked."""
     threshold = results[0].config.threshold
-    top = max(n for r in results for _, n in r.staleness.histogram)
+    top = max(n for r in results for _, n in r.staleness.histogram) * 1.15
+    first = None
     for i, result in enumerate(results):
-        ax = fig.add_subplot(grid[0, i])
+        ax = fig.add_subplot(grid[0, i], sharey=first)
         values = [s for s, _ in result.staleness.histogram]
         counts = [n for _, n in result.staleness.histogram]
         width = 0.8 / result.config.parameter_sync_step
-        ax.bar(values, counts, width=width, color=_COLORS[i % len(_COLORS)])
+        ax.bar(values, counts, width=width, color=_RUN_COLORS[i % len(_RUN_COLORS)])
         ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"threshold T={threshold}")
-        ax.set_ylim(0, top * 1.1)
-        ax.set_title(f"{result.config.label}\nstaleness of trained groups (mean {result.staleness.mean:.2f})")
+        ax.set_ylim(0, top)
+        ax.set_title(f"{result.config.label}\nmean staleness {result.staleness.mean:.2f}")
         ax.set_xlabel("staleness (g - p + 1) / S")
-        ax.set_ylabel("trained groups")
-        ax.legend(loc="upper left")
-    timeline = fig.add_subplot(grid[1, :])
+        if first is None:  # the shared axis is labelled once
+            first = ax
+            ax.set_ylabel("trained groups")
+            ax.legend(loc="upper left")
+        else:
+            ax.tick_params(labelleft=False)
+
+
+def _timeline(ax: Any, results: Sequence[SimulationResult]) -> None:
+    """One lane per run: when the trainer trained (busy) and when it waited in ``sample`` (idle)."""
+    from matplotlib.patches import Patch
+
     for lane, result in enumerate(results):
         idle = [(r.sample_start / 3600, r.wait_seconds / 3600) for r in result.steps]
         busy = [(r.train_start / 3600, (r.train_end - r.train_start) / 3600) for r in result.steps]
-        timeline.broken_barh(busy, (lane - 0.4, 0.8), facecolors="tab:green")
-        timeline.broken_barh(idle, (lane - 0.4, 0.8), facecolors="tab:red")
-    timeline.set_yticks(range(count), [r.config.label for r in results])
-    timeline.invert_yaxis()
-    timeline.set_xlim(left=0)
-    timeline.set_xlabel("simulated hours")
-    timeline.set_title("trainer timeline: busy training (green), idle waiting in sample (red)")
-    fig.savefig(path, format="png", dpi=100)
+        ax.broken_barh(busy, (lane - 0.4, 0.8), facecolors=_BUSY)
+        ax.broken_barh(idle, (lane - 0.4, 0.8), facecolors=_IDLE)
+    ax.set_yticks(range(len(results)), [r.config.label for r in results])
+    ax.invert_yaxis()
+    ax.set_xlim(left=0)
+    ax.set_xlabel("simulated hours")
+    ax.set_title("trainer timeline", loc="left")
+    states = [Patch(color=_BUSY, label="busy: training"), Patch(color=_IDLE, label="idle: waiting in sample")]
+    ax.legend(handles=states, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=2, frameon=False)

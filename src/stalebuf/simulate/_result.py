@@ -35,17 +35,20 @@ class StalenessSummary:
 class LengthBias:
     """Whether long prompts reach the trainer as often as they are dispatched.
 
-    Both sides count only prompts whose fate was decided by the end of the run (trained,
-    dropped as stale or evicted as failed); prompts still in the pipeline are left out.
-    A prompt's length is its generation time as drawn at dispatch.
+    A prompt's length is its generation time as drawn at dispatch. Both "long" and the share to
+    compare with come from the first ``steps * batch_size`` dispatched prompts: every run
+    dispatches those (it trains that many groups), with the same lengths for a seed, so "long"
+    means the same in every run of a report, whatever its strategy and admission.
 
     Attributes:
-        long_seconds: the 75th percentile of those lengths; "long" means at least this.
-        long_share_dispatched: the share of long prompts among them (about 0.25).
+        long_seconds: the 75th percentile of the lengths of those prompts; "long" means at
+            least this.
+        long_share_dispatched: the share of long prompts among them (about 0.25, never 0).
         long_share_trained: the share of long prompts among trained groups.
         ratio: ``long_share_trained / long_share_dispatched``: 1 is unbiased, below 1 means
             long prompts are under-represented in training.
-        mean_seconds_dispatched, mean_seconds_trained: mean lengths of the two sets.
+        mean_seconds_dispatched, mean_seconds_trained: mean lengths of those prompts and of the
+            trained groups.
     """
 
     long_seconds: float

@@ -1,0 +1,356 @@
+"""The distribution of a group's generation time: :class:`Latency`, and the spec forms it parses.
+
+A spec is one of:
+
+- ``lognormal:MU,SIGMA``, ``exponential:MEAN``, ``fixed:SECONDS``: a parametric distribution;
+- ``lognormal-fit:MEDIAN,P95``: the lognormal with that median and 95th percentile, for users who
+  know only those two numbers;
+- ``empirical:PATH`` or ``empirical:PATH#COLUMN``: generation times in seconds read from a file
+  (one number per line, a JSON array, or a column of a CSV, JSON or JSON Lines file), resampled
+  uniformly with the run's seed.
+
+Every error is a :class:`~stalebuf.errors.ConfigError` whose message is one line, so that the
+command line can print it as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import random
+from collections.abc import Iterable, Iterator
+from statistics import NormalDist
+from typing import Any, Literal, TypeGuard, get_args
+
+import attrs
+import numpy as np
+
+from .._validation import describe, finite_in, one_of
+from ..errors import ConfigError
+
+__all__ = ["LATENCY_KINDS", "Latency", "LatencyKind"]
+
+LatencyKind = Literal["lognormal", "exponential", "fixed", "empirical"]
+
+#: Accepted latency distribution kinds (see :meth:`Latency.parse` for the spec forms).
+LATENCY_KINDS: tuple[str, ...] = get_args(LatencyKind)
+
+_FORMS = (
+    "lognormal:MU,SIGMA, lognormal-fit:MEDIAN,P95, exponential:MEAN, fixed:SECONDS, "
+    "empirical:PATH or empirical:PATH#COLUMN"
+)
+
+# Each parametric kind's parameters, by the names its spec uses, and their checks in the same order.
+_PARAM_NAMES: dict[str, tuple[str, ...]] = {
+    "lognormal": ("MU", "SIGMA"),
+    "exponential": ("MEAN",),
+    "fixed": ("SECONDS",),
+}
+_PARAM_CHECKS: dict[str, tuple[Any, ...]] = {
+    "lognormal": (
+        finite_in("lognormal latency MU (log of seconds)", -30.0, 30.0),
+        finite_in("lognormal latency SIGMA", 0.0, 5.0),
+    ),
+    "exponential": (finite_in("exponential latency MEAN (seconds)", 0.0, open_low=True),),
+    "fixed": (finite_in("fixed latency SECONDS", 0.0, open_low=True),),
+}
+# The standard normal's 95th percentile: a lognormal's p95 is exp(MU + _Z95 * SIGMA).
+_Z95 = NormalDist().inv_cdf(0.95)
+
+
+def _finite(value: object) -> TypeGuard[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _short(value: float) -> str:
+    """Format ``value`` as ``%g`` when that is exact, else as its full repr."""
+    text = f"{value:g}"
+    return text if float(text) == value else repr(value)
+
+
+def _to_params(value: object) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"latency params must be a sequence of numbers, got {describe(value)}")
+    params = tuple(value)
+    if not all(_finite(p) for p in params):
+        raise ConfigError(f"latency params must be finite numbers, got {describe(params)}")
+    return tuple(float(p) for p in params)
+
+
+def _params_repr(params: tuple[float, ...]) -> str:
+    # An empirical latency may hold a million values: its repr says how many instead.
+    return repr(params) if len(params) <= 8 else f"<{len(params)} values>"
+
+
+@attrs.frozen
+class Latency:
+    """A distribution of per-group generation times, in seconds.
+
+    Attributes:
+        kind: "lognormal" (params ``(mu, sigma)`` of the natural log of the seconds, with
+            ``|mu| <= 30`` and ``0 <= sigma <= 5``; long-tailed), "exponential" (params
+            ``(mean,)``, > 0), "fixed" (params ``(seconds,)``, > 0) or "empirical" (params: the
+            observed generation times, at least one, each > 0; a draw picks one uniformly).
+        params: the distribution's parameters, as floats.
+        spec: the spec it was parsed from when that is not its canonical form
+            (``lognormal-fit:...`` or ``empirical:...``), else None; :meth:`parse` reads it back.
+
+    Raises:
+        ConfigError: on construction, for an unknown kind or invalid parameters.
+    """
+
+    kind: LatencyKind = attrs.field(validator=one_of("latency kind", LATENCY_KINDS))
+    params: tuple[float, ...] = attrs.field(converter=_to_params, repr=_params_repr)
+    spec: str | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.spec is not None and (type(self.spec) is not str or "\n" in self.spec):
+            raise ConfigError(f"latency spec must be None or a one-line str, got {describe(self.spec)}")
+        if self.kind == "empirical":
+            if not self.params:
+                raise ConfigError("empirical latency needs at least one generation time")
+            if min(self.params) <= 0.0:
+                raise ConfigError(
+                    f"empirical latency: generation times must be > 0 seconds, got {min(self.params)!r}"
+                )
+            return
+        names = _PARAM_NAMES[self.kind]
+        if len(self.params) != len(names):
+            raise ConfigError(
+                f"{self.kind} latency needs {','.join(names)}, got {len(self.params)} number(s)"
+            )
+        for check, value in zip(_PARAM_CHECKS[self.kind], self.params, strict=True):
+            check(self, None, value)
+
+    @classmethod
+    def parse(cls, spec: str) -> Latency:
+        """Parse a spec: ``lognormal:MU,SIGMA``, ``lognormal-fit:MEDIAN,P95``, ``exponential:MEAN``,
+        ``fixed:SECONDS``, ``empirical:PATH`` or ``empirical:PATH#COLUMN``.
+
+        ``lognormal-fit`` is the lognormal with that median and 95th percentile (``0 < MEDIAN <=
+        P95``). ``empirical`` reads generation times in seconds from ``PATH`` (relative to the
+        current directory): without a column, one number per line (blank lines skipped), or a JSON
+        array of numbers if it ends in ``.json``; with ``#COLUMN``, that field of a ``.json`` file
+        (an array of objects, or an object of arrays), of a ``.jsonl``/``.ndjson`` file (one object
+        per line), or else that column of a CSV file with a header row. If ``PATH#COLUMN`` names an
+        existing file, it is read whole, as a path.
+
+        Raises:
+            ConfigError: if ``spec`` is not of one of those forms, a parameter is invalid, or the
+                file cannot be read or holds anything but numbers > 0 (the message is one line).
+        """
+        kind, sep, rest = str(spec).partition(":")
+        kind = kind.strip().lower()
+        if kind == "empirical" and sep:
+            path, column = _split_column(rest)
+            return cls("empirical", _read_times(path, column), spec=f"empirical:{rest}")
+        if not sep or kind not in (*_PARAM_NAMES, "lognormal-fit"):
+            raise ConfigError(f"latency must look like {_FORMS}; got {spec!r}")
+        try:
+            params = tuple(float(part) for part in rest.split(","))
+        except ValueError:
+            raise ConfigError(f"latency parameters must be numbers, got {spec!r}") from None
+        if kind == "lognormal-fit":
+            return _fit_lognormal(params)
+        return cls(kind, params)  # type: ignore[arg-type]
+
+    def sample(self, rng: random.Random) -> float:
+        """Draw one generation time in seconds from ``rng`` (deterministic given its state)."""
+        if self.kind == "lognormal":
+            mu, sigma = self.params
+            return math.exp(mu + sigma * rng.gauss(0.0, 1.0))
+        if self.kind == "empirical":
+            return rng.choice(self.params)
+        u = rng.random()
+        if self.kind == "exponential":
+            return -self.params[0] * math.log(1.0 - u)
+        return self.params[0]
+
+    def quantile(self, q: float) -> float:
+        """Return the ``q``-quantile (0 < q < 1) of the distribution, in seconds (for "empirical",
+        of the observed times, interpolating linearly between them)."""
+        if self.kind == "lognormal":
+            mu, sigma = self.params
+            return math.exp(mu + sigma * NormalDist().inv_cdf(q))
+        if self.kind == "exponential":
+            return -self.params[0] * math.log(1.0 - q)
+        if self.kind == "empirical":
+            return float(np.quantile(np.asarray(self.params, dtype=np.float64), q))
+        return self.params[0]
+
+    @property
+    def mean(self) -> float:
+        """The mean generation time in seconds."""
+        if self.kind == "lognormal":
+            mu, sigma = self.params
+            return math.exp(mu + sigma * sigma / 2)
+        if self.kind == "empirical":
+            return math.fsum(self.params) / len(self.params)
+        return self.params[0]
+
+    def __str__(self) -> str:
+        """Return the spec form, e.g. ``lognormal:3.4,1``, which :meth:`parse` reads back exactly
+        (an "empirical" latency built from numbers, without a spec, shows only how many it has)."""
+        if self.spec is not None:
+            return self.spec
+        if self.kind == "empirical":
+            return f"empirical:<{len(self.params)} values>"
+        return f"{self.kind}:{','.join(_short(p) for p in self.params)}"
+
+
+def _fit_lognormal(params: tuple[float, ...]) -> Latency:
+    """The lognormal whose median and 95th percentile are ``params``."""
+    if len(params) != 2:
+        raise ConfigError(f"lognormal-fit latency needs MEDIAN,P95, got {len(params)} number(s)")
+    median, p95 = params
+    if not (math.isfinite(p95) and 0.0 < median <= p95):
+        raise ConfigError(
+            f"lognormal-fit latency needs 0 < MEDIAN <= P95 (seconds), got {_short(median)},{_short(p95)}"
+        )
+    mu = math.log(median)
+    sigma = (math.log(p95) - mu) / _Z95
+    spec = f"lognormal-fit:{_short(median)},{_short(p95)}"
+    try:
+        return Latency("lognormal", (mu, sigma), spec=spec)
+    except ConfigError as exc:
+        raise ConfigError(f"{spec} fits MU={mu:.4f}, SIGMA={sigma:.4f}, out of range: {exc}") from None
+
+
+# -- empirical latencies: reading generation times from a file --------------------------------
+
+
+def _split_column(text: str) -> tuple[str, str | None]:
+    """Split ``PATH#COLUMN`` at its last ``#``, unless the whole text names an existing file."""
+    if not text:
+        raise ConfigError("empirical latency needs a file: empirical:PATH or empirical:PATH#COLUMN")
+    if "#" not in text or os.path.isfile(text):
+        return text, None
+    path, _, column = text.rpartition("#")
+    if not path or not column:
+        raise ConfigError(f"empirical latency needs PATH#COLUMN with both parts, got {text!r}")
+    return path, column
+
+
+def _read_times(path: str, column: str | None) -> tuple[float, ...]:
+    """Read the generation times of ``path`` (``column`` of it, if given); see :meth:`Latency.parse`."""
+    try:
+        # utf-8-sig: spreadsheets often start a CSV export with a byte-order mark.
+        with open(path, encoding="utf-8-sig", newline="") as file:
+            text = file.read()
+    except UnicodeDecodeError:
+        raise ConfigError(f"empirical latency: {path!r} is not a UTF-8 text file") from None
+    except OSError as exc:
+        raise ConfigError(f"empirical latency: cannot read {path!r}: {exc.strerror or exc}") from None
+    suffix = os.path.splitext(path)[1].lower()
+    cells: Iterable[tuple[str, object]]
+    if suffix in (".jsonl", ".ndjson"):
+        cells = _json_lines_cells(path, text, column)
+    elif suffix == ".json":
+        cells = _json_cells(path, text, column)
+    elif column is not None:
+        cells = _csv_cells(path, text, column)
+    elif suffix == ".csv":
+        raise ConfigError(f"empirical latency: {path!r} is a CSV file: {_choose(path, _csv_header(text))}")
+    else:
+        cells = ((f"line {n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip())
+    # Text cells are parsed; JSON ones must already be numbers.
+    from_text = suffix not in (".json", ".jsonl", ".ndjson")
+    times = tuple(_seconds(path, where, cell, from_text) for where, cell in cells)
+    if not times:
+        where = f"column {column!r} of {path!r}" if column is not None else repr(path)
+        raise ConfigError(f"empirical latency: {where} holds no generation times")
+    return times
+
+
+def _choose(path: str, names: Iterable[object]) -> str:
+    listed = ", ".join(describe(name) for name in list(names)[:20])
+    return f"choose a column with empirical:{path}#COLUMN (it has: {listed or 'none'})"
+
+
+def _seconds(path: str, where: str, cell: object, from_text: bool) -> float:
+    """One generation time: a finite number > 0, parsed from text or a JSON number."""
+    number = math.nan
+    if from_text and isinstance(cell, str):
+        with contextlib.suppress(ValueError):
+            number = float(cell)
+    elif _finite(cell):
+        number = float(cell)
+    if not (math.isfinite(number) and number > 0.0):
+        raise ConfigError(
+            f"empirical latency: {path!r} {where}: expected a number of seconds > 0, got {describe(cell)}"
+        )
+    return number
+
+
+def _csv_header(text: str) -> list[str]:
+    return next(csv.reader(io.StringIO(text)), [])
+
+
+def _csv_cells(path: str, text: str, column: str) -> Iterator[tuple[str, object]]:
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, [])
+    if column not in header:
+        raise ConfigError(f"empirical latency: {path!r} has no column {column!r}; {_choose(path, header)}")
+    index = header.index(column)
+    for row in reader:
+        if not any(cell.strip() for cell in row):
+            continue  # a blank line
+        where = f"line {reader.line_num}, column {column!r}"
+        yield where, row[index] if index < len(row) else ""
+
+
+def _json_cells(path: str, text: str, column: str | None) -> list[tuple[str, object]]:
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"empirical latency: {path!r} is not valid JSON: {exc}") from None
+    if column is None:
+        if isinstance(document, list) and not any(isinstance(item, dict) for item in document):
+            return [(f"item {n}", item) for n, item in enumerate(document)]
+        items = document if isinstance(document, list) else [document]
+        objects = [item for item in items if isinstance(item, dict)]
+        if objects:
+            raise ConfigError(f"empirical latency: {path!r} holds objects: {_choose(path, objects[0])}")
+        raise ConfigError(f"empirical latency: {path!r} must hold a JSON array of numbers")
+    if isinstance(document, dict):
+        if column not in document or not isinstance(document[column], list):
+            raise ConfigError(
+                f"empirical latency: {path!r} has no array {column!r}; {_choose(path, document)}"
+            )
+        return [(f"{column}[{n}]", item) for n, item in enumerate(document[column])]
+    if isinstance(document, list):
+        return [_field(path, f"item {n}", item, column) for n, item in enumerate(document)]
+    raise ConfigError(f"empirical latency: {path!r} must hold an array of objects or an object of arrays")
+
+
+def _json_lines_cells(path: str, text: str, column: str | None) -> Iterator[tuple[str, object]]:
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"empirical latency: {path!r} line {n} is not valid JSON: {exc}") from None
+        if column is None:
+            if isinstance(record, dict):
+                raise ConfigError(f"empirical latency: {path!r} holds objects: {_choose(path, record)}")
+            yield f"line {n}", record
+        else:
+            yield _field(path, f"line {n}", record, column)
+
+
+def _field(path: str, where: str, record: object, column: str) -> tuple[str, object]:
+    if not isinstance(record, dict):
+        raise ConfigError(f"empirical latency: {path!r} {where}: expected an object, got {describe(record)}")
+    if column not in record:
+        raise ConfigError(f"empirical latency: {path!r} {where} has no field {column!r}")
+    return f"{where}, field {column!r}", record[column]

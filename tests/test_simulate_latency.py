@@ -1,0 +1,241 @@
+"""``--latency empirical:PATH[#COLUMN]`` and ``--latency lognormal-fit:MEDIAN,P95``.
+
+Files are written to ``tmp_path``; runs are small, so the module takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+import pytest
+
+from stalebuf.cli import main
+from stalebuf.errors import ConfigError
+from stalebuf.simulate import Latency, SimulationConfig, simulate
+
+SMALL = ["--steps", "10", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
+TIMES = (12.5, 30.0, 45.25, 200.0, 8.0)
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def simulate_json(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """Run ``stalebuf simulate`` in-process and return its JSON results, by column."""
+    out = tmp_path / "out.json"
+    assert main(["simulate", *SMALL, *args, "--no-progress", "--json", str(out)]) == 0
+    results: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))["results"]
+    return results
+
+
+# -- empirical: the file formats ------------------------------------------------------------
+
+
+RECORDS = [{"uid": f"u{i}", "seconds": t, "tokens": 100 * i} for i, t in enumerate(TIMES)]
+FORMATS: dict[str, tuple[str, str]] = {
+    # id: (file name + "#column" if any, contents)
+    "lines": ("times.txt", "12.5\n30\n\n45.25\n  200  \n8\n"),
+    "lines, CRLF and no final newline": ("times.log", "12.5\r\n30\r\n45.25\r\n200\r\n8"),
+    "json array": ("times.json", json.dumps(list(TIMES))),
+    "json records#column": ("times.json#seconds", json.dumps(RECORDS)),
+    "json columns#column": ("times.json#seconds", json.dumps({"seconds": TIMES, "uid": ["a"] * 5})),
+    "jsonl#column": ("times.jsonl#seconds", "\n".join(map(json.dumps, RECORDS)) + "\n\n"),
+    "ndjson#column": ("times.ndjson#seconds", "\n".join(map(json.dumps, RECORDS))),
+    "csv#column": (
+        "times.csv#seconds",
+        "uid,seconds,tokens\n" + "".join(f'u{i},"{t}",{i}\n' for i, t in enumerate(TIMES)),
+    ),
+    "csv with a byte-order mark and blank lines": (
+        "times.csv#seconds",
+        "\ufeffseconds,uid\n12.5,a\n\n30,b\n45.25,c\n200,d\n8,e\n",
+    ),
+    "csv#column, any suffix": ("rollouts.log#seconds", "seconds\n12.5\n30\n45.25\n200\n8\n"),
+}
+
+
+@pytest.mark.parametrize(("target", "text"), list(FORMATS.values()), ids=list(FORMATS))
+def test_empirical_reads_every_format(tmp_path: Path, target: str, text: str) -> None:
+    name, _, column = target.partition("#")
+    path = write(tmp_path, name, text)
+    spec = f"empirical:{path}" + (f"#{column}" if column else "")
+    latency = Latency.parse(spec)
+    assert latency.kind == "empirical"
+    assert latency.params == TIMES
+    assert str(latency) == spec  # what the JSON output records, and parse reads back
+    assert Latency.parse(str(latency)) == latency
+
+
+def test_a_path_with_a_hash_that_exists_is_read_whole(tmp_path: Path) -> None:
+    path = write(tmp_path, "run#3.txt", "5\n6\n")
+    assert Latency.parse(f"empirical:{path}").params == (5.0, 6.0)
+
+
+def test_the_column_chooses_which_numbers(tmp_path: Path) -> None:
+    path = write(tmp_path, "log.csv", "seconds,tokens\n1.5,300\n2.5,400\n")
+    assert Latency.parse(f"empirical:{path}#seconds").params == (1.5, 2.5)
+    assert Latency.parse(f"empirical:{path}#tokens").params == (300.0, 400.0)
+
+
+def test_empirical_resamples_the_values_with_the_seed() -> None:
+    latency = Latency("empirical", TIMES)
+    draws = [latency.sample(random.Random(7)) for _ in range(3)]
+    assert draws[0] == draws[1] == draws[2]  # deterministic given the seed
+    rng = random.Random(0)
+    many = [latency.sample(rng) for _ in range(2000)]
+    assert set(many) == set(TIMES)  # only the file's values, every one of them
+    assert max(many.count(t) for t in TIMES) < 2 * min(many.count(t) for t in TIMES)  # uniformly
+    assert latency.mean == pytest.approx(sum(TIMES) / len(TIMES))
+    assert latency.quantile(0.5) == 30.0
+    assert latency.quantile(0.75) == 45.25
+
+
+def test_an_empirical_run_is_reproducible_and_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "t.csv", "s\n" + "".join(f"{t}\n" for t in TIMES))
+    spec = f"empirical:{path}#s"
+    first = simulate_json(tmp_path, "--latency", spec, "--seed", "3")
+    out = capsys.readouterr().out
+    assert f"generation time per group: {spec}, 5 values resampled (median 30.0 s," in out
+    again = simulate_json(tmp_path, "--latency", spec, "--seed", "3")
+    other = simulate_json(tmp_path, "--latency", spec, "--seed", "4")
+    assert first == again
+    assert first != other
+    assert {result["config"]["latency"] for result in first.values()} == {spec}
+    config = SimulationConfig(steps=5, batch_size=2, workers=2, latency=Latency.parse(spec))
+    lengths = simulate(config).length_bias
+    assert min(TIMES) <= lengths.mean_seconds_dispatched <= max(TIMES)
+
+
+# -- empirical: bad files -------------------------------------------------------------------
+
+BAD_FILES: dict[str, tuple[str | None, str, str]] = {
+    # id: (file name, or None for no file; contents; text the error line must hold)
+    "missing file": (None, "", "cannot read"),
+    "not a number": ("t.txt", "12\nabc\n", "line 2: expected a number of seconds > 0, got 'abc'"),
+    "negative": ("t.txt", "12\n-3\n", "line 2: expected a number of seconds > 0, got '-3'"),
+    "zero": ("t.txt", "0\n", "line 1: expected a number of seconds > 0"),
+    "nan": ("t.txt", "nan\n", "line 1: expected a number of seconds > 0"),
+    "empty": ("t.txt", "\n\n", "holds no generation times"),
+    "binary": ("t.txt", "", "is not a UTF-8 text file"),
+    "csv without a column": ("t.csv", "uid,seconds\na,1\n", "choose a column with empirical:"),
+    "csv, no such column": ("t.csv#secs", "uid,seconds\na,1\n", "has no column 'secs'"),
+    "csv, empty cell": ("t.csv#seconds", "uid,seconds\na,1\nb,\n", "line 3, column 'seconds'"),
+    "csv, short row": ("t.csv#seconds", "uid,seconds\na,1\nb\n", "line 3, column 'seconds'"),
+    "csv, header only": ("t.csv#seconds", "uid,seconds\n", "holds no generation times"),
+    "json, invalid": ("t.json", "[1, 2", "is not valid JSON"),
+    "json, records without a column": ("t.json", '[{"s": 1}]', "holds objects: choose a column"),
+    "json, a string": ("t.json", '[1, "2", 3]', "item 1: expected a number of seconds > 0, got '2'"),
+    "json, bool": ("t.json", "[1, true]", "item 1: expected a number of seconds > 0, got True"),
+    "json, no such field": ("t.json#x", '[{"s": 1}]', "item 0 has no field 'x'"),
+    "json, not an object": ("t.json#s", '[{"s": 1}, 2]', "item 1: expected an object"),
+    "json, no such array": ("t.json#x", '{"s": [1]}', "has no array 'x'"),
+    "json, a scalar": ("t.json", "3", "must hold a JSON array of numbers"),
+    "jsonl, invalid line": ("t.jsonl#s", '{"s": 1}\n{"s": \n', "line 2 is not valid JSON"),
+    "jsonl, missing field": ("t.jsonl#s", '{"s": 1}\n{"t": 2}\n', "line 2 has no field 's'"),
+    "jsonl without a column": ("t.jsonl", '{"s": 1}\n', "holds objects: choose a column"),
+    "a directory": ("", "", "cannot read"),
+}
+
+
+@pytest.mark.parametrize(("name", "text", "needle"), list(BAD_FILES.values()), ids=list(BAD_FILES))
+def test_a_bad_file_is_one_line_and_exit_2(
+    tmp_path: Path, name: str | None, text: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if name is None:
+        target = str(tmp_path / "missing.txt")
+    elif name == "":
+        target = str(tmp_path)
+    else:
+        file_name, _, column = name.partition("#")
+        path = tmp_path / file_name
+        if needle.endswith("UTF-8 text file"):
+            path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+        else:
+            path.write_text(text, encoding="utf-8")
+        target = str(path) + (f"#{column}" if column else "")
+    assert main(["simulate", *SMALL, "--latency", f"empirical:{target}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # it fails before simulating
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("stalebuf simulate: error: argument --latency: empirical latency")
+    assert needle in captured.err
+    assert "Traceback" not in captured.err
+    with pytest.raises(ConfigError, match=r"^empirical latency"):
+        Latency.parse(f"empirical:{target}")
+
+
+@pytest.mark.parametrize("spec", ["empirical:", "empirical:#seconds", "empirical:t.csv#"])
+def test_an_incomplete_empirical_spec_is_rejected(spec: str) -> None:
+    with pytest.raises(ConfigError, match=r"^empirical latency needs"):
+        Latency.parse(spec)
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [((), "at least one"), ((1.0, 0.0), "must be > 0"), ((1.0, -2.0), "must be > 0")],
+)
+def test_empirical_values_must_be_positive(params: tuple[float, ...], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        Latency("empirical", params)
+
+
+# -- lognormal-fit ----------------------------------------------------------------------------
+
+
+def test_lognormal_fit_has_the_median_and_p95_asked_for() -> None:
+    latency = Latency.parse("lognormal-fit:30,155")
+    mu, sigma = latency.params
+    assert latency.kind == "lognormal"
+    assert mu == pytest.approx(math.log(30))
+    assert sigma == pytest.approx((math.log(155) - math.log(30)) / NormalDist().inv_cdf(0.95))
+    assert (round(mu, 4), round(sigma, 4)) == (3.4012, 0.9984)
+    assert latency.quantile(0.5) == pytest.approx(30.0)
+    assert latency.quantile(0.95) == pytest.approx(155.0)
+    assert str(latency) == "lognormal-fit:30,155"
+    assert Latency.parse(str(latency)) == latency
+    # The fitted distribution draws exactly like the lognormal it fitted.
+    plain = Latency("lognormal", latency.params)
+    assert latency.sample(random.Random(1)) == plain.sample(random.Random(1))
+    narrow = Latency.parse("lognormal-fit:10,10")  # median = p95: no spread at all
+    assert narrow.params == (pytest.approx(math.log(10)), 0.0)
+
+
+def test_the_header_prints_the_fitted_mu_and_sigma(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", *SMALL, "--latency", "lognormal-fit:30,155", "--strategy", "drop"]
+    assert main([*argv, "--admission", "off", "--no-progress"]) == 0
+    header = capsys.readouterr().out.splitlines()[2]
+    assert header == (
+        "  generation time per group: lognormal-fit:30,155, fitted MU,SIGMA = 3.4012,0.9984 "
+        "(median 30.0 s, mean 49.4 s, p95 155 s)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("lognormal-fit:30", "needs MEDIAN,P95, got 1 number(s)"),
+        ("lognormal-fit:30,155,2", "needs MEDIAN,P95, got 3 number(s)"),
+        ("lognormal-fit:155,30", "needs 0 < MEDIAN <= P95"),
+        ("lognormal-fit:0,30", "needs 0 < MEDIAN <= P95"),
+        ("lognormal-fit:-1,30", "needs 0 < MEDIAN <= P95"),
+        ("lognormal-fit:30,inf", "needs 0 < MEDIAN <= P95"),
+        ("lognormal-fit:a,b", "must be numbers"),
+        ("lognormal-fit:1,1e9", "fits MU=0.0000, SIGMA=12.5989, out of range"),
+    ],
+)
+def test_a_bad_fit_is_one_line_and_exit_2(spec: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--latency", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("stalebuf simulate: error: argument --latency: ")
+    assert needle in captured.err
