@@ -155,7 +155,9 @@ class Producers(Sampling):
         if type(index) is not int or not 0 <= index < 1 << 63:
             check_index(index, "index")
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
-        group = self._open_group(uid, "put into")
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:  # the lookup inlined; _open_group raises the right error
+            group = self._open_group(uid, "put into")
         key = f"{uid}_{session_id}_{index}"
         trajectories = group.trajectories
         if key in trajectories:
@@ -163,8 +165,10 @@ class Producers(Sampling):
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
-        trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
-        group.partition.add_trajectories(1)
+        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, frozen_tags, payload))
+        part = group.partition  # PartitionState.add_trajectories(1), inlined: this runs per trajectory
+        part.trajectories += 1
+        part.admitted_trajectories += 1
         return key
 
     def mark_finished_nowait(self, uid: str) -> None:
@@ -180,7 +184,10 @@ class Producers(Sampling):
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
-        self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            group = self._open_group(uid, "mark finished")
+        self._terminate(group, _FINISHED)
 
     def mark_failed_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FAILURE.
