@@ -1,4 +1,4 @@
-"""Measure the performance targets P1-P7 side by side with their baselines, in one process.
+"""Measure the performance targets side by side with their baselines, in one process.
 
 Usage::
 
@@ -16,7 +16,10 @@ anything; it only proves every measurement runs. Exit status is 0 unless ``--str
 given and a target failed.
 
 Each target lives in its own module (``p1_wakeup`` ... ``p7_memory``; ``p3_sample`` also
-runs P4, which reuses its resident sets); ``report`` holds the table and the plot.
+runs P4, which reuses its resident sets), and so do the targets of the second performance round:
+``scale`` (put_group + sample end to end vs asyncio.Queue), ``out_of_order`` (finishing out of
+admission order), ``sampleable`` (``sampleable_count`` with everything stale) and ``gc_cost``
+(the cyclic GC's share of a large build). ``report`` holds the table and the plot.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import gc_cost
+import out_of_order
 import p1_wakeup
 import p2_producer
 import p3_sample
 import p5_gate
 import p6_idle
 import p7_memory
+import sampleable
+import scale
 from report import HERE, Report, machine_info, plot, status
 from sizes import FULL, QUICK, Sizes
 
@@ -44,6 +51,10 @@ TARGETS: dict[str, Callable[[Sizes, Report], None]] = {
     "P5": p5_gate.run,
     "P6": p6_idle.run,
     "P7": p7_memory.run,
+    "SCALE": scale.run,
+    "ORDER": out_of_order.run,
+    "COUNT": sampleable.run,
+    "GC": gc_cost.run,
 }
 
 
@@ -53,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated targets to run, e.g. P1,P3 (P3 includes P4); default: all",
+        help="comma-separated targets to run, e.g. P1,P3 (P3 includes P4), or Scale, Order, Count, GC; "
+        "default: all",
     )
     parser.add_argument(
         "--plot",

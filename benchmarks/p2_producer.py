@@ -1,7 +1,8 @@
 """P2, the producer path: four producers run the eleven awaited calls per group of 8 while a
 trainer samples B=64, alternated round by round with an ``asyncio.Queue`` put+get of as
-many items; plus variants (matched scheduling, fewer yields, ``put_group``), a per-group
-breakdown measured in the same rounds, and the polling baseline end to end.
+many items; plus variants (matched scheduling, fewer yields, ``put_group``), the cost of
+admission control per group (``put_group`` with and without it), a per-group breakdown
+measured in the same rounds, and the polling baseline end to end.
 """
 
 from __future__ import annotations
@@ -13,10 +14,27 @@ import anyio
 
 from report import Report, Row, ratio, status, us
 from sizes import Sizes
-from stalebuf import ReplayBuffer
-from workloads import TRAJECTORIES_PER_GROUP, pipeline_polling, pipeline_stalebuf, queue_pipeline
+from stalebuf import ReplayBuffer, SamplerConfig
+from workloads import (
+    BIG_THRESHOLD,
+    TRAJECTORIES_PER_GROUP,
+    pipeline_polling,
+    pipeline_stalebuf,
+    queue_pipeline,
+)
 
-__all__ = ["p2_async_lifecycle", "p2_call_costs", "p2_side_by_side", "run"]
+__all__ = [
+    "admission_configs",
+    "p2_async_lifecycle",
+    "p2_call_costs",
+    "p2_side_by_side",
+    "put_group_cost",
+    "run",
+]
+
+#: Admission control's per-step bound in the admission rows: the pipeline's groups per step,
+#: so that no producer ever waits (what is measured is the bookkeeping, not waiting).
+ADMISSION_BATCH = 64
 
 
 def p2_call_costs(groups: int) -> dict[str, float]:
@@ -60,6 +78,28 @@ async def p2_async_lifecycle(groups: int) -> int:
     return time.perf_counter_ns() - start
 
 
+def admission_configs() -> tuple[SamplerConfig, SamplerConfig] | None:
+    """(admission control on, off), otherwise alike; None for a stalebuf without admission."""
+    try:
+        on = SamplerConfig(max_off_policy_threshold=BIG_THRESHOLD, admission_batch_size=ADMISSION_BATCH)
+    except TypeError:  # the benchmarks also run against older versions, for before/after tables
+        return None
+    return on, SamplerConfig(max_off_policy_threshold=BIG_THRESHOLD)
+
+
+def put_group_cost(groups: int, config: SamplerConfig) -> float:
+    """ns per ``put_group_nowait`` of a new finished group of 8, ``groups`` of them,
+    ``ADMISSION_BATCH`` per dispatch step, on a fresh buffer; no event loop."""
+    buf = ReplayBuffer(config)
+    uids = [f"g{i}" for i in range(groups)]
+    payloads = [None] * TRAJECTORIES_PER_GROUP
+    put_group = buf.put_group_nowait
+    start = time.perf_counter_ns()
+    for i, uid in enumerate(uids):
+        put_group(uid, payloads, global_steps=i // ADMISSION_BATCH)
+    return (time.perf_counter_ns() - start) / groups
+
+
 async def p2_side_by_side(groups: int, rounds: int) -> dict[str, list[float]]:
     """Alternate the stalebuf pipeline, the asyncio.Queue pipelines and the breakdown parts,
     ``rounds`` times; return ns per trajectory (per item, per call) of each."""
@@ -78,6 +118,19 @@ async def p2_side_by_side(groups: int, rounds: int) -> dict[str, list[float]]:
         add("awaited_group", await p2_async_lifecycle(groups) / groups)
         for name, value in p2_call_costs(groups).items():
             add(name, value)
+        configs = admission_configs()
+        if configs is not None:
+            on, off = configs
+            # ns per group here: the target is a difference per group.
+            add(
+                "admission_off",
+                await pipeline_stalebuf(groups, put_group=True, buf=ReplayBuffer(off)) / groups,
+            )
+            add(
+                "admission_on", await pipeline_stalebuf(groups, put_group=True, buf=ReplayBuffer(on)) / groups
+            )
+            add("put_group_off", put_group_cost(groups, off))
+            add("put_group_on", put_group_cost(groups, on))
     return out
 
 
@@ -107,15 +160,55 @@ def _pipeline_rows(sizes: Sizes, report: Report, per: dict[str, float]) -> None:
         baseline=us(matched),
         ratio=ratio(mine, matched),
     )
-    for name, what in (
-        ("stalebuf_64", "same, but producers yield only every 64 groups (minimal scheduling)"),
-        (
-            "stalebuf_put_group",
-            "same pipeline, each group uploaded with one put_group call instead of 11 calls",
-        ),
-    ):
-        report.info("P2", what, us(per[name]), baseline=us(raw), ratio=ratio(per[name], raw))
+    report.info(
+        "P2",
+        "same, but producers yield only every 64 groups (minimal scheduling)",
+        us(per["stalebuf_64"]),
+        baseline=us(raw),
+        ratio=ratio(per["stalebuf_64"], raw),
+    )
+    grouped = per["stalebuf_put_group"]
+    report.add(
+        Row(
+            target="P2",
+            what="same pipeline, each group uploaded with one put_group call instead of 11 calls",
+            stalebuf=us(grouped),
+            baseline=f"{us(raw)} (Queue put+get)",
+            ratio=ratio(grouped, raw),
+            goal="<= 1.5x",
+            verdict=report.check("P2 (put_group)", grouped <= 1.5 * raw),
+        )
+    )
     report.info("P2", "throughput", f"{1e9 / mine:,.0f} traj/s", baseline=f"{1e9 / raw:,.0f} items/s")
+
+
+def _admission_rows(report: Report, per: dict[str, float]) -> None:
+    """What admission control adds per group: put_group_nowait alone (the verdict), and the
+    put_group pipeline end to end (its samples also report free slots)."""
+    if "put_group_on" not in per:
+        report.add(Row(target="P2", what="admission control", stalebuf="not in this version"))
+        return
+    on, off = per["put_group_on"], per["put_group_off"]
+    report.add(
+        Row(
+            target="P2",
+            what=f"put_group_nowait of a new group of 8, per group: admission control on "
+            f"(admission_batch_size={ADMISSION_BATCH}) vs off (median of the rounds, interleaved)",
+            stalebuf=us(on),
+            baseline=f"{us(off)} (off)",
+            ratio=f"+{(on - off) / 1e3:.2f} µs",
+            goal="<= +0.3 µs",
+            verdict=report.check("P2 (admission)", on - off <= 300),
+        )
+    )
+    on, off = per["admission_on"], per["admission_off"]
+    report.info(
+        "P2",
+        "the put_group pipeline above, per group: admission control on vs off",
+        us(on),
+        baseline=f"{us(off)} (off)",
+        ratio=f"{(on - off) / 1e3:+.2f} µs",
+    )
 
 
 def _breakdown_row(report: Report, calls: dict[str, float]) -> None:
@@ -165,5 +258,6 @@ def run(sizes: Sizes, report: Report) -> None:
     runs = anyio.run(p2_side_by_side, sizes.p2_groups, sizes.p2_rounds, backend="asyncio")
     per = {name: statistics.median(values) for name, values in runs.items()}
     _pipeline_rows(sizes, report, per)
+    _admission_rows(report, per)
     _breakdown_row(report, {name: min(values) for name, values in runs.items()})
     _polling_rows(sizes, report, per["stalebuf"])

@@ -14,6 +14,7 @@ class Sizes:
     quick: bool
     p1_reps: dict[str, int]
     p1_batch: int
+    p1_small_batch: int
     p1_big_batch: int
     p1_big_reps: int
     p1_polls: tuple[tuple[float, int], ...]  # (interval, measured reps)
@@ -38,6 +39,14 @@ class Sizes:
     p6_idle: float
     p7_groups: int
     p7_polling_groups: int
+    scale_groups: int  # groups of 8 through put_group + sample(256), end to end
+    scale_reps: int
+    order_groups: int  # groups in one dispatch step, finished in or out of admission order
+    order_chunk: int  # mark_finished calls per timed chunk
+    count_layouts: tuple[tuple[int, tuple[int, ...]], ...]  # (groups per step, sizes), all stale
+    count_reps: int
+    gc_groups: int  # resident groups built with the cyclic GC on, and off
+    gc_reps: int
 
     def __post_init__(self) -> None:
         if self.p4_fixed_n not in self.p3_sizes:
@@ -48,6 +57,7 @@ FULL = Sizes(
     quick=False,
     p1_reps={"asyncio": 2000, "trio": 1000, "uvloop": 1000},
     p1_batch=8,
+    p1_small_batch=1,
     p1_big_batch=64,
     p1_big_reps=500,
     p1_polls=((0.05, 40), (2.0, 5)),
@@ -72,12 +82,21 @@ FULL = Sizes(
     p6_idle=0.25,
     p7_groups=100_000,
     p7_polling_groups=20_000,
+    scale_groups=1_000_000,
+    scale_reps=3,
+    order_groups=300_000,
+    order_chunk=1_000,
+    count_layouts=((256, (1_000, 1_000_000)), (1, (1_000, 100_000))),
+    count_reps=21,
+    gc_groups=1_000_000,
+    gc_reps=2,
 )
 
 QUICK = Sizes(
     quick=True,
     p1_reps={"asyncio": 100, "trio": 50, "uvloop": 50},
     p1_batch=8,
+    p1_small_batch=1,
     p1_big_batch=64,
     p1_big_reps=20,
     p1_polls=((0.02, 3),),
@@ -102,4 +121,12 @@ QUICK = Sizes(
     p6_idle=0.1,
     p7_groups=1_000,
     p7_polling_groups=1_000,
+    scale_groups=2_048,
+    scale_reps=1,
+    order_groups=2_000,
+    order_chunk=100,
+    count_layouts=((256, (500, 2_000)), (1, (500, 2_000))),
+    count_reps=3,
+    gc_groups=2_000,
+    gc_reps=1,
 )

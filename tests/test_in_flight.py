@@ -161,12 +161,16 @@ async def test_a_later_producer_call_on_a_group_evicted_in_flight_raises_group_e
     assert issubclass(GroupEvictedError, UnknownGroupError)  # old handlers keep working
 
 
+@pytest.mark.parametrize("admission_batch_size", [4, None])
 @pytest.mark.parametrize("form", ["put_group_nowait", "put_group"])
-async def test_put_group_on_a_group_evicted_in_flight_raises_group_evicted_error(form: str) -> None:
+async def test_put_group_on_a_group_evicted_in_flight_raises_group_evicted_error(
+    form: str, admission_batch_size: int | None
+) -> None:
     """put_group is a producer write too: a remote producer that adds its prompt first and
     writes the whole group at the end must learn that the group was evicted, not have it
-    silently re-admitted at a later step (only add_prompt starts a new group)."""
-    buf = evicted_in_flight(admission_batch_size=4)
+    silently re-admitted at a later step (only add_prompt starts a new group). With and without
+    admission control: put_group's fast path for a new group must not take such a uid for new."""
+    buf = evicted_in_flight(admission_batch_size=admission_batch_size)
     before = full_snapshot(buf)
     with anyio.fail_after(LIMIT), pytest.raises(GroupEvictedError, match="evicted as stale while in flight"):
         await invoke(lambda b, uid: getattr(b, form)(uid, ["late"]), buf, "r")

@@ -36,12 +36,14 @@ from .errors import (
     UnknownGroupError,
 )
 from .policy import StalenessPolicy, SubclassHooks
-from .records import EvictionEvent, Group, Status, new_group
+from .records import EvictionEvent, Group, Status
+from .staleness import exceeds_drop
 
 __all__ = ["BufferCore", "EvictCallback"]
 
 EvictCallback = Callable[[EvictionEvent], object]
 _FINISHED, _FAILURE = Status.FINISHED, Status.FAILURE
+_tuple_new = tuple.__new__
 
 
 class BufferCore:
@@ -50,6 +52,8 @@ class BufferCore:
     _config: SamplerConfig
     _policy: StalenessPolicy
     _rules: StalenessPolicy
+    _plain_rules: bool
+    _plain_admission: bool
     _sync_step: int
     _on_evict: EvictCallback | None
     _groups: dict[str, OpenGroup | Group]
@@ -88,6 +92,9 @@ class BufferCore:
         overridden = any(getattr(type(self), hook) is not getattr(BufferCore, hook) for hook in hooks)
         # The rules the buffer asks: the policy itself, or the subclass's hooks in front of it.
         self._rules = SubclassHooks(policy, self) if overridden else policy
+        # Default rules are asked inline on the hot paths: the wake-up's, and put_group's.
+        self._plain_rules = rules_of.asks_defaults(self._rules, ("is_stale", "must_wait_for", "select"))
+        self._plain_admission = rules_of.asks_defaults(self._rules, ("admits", "is_stale"))
         self._sync_step = config.parameter_sync_step
         self._on_evict = on_evict
         self._groups: dict[str, OpenGroup | Group] = {}
@@ -184,15 +191,19 @@ class BufferCore:
 
     def _terminate(self, group: OpenGroup, status: Status) -> None:
         part = group.partition
-        record = new_group(
-            group.uid,
-            part.name,
-            group.dispatch_step,
-            status,
-            group.tags,
-            tuple(group.trajectories.values()),
-            max(self._clocks.get(part.name, 0), group.dispatch_step),  # not before its dispatch
-            monotonic() - group.admitted_at,
+        step = group.dispatch_step
+        record = _tuple_new(  # records.new_group, without the call
+            Group,
+            (
+                group.uid,
+                part.name,
+                step,
+                status,
+                group.tags,
+                tuple(group.trajectories.values()),
+                max(self._clocks.get(part.name, 0), step),  # not before its dispatch
+                monotonic() - group.admitted_at,
+            ),
         )
         self._groups[group.uid] = record
         part.terminate(group, record)
@@ -206,14 +217,33 @@ class BufferCore:
         not turn the completed call into an error, so the error is logged and the waiter
         woken, to raise it from its own ``sample``.
         """
-        if self._closed:
+        waiters = part.waiters
+        if self._closed or not waiters:
             return
-        part.drop_abandoned()
-        if not part.waiters:
+        head = waiters[0]
+        if head.abandoned():  # its loop was closed under it: the next live waiter is the head
+            part.drop_abandoned()
+            if not waiters:
+                return
+            head = waiters[0]
+        rules = self._rules
+        if self._plain_rules and not part.failed and not part.evict_in_flight:
+            # rules_of.has_work_for with the default rules asked inline (the common case).
+            ready = part.ready
+            steps = head.global_steps
+            if (
+                ready.count >= head.batch_size
+                and (rules.drops or part.exempt or rules_of.gate_open(rules, part, steps))
+            ) or (  # a batch may be returned, or the oldest group is stale (work to do)
+                ready.count
+                and rules.drops
+                and not part.exempt
+                and exceeds_drop(steps, ready.steps[0], rules.threshold, rules.sync_step)
+            ):
+                head.wake()
             return
-        head = part.waiters[0]
         try:
-            wake = rules_of.has_work_for(self._rules, part, head)
+            wake = rules_of.has_work_for(rules, part, head)
         except Exception:
             logger.exception("a staleness policy hook raised while checking a waiting sample")
             wake = True

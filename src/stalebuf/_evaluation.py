@@ -16,6 +16,7 @@ from .policy import StalenessPolicy, select_label
 from .records import Group
 
 __all__ = [
+    "asks_defaults",
     "choose_batch",
     "gate_open",
     "has_work_for",
@@ -27,6 +28,18 @@ __all__ = [
 
 # The default selection takes the first batch_size candidates: its answer needs no check.
 _DEFAULT_SELECT = StalenessPolicy.select
+
+
+def asks_defaults(rules: StalenessPolicy, hooks: tuple[str, ...]) -> bool:
+    """Whether ``rules`` answers every one of ``hooks`` (names of StalenessPolicy methods) with
+    the default code, neither overridden nor replaced on the instance (asked once, when a
+    buffer is built).
+
+    Then a hot path may ask ``staleness`` directly (or take the oldest groups without calling
+    ``select``): the same answers, without a Python call per question.
+    """
+    kind, own = type(rules), vars(rules)
+    return all(getattr(kind, hook) is getattr(StalenessPolicy, hook) and hook not in own for hook in hooks)
 
 
 def oldest_is_stale(rules: StalenessPolicy, part: PartitionState, global_steps: int) -> bool:

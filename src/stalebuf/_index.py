@@ -74,7 +74,7 @@ class Bucket:
             return self._take_merged(count)
         entries, start = self.entries, self.head
         end = start + count
-        groups = [entry[1] for entry in entries[start:end]]
+        groups = list(map(_group_of, entries[start:end]))
         if 2 * end >= len(entries):
             del entries[:end]
             self.head = 0
@@ -114,7 +114,7 @@ class Bucket:
 
     def groups(self) -> list[Group]:
         """Return every group, oldest first."""
-        return [entry[1] for entry in self.live_entries()]
+        return list(map(_group_of, self.live_entries()))
 
     def iter_groups(self) -> Iterator[Group]:
         """Return an iterator over the groups, oldest first, lazily (O(1) to start)."""
@@ -186,6 +186,12 @@ class ReadyIndex:
     def take_oldest(self, count: int) -> list[Group]:
         """Remove and return the ``count`` oldest groups (the caller checked there are)."""
         heap, buckets = self.steps, self.buckets
+        bucket = buckets[heap[0]]
+        if bucket.late is None and len(bucket.entries) - bucket.head == count:
+            # The whole oldest bucket, in order: the common sample of one dispatch step's groups.
+            del buckets[heapq.heappop(heap)]
+            self.count -= count
+            return list(map(_group_of, bucket.entries[bucket.head :] if bucket.head else bucket.entries))
         groups: list[Group] = []
         need = count
         while need:
@@ -257,11 +263,14 @@ class ReadyIndex:
     def count_fresh(self, is_stale: Callable[[int], bool]) -> int:
         """Return how many groups have a step that ``is_stale`` rejects, given that stale steps
         are a prefix of the order: it walks the newest steps down to the first stale one, so it
-        costs O(f log f) for f fresh steps, however many stale ones there are."""
+        costs O(f log f) for f fresh steps, however many stale ones there are (O(1) when the
+        oldest step is fresh, or the newest stale)."""
         heap, buckets = self.newest, self.buckets
         count = 0
-        if not heap:
+        if not self.steps:  # (``newest`` is cleaned lazily: it may still hold emptied steps)
             return count
+        if not is_stale(self.steps[0]):  # nothing is stale: O(1), however many steps are held
+            return self.count
         size = len(heap)
         frontier = [(heap[0], 0)]
         seen: set[int] = set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ._index import InFlightIndex, ReadyIndex
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["OpenGroup", "PartitionState"]
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
+_trajectories_of, _status_of = attrgetter("trajectories"), attrgetter("status")
 
 
 class OpenGroup:
@@ -234,13 +236,11 @@ class PartitionState:
 
     def _forget(self, groups: list[Group]) -> int:
         """Drop terminal ``groups`` from the resident counts; return their trajectory count."""
-        trajectories = failures = 0
-        release = self.resident_at is not None
-        for group in groups:
-            trajectories += len(group.trajectories)
-            if group.status is _FAILURE:
-                failures += 1
-            if release:
+        # C-level loops: this runs for every sampled batch.
+        trajectories = sum(map(len, map(_trajectories_of, groups)))
+        failures = list(map(_status_of, groups)).count(_FAILURE)
+        if self.resident_at is not None:
+            for group in groups:
                 self._release(group.dispatch_step)
         self.finished -= len(groups) - failures
         self.failure -= failures

@@ -9,6 +9,8 @@ a batch.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from functools import partial
+from itertools import repeat
 from threading import get_ident
 from typing import Any, Literal
 
@@ -25,6 +27,7 @@ from ._validation import (
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
 from .records import EMPTY_TAGS, Group, Status, Trajectory, new_trajectory
+from .staleness import exceeds_drop
 
 __all__ = ["GroupStatus", "Producers"]
 
@@ -32,6 +35,10 @@ __all__ = ["GroupStatus", "Producers"]
 GroupStatus = Status | Literal["finished", "failure", "failed"]
 _FINISHED, _FAILURE, _PENDING, _RUNNING = Status.FINISHED, Status.FAILURE, Status.PENDING, Status.RUNNING
 _tuple_new = tuple.__new__
+# put_group's fast path builds records with C-level loops: no Python frame per trajectory.
+_new_trajectory_from = partial(_tuple_new, Trajectory)
+# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
+_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
 # What ``put_group(status=...)`` accepts: a terminal Status or its value ("failed" too).
 _TERMINAL: dict[object, Status] = {
     _FINISHED: _FINISHED,
@@ -40,6 +47,16 @@ _TERMINAL: dict[object, Status] = {
     "failure": _FAILURE,
     "failed": _FAILURE,
 }
+
+
+def _default_records(uid: str, payloads: Sequence[Any]) -> tuple[list[str], tuple[Trajectory, ...]]:
+    """The keys and trajectories of a group whose payload ``i`` is session ``i``, index 0: built
+    by C-level loops, with no Python frame per trajectory."""
+    count = len(payloads)
+    suffixes = _DEFAULT_SUFFIXES if count <= len(_DEFAULT_SUFFIXES) else [f"_{i}_0" for i in range(count)]
+    keys = list(map(uid.__add__, suffixes[:count]))  # f"{uid}_{session}_0"
+    rows = zip(keys, range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
+    return keys, tuple(map(_new_trajectory_from, rows))
 
 
 class Producers(Sampling):
@@ -138,7 +155,9 @@ class Producers(Sampling):
         if type(index) is not int or not 0 <= index < 1 << 63:
             check_index(index, "index")
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
-        group = self._open_group(uid, "put into")
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:  # the lookup inlined; _open_group raises the right error
+            group = self._open_group(uid, "put into")
         key = f"{uid}_{session_id}_{index}"
         trajectories = group.trajectories
         if key in trajectories:
@@ -146,8 +165,10 @@ class Producers(Sampling):
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
-        trajectories[key] = new_trajectory(key, session_id, index, frozen_tags, payload)
-        group.partition.add_trajectories(1)
+        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, frozen_tags, payload))
+        part = group.partition  # PartitionState.add_trajectories(1), inlined: this runs per trajectory
+        part.trajectories += 1
+        part.admitted_trajectories += 1
         return key
 
     def mark_finished_nowait(self, uid: str) -> None:
@@ -163,7 +184,10 @@ class Producers(Sampling):
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
-        self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            group = self._open_group(uid, "mark finished")
+        self._terminate(group, _FINISHED)
 
     def mark_failed_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FAILURE.
@@ -224,7 +248,6 @@ class Producers(Sampling):
         part = self._partitions.get(partition) if type(partition) is str else None
         if (  # the common case gets a path of its own: a new, finished group of default keys
             part is not None
-            and part.cap is None
             and trajectory_tags is None
             and session_ids is None
             and indices is None
@@ -235,6 +258,7 @@ class Producers(Sampling):
             and uid
             and "_" not in uid
             and uid not in self._groups
+            and uid not in self._evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
             return self._put_new_finished_group(part, uid, payloads, global_steps, tags)
         return self._put_group(
@@ -249,19 +273,23 @@ class Producers(Sampling):
         global_steps: int | None,
         tags: Mapping[str, Any] | None,
     ) -> list[str]:
-        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments
-        checked: the records are built in one pass and the group goes straight to the ready
-        index (it never is in flight). Everything that can raise runs before any change."""
+        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked: it
+        goes straight to the ready index (never in flight). What can raise runs before any change."""
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         clock = self._clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
-        keys = [f"{uid}_{session}_0" for session in range(len(payloads))]
-        trajectories = tuple(
-            [
-                _tuple_new(Trajectory, (key, session, 0, EMPTY_TAGS, payload))
-                for key, session, payload in zip(keys, range(len(keys)), payloads, strict=True)
-            ]
-        )
+        cap, resident_at = part.cap, part.resident_at  # (resident_at is kept under admission only)
+        if cap is not None:
+            rules = self._rules
+            if not (  # the default admission rule, asked inline; else the general check
+                self._plain_admission
+                and not part.producers
+                and resident_at is not None
+                and resident_at.get(step, 0) < cap
+                and not exceeds_drop(part.last_sampled + 1, step, rules.threshold, rules.sync_step)
+            ):
+                step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
+        keys, trajectories = _default_records(uid, payloads)
         record = _tuple_new(
             Group, (uid, part.name, step, _FINISHED, frozen_tags, trajectories, max(clock, step), 0.0)
         )
@@ -269,8 +297,6 @@ class Producers(Sampling):
         self._next_seq = seq + 1
         self._groups[uid] = record
         part.add_terminal(record, seq)
-        if self._evicted_in_flight:
-            self._evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
         if part.waiters:
             self._wake_head(part)
         return keys
@@ -347,17 +373,6 @@ class Producers(Sampling):
             The errors of :meth:`put_group_nowait` except BufferFullError.
             BufferClosedError: the buffer was closed while it waited.
         """
-        arguments = (
-            uid,
-            payloads,
-            global_steps,
-            partition,
-            tags,
-            trajectory_tags,
-            session_ids,
-            indices,
-            status,
-        )
         try:
             return self.put_group_nowait(
                 uid,
@@ -372,6 +387,18 @@ class Producers(Sampling):
             )
         except BufferFullError:
             pass
+
+        arguments = (
+            uid,
+            payloads,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
+        )
 
         def admit(tag: int) -> list[str]:
             self._check_usable()

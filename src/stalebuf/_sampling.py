@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from operator import attrgetter
 from time import monotonic
 
 from . import _evaluation as rules_of
@@ -20,12 +21,15 @@ from ._waiting import Waiter, park, park_with_deadline
 from .errors import StalebufError
 from .metrics import SampleMetrics
 from .records import Batch, EvictionEvent, Group, new_batch, new_group
+from .staleness import exceeds_drop
 
 __all__ = ["EVICTED_UIDS_REMEMBERED", "Sampling"]
 
 #: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
 #: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
 EVICTED_UIDS_REMEMBERED = 65_536
+
+_uid_of = attrgetter("uid")
 
 
 class Sampling(Admission):
@@ -42,6 +46,26 @@ class Sampling(Admission):
         """
         self._evaluations += 1
         rules = self._rules
+        ready = part.ready
+        if (
+            self._plain_rules
+            and not part.failed
+            and not part.evict_in_flight
+            and (
+                not rules.drops
+                or part.exempt
+                or not ready.count
+                or not exceeds_drop(global_steps, ready.steps[0], rules.threshold, rules.sync_step)
+            )
+        ):
+            # The common case, asked inline: the default rules and nothing to evict. The loop
+            # below gives the same answer (no stale step, no failure; the oldest groups).
+            if ready.count < batch_size or not (
+                rules.drops or part.exempt or rules_of.gate_open(rules, part, global_steps)
+            ):
+                return None
+            metrics.oldest_first = True
+            return self._take_batch(part, None, global_steps, batch_size)
         readmitted_from, evicted_before = -1, frozenset[str]()
         left = False  # whether any group left: admission slots to hand out
         while True:
@@ -67,10 +91,17 @@ class Sampling(Admission):
             if left and part.producers:
                 self._wake_producer(part)
             return None
-        groups = part.take_sampled(None if oldest else chosen, batch_size)
+        metrics.oldest_first = oldest
+        return self._take_batch(part, None if oldest else chosen, global_steps, batch_size)
+
+    def _take_batch(
+        self, part: PartitionState, chosen: list[Group] | None, global_steps: int, batch_size: int
+    ) -> list[Group]:
+        """Remove and return the batch: ``chosen``, or the ``batch_size`` oldest groups if None."""
+        groups = part.take_sampled(chosen, batch_size)
         groups_by_uid = self._groups
-        for group in groups:
-            del groups_by_uid[group.uid]
+        for uid in map(_uid_of, groups):
+            del groups_by_uid[uid]
         if global_steps > part.last_sampled:
             part.last_sampled = global_steps
         if part.producers:
@@ -208,7 +239,8 @@ class Sampling(Admission):
         waiters = part.waiters
         if waiters and waiters[0] is waiter:
             waiters.popleft()
-            self._wake_head(part)  # whether we succeeded or not
+            if waiters:
+                self._wake_head(part)  # whether we succeeded or not
         elif waiter in waiters:  # not there if dropped as abandoned
             waiters.remove(waiter)
 
@@ -238,7 +270,8 @@ class Sampling(Admission):
             self._status_log.watch(waiter, started)
 
         def attempt() -> list[Group] | None:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             if part.waiters[0] is not waiter:
                 return None
             return self._evaluate(part, global_steps, batch_size, metrics)
