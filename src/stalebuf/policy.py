@@ -12,6 +12,11 @@ stale too). :meth:`~StalenessPolicy.select` reads its candidates lazily, oldest 
 taking the first ``batch_size`` of them (the default) costs O(batch_size); returning any
 other groups makes the buffer remove them from anywhere in its index, which costs O(N) for
 N ready groups in the partition.
+
+The methods below are the rules as written; the buffer's wake-up path, checked once when a
+buffer is built, applies ``is_stale``/``must_wait_for``/``select``/``admits`` inline when a
+policy leaves them as they are (``_evaluation.asks_defaults``): the same answers, without a
+Python call per question. Override any of them and the buffer asks your method instead.
 """
 
 from __future__ import annotations
