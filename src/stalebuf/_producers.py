@@ -258,6 +258,7 @@ class Producers(Sampling):
             and uid
             and "_" not in uid
             and uid not in self._groups
+            and uid not in self._evicted_in_flight  # only add_prompt starts such a uid afresh
             and uid not in self._evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
             return self._put_new_finished_group(part, uid, payloads, global_steps, tags)
