@@ -294,8 +294,7 @@ class ReplayBuffer(Producers):
         metrics = SampleMetrics()
         if part is not None and (not part.waiters or not part.has_live_waiter()):
             groups = self._evaluate(part, global_steps, batch_size, metrics)
-            # The clock moves once the call went through: a hook that raised changed nothing.
-            self._advance_clock(partition, global_steps)
+            self._advance_clock(partition, global_steps)  # once the call went through (not if a hook raised)
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
         else:
