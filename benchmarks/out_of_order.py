@@ -21,8 +21,11 @@ from workloads import BIG_THRESHOLD, gc_paused
 
 __all__ = ["ORDERS", "finish_side_by_side", "run"]
 
-#: The finishing orders compared with admission order.
-ORDERS = ("admission order", "random order", "reverse order")
+#: The finishing orders compared with admission order. "shuffled blocks" is random within each
+#: block of 1,000 groups (blocks in order): as out of order for the index, without the cache
+#: misses of jumping across all the groups' records that a random order over the whole step has.
+ORDERS = ("admission order", "random order", "reverse order", "shuffled blocks of 1,000")
+_BLOCK = 1_000
 
 
 def _running(n: int, prefix: str) -> tuple[ReplayBuffer, list[str]]:
@@ -39,7 +42,11 @@ def finish_side_by_side(n: int, chunk: int, seed: int = 1) -> dict[str, float]:
     """Median ns per ``mark_finished_nowait`` in each of :data:`ORDERS`, chunks alternating."""
     with gc_paused():
         sides = [_running(n, f"o{i}x") for i in range(len(ORDERS))]
-    orders = [sides[0][1], random.Random(seed).sample(sides[1][1], n), sides[2][1][::-1]]
+    rng = random.Random(seed)
+    shuffled_blocks: list[str] = []
+    for start in range(0, n, _BLOCK):
+        shuffled_blocks += rng.sample(sides[3][1][start : start + _BLOCK], min(_BLOCK, n - start))
+    orders = [sides[0][1], rng.sample(sides[1][1], n), sides[2][1][::-1], shuffled_blocks]
     per_call: list[list[float]] = [[] for _ in ORDERS]
     for start in range(0, n - chunk + 1, chunk):
         for i, (buf, _) in enumerate(sides):
@@ -70,6 +77,7 @@ def run(sizes: Sizes, report: Report) -> None:
         us(in_order),
     )
     for name in ORDERS[1:]:
+        judged = name != ORDERS[-1]
         report.add(
             Row(
                 target="Order",
@@ -77,7 +85,7 @@ def run(sizes: Sizes, report: Report) -> None:
                 stalebuf=us(cost[name]),
                 baseline=f"{us(in_order)} (admission order)",
                 ratio=ratio(cost[name], in_order),
-                goal="<= 2x",
-                verdict=report.check("Order", cost[name] <= 2 * in_order),
+                goal="<= 2x" if judged else "",
+                verdict=report.check("Order", cost[name] <= 2 * in_order) if judged else "info",
             )
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from threading import get_ident
 from time import monotonic
 from typing import Any
 
@@ -140,8 +141,11 @@ class BufferCore:
         part = self._partitions.get(partition) if type(partition) is str else None
         if part is None:
             check_partition(partition)
-        self._binding.check_thread()
-        self._check_open()
+        thread = self._binding.thread
+        if thread is not None and thread != get_ident():
+            self._binding.check_thread()
+        if self._closed:
+            self._check_open()
         return part
 
     def _open_group(self, uid: str, action: str) -> OpenGroup:

@@ -166,9 +166,8 @@ class Producers(Sampling):
                 f"({describe(key)})"
             )
         trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, frozen_tags, payload))
-        part = group.partition  # PartitionState.add_trajectories(1), inlined: this runs per trajectory
-        part.trajectories += 1
-        part.admitted_trajectories += 1
+        group.partition.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
+        group.partition.admitted_trajectories += 1
         return key
 
     def mark_finished_nowait(self, uid: str) -> None:
@@ -184,10 +183,7 @@ class Producers(Sampling):
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
-        group = self._groups.get(uid) if type(uid) is str else None
-        if type(group) is not OpenGroup:
-            group = self._open_group(uid, "mark finished")
-        self._terminate(group, _FINISHED)
+        self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
 
     def mark_failed_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FAILURE.
@@ -279,17 +275,14 @@ class Producers(Sampling):
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         clock = self._clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
-        cap, resident_at = part.cap, part.resident_at  # (resident_at is kept under admission only)
-        if cap is not None:
-            rules = self._rules
-            if not (  # the default admission rule, asked inline; else the general check
-                self._plain_admission
-                and not part.producers
-                and resident_at is not None
-                and resident_at.get(step, 0) < cap
-                and not exceeds_drop(part.last_sampled + 1, step, rules.threshold, rules.sync_step)
-            ):
-                step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
+        if part.cap is not None and not (  # the default admission rule inline, else the general check
+            self._plain_admission
+            and not part.producers
+            and part.resident_at is not None
+            and part.resident_at.get(step, 0) < part.cap
+            and not exceeds_drop(part.last_sampled + 1, step, self._rules.threshold, self._rules.sync_step)
+        ):
+            step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
         keys, trajectories = _default_records(uid, payloads)
         record = _tuple_new(
             Group, (uid, part.name, step, _FINISHED, frozen_tags, trajectories, max(clock, step), 0.0)

@@ -64,6 +64,10 @@ def describe(value: object) -> str:
     if kind is int:
         bits = value.bit_length()  # type: ignore[attr-defined]
         return repr(value) if bits <= 128 else f"an int of {bits} bits"
+    if kind is str and len(value) <= _SHORT.maxstring:  # type: ignore[arg-type]
+        text = repr(value)
+        if len(text) <= _SHORT.maxstring:  # what reprlib returns, without its three calls
+            return text
     if kind in _SCALARS:
         return _SHORT.repr(value)
     if kind in _CONTAINERS:

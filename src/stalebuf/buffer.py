@@ -292,13 +292,13 @@ class ReplayBuffer(Producers):
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
             part = self._partition(partition)
         metrics = SampleMetrics()
-        if part is not None and not part.has_live_waiter():
+        if part is not None and (not part.waiters or not part.has_live_waiter()):
             groups = self._evaluate(part, global_steps, batch_size, metrics)
-            # The clock moves once the call went through: a hook that raised changed nothing.
-            self._advance_clock(partition, global_steps)
+            self._advance_clock(partition, global_steps)  # once the call went through (not if a hook raised)
             if groups is not None:
                 return self._result(part, global_steps, groups, metrics, 0.0)
-        self._advance_clock(partition, global_steps)
+        else:
+            self._advance_clock(partition, global_steps)
         if timeout == 0:
             raise TimeoutError(f"no batch of {batch_size} ready in partition {describe(partition)}")
         assert part is not None  # created above for a call that may wait
