@@ -14,12 +14,13 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from stalebuf import Batch, ReplayBuffer, SamplerConfig, Status, Trajectory
+from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
 from stalebuf._index import _SPENT as SPENT
 from stalebuf._partition import OpenGroup, PartitionState
 from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
+from stalebuf.records import LazyTrajectories
 
 __all__ = [
     "EVICTED_UIDS_REMEMBERED",
@@ -51,7 +52,9 @@ __all__ = [
     "start_call",
     "status_timer_running",
     "steps_of",
+    "stored_groups",
     "train_stats",
+    "trajectories_built",
 ]
 
 LIMIT = 10  # seconds; bounds every wait, so that a hang fails instead of stalling CI
@@ -330,6 +333,19 @@ def evaluations(buf: ReplayBuffer) -> int:
 def status_timer_running(buf: ReplayBuffer) -> bool:
     """Whether the asyncio status-line timer is scheduled. Reads ``buf._status_log.timer``."""
     return buf._status_log is not None and buf._status_log.timer is not None
+
+
+def stored_groups(buf: ReplayBuffer) -> dict[str, Group]:
+    """The resident terminal group records by uid, as stored (reading them builds nothing).
+    Reads ``buf._groups``."""
+    return {uid: group for uid, group in _groups(buf).items() if isinstance(group, Group)}
+
+
+def trajectories_built(group: Group) -> bool:
+    """Whether ``group``'s trajectory records exist (a put_group fast-path group builds them
+    on first read). Reads the stored field and ``LazyTrajectories._built``."""
+    held = tuple.__getitem__(group, 5)
+    return not isinstance(held, LazyTrajectories) or held._built is not None
 
 
 def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:

@@ -29,7 +29,7 @@ from ._validation import check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
-from .records import Group, Status, new_group, new_trajectory
+from .records import Group, Status, new_group, new_trajectory, peek_trajectories
 
 __all__ = ["PayloadCodec", "read_checkpoint", "write_checkpoint"]
 
@@ -132,7 +132,7 @@ def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[An
         rows = [_group_row(group) for group in chunk]
         body.frame(_to_json(rows, f"group {describe(chunk[0].uid)} or the next {len(chunk) - 1}"))
         for group in chunk:
-            for trajectory in group.trajectories:
+            for trajectory in peek_trajectories(group):
                 try:
                     data = encode(trajectory.payload)
                 except Exception as exc:
@@ -148,7 +148,7 @@ def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[An
 
 
 def _group_row(group: Group) -> list[Any]:
-    trajectories = [[t.key, t.session_id, t.index, dict(t.tags)] for t in group.trajectories]
+    trajectories = [[t.key, t.session_id, t.index, dict(t.tags)] for t in peek_trajectories(group)]
     return [
         group.uid,
         group.partition,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from ._index import InFlightIndex, ReadyIndex
-from .records import Group, Status, Trajectory
+from .records import Group, Status, Trajectory, count_trajectories
 from .stats import PartitionStats
 
 if TYPE_CHECKING:
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 __all__ = ["OpenGroup", "PartitionState"]
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
-_trajectories_of, _status_of = attrgetter("trajectories"), attrgetter("status")
+_status_of = attrgetter("status")
+_trajectories_of = itemgetter(5)  # Group's trajectories as stored: counted without building them
 
 
 class OpenGroup:
@@ -189,7 +190,7 @@ class PartitionState:
         restored one): what admit, put and terminate would record, without a detour through
         flight."""
         step = group.dispatch_step
-        count = len(group.trajectories)
+        count = count_trajectories(group)
         self.admitted_groups += 1
         self.admitted_trajectories += count
         self.trajectories += count

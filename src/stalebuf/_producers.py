@@ -9,8 +9,6 @@ a batch.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from functools import partial
-from itertools import repeat
 from threading import get_ident
 from typing import Any, Literal
 
@@ -26,7 +24,7 @@ from ._validation import (
     describe,
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
-from .records import EMPTY_TAGS, Group, Status, Trajectory, new_trajectory
+from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys, new_trajectory
 from .staleness import exceeds_drop
 
 __all__ = ["GroupStatus", "Producers"]
@@ -35,10 +33,6 @@ __all__ = ["GroupStatus", "Producers"]
 GroupStatus = Status | Literal["finished", "failure", "failed"]
 _FINISHED, _FAILURE, _PENDING, _RUNNING = Status.FINISHED, Status.FAILURE, Status.PENDING, Status.RUNNING
 _tuple_new = tuple.__new__
-# put_group's fast path builds records with C-level loops: no Python frame per trajectory.
-_new_trajectory_from = partial(_tuple_new, Trajectory)
-# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
-_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
 # What ``put_group(status=...)`` accepts: a terminal Status or its value ("failed" too).
 _TERMINAL: dict[object, Status] = {
     _FINISHED: _FINISHED,
@@ -47,16 +41,6 @@ _TERMINAL: dict[object, Status] = {
     "failure": _FAILURE,
     "failed": _FAILURE,
 }
-
-
-def _default_records(uid: str, payloads: Sequence[Any]) -> tuple[list[str], tuple[Trajectory, ...]]:
-    """The keys and trajectories of a group whose payload ``i`` is session ``i``, index 0: built
-    by C-level loops, with no Python frame per trajectory."""
-    count = len(payloads)
-    suffixes = _DEFAULT_SUFFIXES if count <= len(_DEFAULT_SUFFIXES) else [f"_{i}_0" for i in range(count)]
-    keys = list(map(uid.__add__, suffixes[:count]))  # f"{uid}_{session}_0"
-    rows = zip(keys, range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
-    return keys, tuple(map(_new_trajectory_from, rows))
 
 
 class Producers(Sampling):
@@ -254,7 +238,6 @@ class Producers(Sampling):
             and uid
             and "_" not in uid
             and uid not in self._groups
-            and uid not in self._evicted_in_flight  # only add_prompt starts such a uid afresh
             and uid not in self._evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
             return self._put_new_finished_group(part, uid, payloads, global_steps, tags)
@@ -283,7 +266,8 @@ class Producers(Sampling):
             and not exceeds_drop(part.last_sampled + 1, step, self._rules.threshold, self._rules.sync_step)
         ):
             step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
-        keys, trajectories = _default_records(uid, payloads)
+        stored = payloads if type(payloads) is tuple else tuple(payloads)
+        trajectories = LazyTrajectories(uid, stored)  # built when first read (see records.py)
         record = _tuple_new(
             Group, (uid, part.name, step, _FINISHED, frozen_tags, trajectories, max(clock, step), 0.0)
         )
@@ -293,7 +277,7 @@ class Producers(Sampling):
         part.add_terminal(record, seq)
         if part.waiters:
             self._wake_head(part)
-        return keys
+        return default_keys(uid, len(stored))
 
     async def add_prompt(
         self,

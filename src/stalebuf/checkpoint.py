@@ -23,7 +23,7 @@ from ._partition import OpenGroup, PartitionState
 from ._validation import check_payload_codec, describe, describe_error
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
-from .records import EvictionEvent, Group, Status, new_group
+from .records import EvictionEvent, Group, Status, count_trajectories, new_group
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -220,7 +220,7 @@ def rebuild(buffer: ReplayBuffer, checkpoint: BufferCheckpoint, in_flight: InFli
         else:
             _put_back_in_flight(buffer, part, group, seq, now, keep=False)
             reissue.append(group.replace(status=_PENDING, trajectories=()))
-            discarded[part.name] = discarded.get(part.name, 0) + len(group.trajectories)
+            discarded[part.name] = discarded.get(part.name, 0) + count_trajectories(group)
     for saved in checkpoint.partitions:
         part = buffer._partitions[saved.name]
         for key in COUNTERS:  # cumulative counts are the saved ones, not what re-adding counted
@@ -260,7 +260,7 @@ def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) ->
     for name, groups in restarted.items():
         part = buffer._partitions[name]
         part.evicted_restart_groups += len(groups)
-        part.evicted_restart_trajectories += sum(len(group.trajectories) for group in groups)
+        part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
         events.append(EvictionEvent(name, "restart", tuple(groups), buffer._clocks.get(name, 0)))
         for group in groups:  # a producer that survived the restart learns why on its next write
             buffer._evicted_in_flight[group.uid] = None

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import NamedTuple
 
-from .records import Group
+from .records import Group, count_trajectories
 from .staleness import age as staleness_age
 
 __all__ = ["SampleMetrics", "metric_prefix"]
@@ -98,7 +98,7 @@ class SampleMetrics:
         """Count groups evicted as stale at ``global_steps``."""
         for group in groups:
             age = staleness_age(global_steps, group.dispatch_step)
-            n = len(group.trajectories)
+            n = count_trajectories(group)
             if self.dropped_groups == 0:
                 self.group_age_max = self.group_age_min = age
             else:

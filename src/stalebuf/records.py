@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
+from itertools import repeat
 from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, Literal
@@ -68,7 +70,7 @@ class _Record(tuple):  # type: ignore[type-arg]
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
-        values = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self, strict=True))
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
         return f"{type(self).__name__}({values})"
 
 
@@ -153,9 +155,17 @@ class Group(_Record):
     dispatch_step: int = _field(2, "The step it was dispatched at.")
     status: Status = _field(3, "Its status.")
     tags: Mapping[str, Any] = _field(4, "Read-only metadata.")
-    trajectories: tuple[Trajectory, ...] = _field(5, "Its trajectories.")
     finish_step: int = _field(6, "The clock when it finished.")
     generation_seconds: float = _field(7, "Seconds from add to finish.")
+
+    @property
+    def trajectories(self) -> tuple[Trajectory, ...]:
+        """Its trajectories, in ``put`` order (built on first read for a group ``put_group``
+        stored with default keys; the same tuple on every read)."""
+        held = self[5]
+        if held.__class__ is LazyTrajectories:
+            return held.build()
+        return held  # type: ignore[no-any-return]
 
     @property
     def global_steps(self) -> int:
@@ -164,7 +174,7 @@ class Group(_Record):
 
     def replace(self, **changes: Any) -> Group:
         """Return a copy with the given fields changed (like ``attrs.evolve``)."""
-        values = dict(zip(self._fields, self, strict=True))
+        values = dict(zip(self._fields, self, strict=True))  # trajectories as stored: not built
         values.update(changes)
         return Group(**values)
 
@@ -178,11 +188,102 @@ class Group(_Record):
                 self.dispatch_step,
                 self.status,
                 _plain(self.tags),
-                self.trajectories,
+                self[5],  # as stored: lazily built trajectories travel as their payloads
                 self.finish_step,
                 self.generation_seconds,
             ),
         )
+
+
+# Records put by ``put_group``'s fast path (default keys and tags) are built on first read. A
+# resident group then holds one small object and its payloads instead of a tuple of n
+# trajectory records: the cyclic garbage collector traverses every tracked object again at
+# each collection of its generation, and with a million resident groups of 8 the eager records
+# made building them about 3x slower with the collector on than off.
+_new_trajectory_from = partial(tuple.__new__, Trajectory)
+# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
+_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
+
+
+def default_keys(uid: str, count: int) -> list[str]:
+    """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
+    ``f"{uid}_{i}_0"``, built by C-level loops."""
+    if count <= len(_DEFAULT_SUFFIXES):
+        return list(map(uid.__add__, _DEFAULT_SUFFIXES[:count]))
+    return [f"{uid}_{i}_0" for i in range(count)]
+
+
+class LazyTrajectories:
+    """The trajectories of a group stored with default keys, session ids ``0..n-1``, index 0
+    and no tags, built on first read and then kept (so every read returns the same records).
+
+    Internal: :attr:`Group.trajectories` returns the built tuple, never this object.
+    """
+
+    __slots__ = ("_built", "payloads", "uid")
+
+    def __init__(
+        self, uid: str, payloads: tuple[Any, ...], built: tuple[Trajectory, ...] | None = None
+    ) -> None:
+        self.uid = uid
+        self.payloads = payloads
+        self._built = built
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def build(self) -> tuple[Trajectory, ...]:
+        """Return the trajectory records, building them on the first call."""
+        built = self._built
+        if built is None:
+            fresh = self.peek()
+            # Read again: another thread may have built them while this one did. From this read
+            # to the store there is no call, so no thread switch on CPython: every reader gets
+            # the one stored tuple.
+            built = self._built
+            if built is None:
+                built = self._built = fresh
+        return built
+
+    def peek(self) -> tuple[Trajectory, ...]:
+        """Return the trajectory records without keeping them (built again unless
+        :meth:`build` kept them): for readers such as a checkpoint that only copy fields."""
+        built = self._built
+        if built is not None:
+            return built
+        payloads = self.payloads
+        count = len(payloads)
+        rows = zip(default_keys(self.uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
+        return tuple(map(_new_trajectory_from, rows))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the payloads, and the records if they were built (so a pickle that
+        also holds one of them keeps it identical to the group's)."""
+        return (LazyTrajectories, (self.uid, self.payloads, self._built))
+
+    def __repr__(self) -> str:
+        return f"LazyTrajectories({self.uid!r}, {self.payloads!r})"
+
+
+def count_trajectories(group: Group) -> int:
+    """How many trajectories ``group`` holds, without building lazily stored records."""
+    return len(group[5])
+
+
+def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
+    """``group.trajectories``, but lazily stored records are built without being kept: a
+    checkpoint of a million resident groups leaves them as compact as it found them."""
+    held = group[5]
+    if held.__class__ is LazyTrajectories:
+        return held.peek()
+    return held  # type: ignore[no-any-return]
+
+
+def _stored_payloads(group: Group) -> Sequence[Any]:
+    held = group[5]
+    if held.__class__ is LazyTrajectories:
+        return held.payloads
+    return [t.payload for t in held]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -232,7 +333,7 @@ class Batch:
     @property
     def payloads(self) -> list[Any]:
         """All trajectory payloads, flattened in group order."""
-        return [t.payload for group in self.groups for t in group.trajectories]
+        return [payload for group in self.groups for payload in _stored_payloads(group)]
 
     @property
     def staleness(self) -> npt.NDArray[np.float64]:

@@ -20,7 +20,7 @@ from .._validation import describe_error
 from ..buffer import ReplayBuffer
 from ..checkpoint import BufferCheckpoint, InFlightMode
 from ..errors import CheckpointError
-from ..records import EvictionEvent, Group, Status, new_trajectory
+from ..records import EvictionEvent, Group, Status, new_trajectory, peek_trajectories
 from ._payloads import PackedRun, store_group, unique_refs, with_values
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ async def by_value(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
     Raises:
         CheckpointError: a payload object is lost (e.g. its owner, a producer, died).
     """
-    refs = unique_refs(t.payload for group in checkpoint.groups for t in group.trajectories)
+    refs = unique_refs(t.payload for group in checkpoint.groups for t in peek_trajectories(group))
     if not refs:
         return checkpoint
     try:
