@@ -76,9 +76,10 @@ def test_capacity_is_T_S_b_and_each_dispatch_step_admits_b(T: int, S: int, b: in
     assert admission_counts(buf) == {0: b, 1: b}
 
 
+@pytest.mark.parametrize("via", ["add_prompt", "put_group"])  # put_group's fast path inlines the rule
 @pytest.mark.parametrize("b", [1, 4])
 @pytest.mark.parametrize(("T", "S"), FORMULA)
-def test_after_sample_c_minus_1_exactly_the_last_T_S_steps_are_open(T: int, S: int, b: int) -> None:
+def test_after_sample_c_minus_1_exactly_the_last_T_S_steps_are_open(T: int, S: int, b: int, via: str) -> None:
     """With the previous sample returned at c-1 and the clock at c, the steps a group could still
     be trained at s <= T are c+1-T*S .. c, b groups each: T*S*b = capacity() in all."""
     c = 6
@@ -94,7 +95,10 @@ def test_after_sample_c_minus_1_exactly_the_last_T_S_steps_are_open(T: int, S: i
         admitted[tag] = 0
         for i in range(b + 1):
             try:
-                buf.add_prompt_nowait(f"t{tag}x{i}", global_steps=tag)
+                if via == "add_prompt":
+                    buf.add_prompt_nowait(f"t{tag}x{i}", global_steps=tag)
+                else:
+                    buf.put_group_nowait(f"t{tag}x{i}", [tag], global_steps=tag)
             except BufferFullError:
                 continue
             admitted[tag] += 1

@@ -55,6 +55,7 @@ class BufferCore:
     _rules: StalenessPolicy
     _plain_rules: bool
     _plain_admission: bool
+    _stale_span: int
     _sync_step: int
     _on_evict: EvictCallback | None
     _groups: dict[str, OpenGroup | Group]
@@ -96,6 +97,8 @@ class BufferCore:
         # Default rules are asked inline on the hot paths: the wake-up's, and put_group's.
         self._plain_rules = rules_of.asks_defaults(self._rules, ("is_stale", "must_wait_for", "select"))
         self._plain_admission = rules_of.asks_defaults(self._rules, ("admits", "is_stale"))
+        # The default is_stale as one comparison: s > T, that is g - p + 1 > T * S.
+        self._stale_span = policy.threshold * policy.sync_step
         self._sync_step = config.parameter_sync_step
         self._on_evict = on_evict
         self._groups: dict[str, OpenGroup | Group] = {}

@@ -25,7 +25,6 @@ from ._validation import (
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
 from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys, new_trajectory
-from .staleness import exceeds_drop
 
 __all__ = ["GroupStatus", "Producers"]
 
@@ -263,7 +262,7 @@ class Producers(Sampling):
             and not part.producers
             and part.resident_at is not None
             and part.resident_at.get(step, 0) < part.cap
-            and not exceeds_drop(part.last_sampled + 1, step, self._rules.threshold, self._rules.sync_step)
+            and part.last_sampled + 2 - step <= self._stale_span  # not is_stale(last_sampled + 1, step)
         ):
             step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
         stored = payloads if type(payloads) is tuple else tuple(payloads)
