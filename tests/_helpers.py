@@ -17,7 +17,6 @@ import anyio.abc
 from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
-from stalebuf._index import _SPENT as SPENT
 from stalebuf._partition import OpenGroup, PartitionState
 from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
 from stalebuf.records import LazyTrajectories
@@ -25,7 +24,6 @@ from stalebuf.records import LazyTrajectories
 __all__ = [
     "EVICTED_UIDS_REMEMBERED",
     "LIMIT",
-    "SPENT",
     "Background",
     "GroupView",
     "OpenGroup",
@@ -296,9 +294,9 @@ def ready_steps(buf: ReplayBuffer, partition: str = "train") -> list[int]:
 
 def spent_slots(buf: ReplayBuffer, partition: str, step: int) -> list[Any]:
     """What the taken (spent) slots at the front of a ready bucket still hold: the group
-    each slot references, or None once it was freed. Reads the bucket's entries and head."""
+    each slot references, or None once it was freed. Reads the bucket's members and head."""
     bucket = _indexes(buf)[partition].ready.buckets[step]
-    return [entry[1] for entry in bucket.entries[: bucket.head]]
+    return bucket.members[: bucket.head]
 
 
 def oldest_in_flight(buf: ReplayBuffer, partition: str = "train") -> int | None:

@@ -8,14 +8,34 @@ data structure directly (imported through ``_helpers``), not the buffer.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _helpers import SPENT, OpenGroup, PartitionState
-from stalebuf import Status
-from stalebuf.records import EMPTY_TAGS, new_group, new_trajectory
+from _helpers import OpenGroup, PartitionState
+from stalebuf import ReplayBuffer, SamplerConfig, Status
+from stalebuf.records import EMPTY_TAGS, Group, new_group, new_trajectory
+
+
+def check_bucket(bucket: Any) -> None:
+    """A bucket's own invariants: parallel lists, spent slots cleared, the merge in order."""
+    head, seqs, members, late = bucket.head, bucket.seqs, bucket.members, bucket.late
+    assert len(seqs) == len(members)
+    assert 0 <= head < len(seqs)
+    assert all(group is None for group in members[:head])  # taken groups are not kept alive
+    assert all(isinstance(group, Group) for group in members[head:])
+    assert seqs[head:] == sorted(set(seqs[head:]))
+    assert late is None or late  # no empty heap left behind
+    late = late or []
+    assert all(late[(i - 1) // 2][0] < late[i][0] for i in range(1, len(late)))  # a heap
+    assert not {seq for seq, _ in late} & set(seqs[head:])
+    entries = bucket.live_entries()
+    assert [seq for seq, _ in entries] == sorted({seq for seq, _ in entries})
+    assert len(entries) == len(bucket) == len(seqs) - head + len(late)
+    assert [g for _, g in entries] == bucket.groups() == list(bucket.iter_groups())
 
 
 class IndexModel:
@@ -129,13 +149,12 @@ class IndexModel:
                 1 for e in order if e[0] >= cutoff
             )
         assert {-key for key in part.ready.newest} >= set(part.ready.buckets)  # lazily cleaned
+        seq_of = {id(e[2]): e[1] for e in self.ready}
         for step, bucket in part.ready.buckets.items():
-            live = bucket.entries[bucket.head :]
-            assert live, f"empty bucket left for step {step}"
-            assert all(entry is not SPENT and entry[1] is not None for entry in live)
-            assert all(entry is SPENT for entry in bucket.entries[: bucket.head])  # freed
-            assert [entry[0] for entry in live] == sorted({entry[0] for entry in live})
-            assert all(entry[1].global_steps == step for entry in live)
+            check_bucket(bucket)
+            entries = bucket.live_entries()
+            assert entries, f"empty bucket left for step {step}"
+            assert all(group.global_steps == step and seq_of[id(group)] == seq for seq, group in entries)
         pending = sum(1 for g in self.open.values() if g.status is Status.PENDING)
         assert (part.pending, part.running) == (pending, len(self.open) - pending)
         resident = self.ready + self.failed
@@ -259,3 +278,112 @@ def test_in_flight_heap_stays_bounded_and_correct_behind_an_old_group() -> None:
     while model.open:
         model.terminate(0, 0, failed=False)
         model.check()
+
+
+class Payload:
+    """A trajectory payload that can be watched with a weak reference (a Group cannot)."""
+
+
+def _group(uid: str, step: int, payload: object = None) -> Group:
+    trajectories = (new_trajectory(f"{uid}_0_0", 0, 0, EMPTY_TAGS, payload),)
+    return new_group(uid, "train", step, Status.FINISHED, EMPTY_TAGS, trajectories, step, 0.0)
+
+
+def _ready_index() -> Any:
+    return PartitionState("train", exempt=False, evict_failures=False).ready
+
+
+def test_bucket_merges_in_order_and_late_groups_across_takes_and_compaction() -> None:
+    """Groups that finish in order go to the parallel lists, the others to the late heap; every
+    take returns the merge oldest first, spent slots are cleared and the lists are compacted
+    once half is spent, on the in-order and the merged path, with seqs and groups aligned."""
+    ready = _ready_index()
+    groups = {seq: _group(f"u{seq}", 0) for seq in range(21)}
+    taken: list[Group] = []
+
+    def push(*seqs: int) -> None:
+        for seq in seqs:
+            ready.push(0, seq, groups[seq])
+        check_bucket(ready.buckets[0])
+
+    def take(count: int, head: int, seqs: list[int] | None = None) -> None:
+        taken.extend(ready.take_oldest(count))
+        bucket = ready.buckets[0]
+        check_bucket(bucket)
+        assert bucket.head == head
+        if seqs is not None:  # just compacted
+            assert bucket.seqs == seqs
+            assert [g.uid for g in bucket.members] == [f"u{s}" for s in seqs]
+        resident = sorted(int(g.uid[1:]) for g in ready.iter_groups())
+        assert taken + list(ready.iter_groups()) == [groups[seq] for seq in range(resident[-1] + 1)]
+
+    push(0, 2, 4, 5, 6, 7, 8, 9, 1, 3)  # 1 and 3 finish late
+    assert ready.buckets[0].seqs == [0, 2, 4, 5, 6, 7, 8, 9]
+    assert len(ready.buckets[0].late) == 2
+    take(2, head=1)  # 0 from the list, 1 from the heap
+    take(2, head=2)  # 2, 3: the heap is empty now
+    assert ready.buckets[0].late is None
+    take(1, head=3)  # 4: the in-order path, one spent slot more
+    take(1, head=0, seqs=[6, 7, 8, 9])  # 5: half spent, compacted (in-order path)
+    push(10, 11, 13, 14, 15, 16, 12)  # 12 late behind the compacted list
+    take(7, head=0, seqs=[13, 14, 15, 16])  # 6..12: compacted on the merged path
+    push(18, 17)
+    take(5, head=0, seqs=[18])  # 13..16 from the list, then 17 from the heap
+    push(20, 19)
+    taken.extend(ready.take_oldest(3))  # the whole bucket, with a late group: 18, 19, 20
+    assert taken == [groups[seq] for seq in range(21)]
+    assert not ready.buckets
+    assert ready.count == 0
+
+
+def test_bucket_of_late_groups_only_moves_them_to_the_lists() -> None:
+    """When the in-order lists run out before the late heap, the late groups, in order, become
+    the lists (the bucket's lists are never empty while it holds a group)."""
+    ready = _ready_index()
+    groups = {seq: _group(f"u{seq}", 3) for seq in range(6)}
+    for seq in (5, 4, 3, 2, 1, 0):
+        ready.push(3, seq, groups[seq])
+    bucket = ready.buckets[3]
+    assert bucket.seqs == [5]
+    assert len(bucket.late) == 5
+    assert ready.take_oldest(2) == [groups[0], groups[1]]
+    check_bucket(bucket)
+    assert ready.take_oldest(1) == [groups[2]]
+    check_bucket(bucket)
+    ready.take([groups[4]])  # an arbitrary subset
+    check_bucket(ready.buckets[3])
+    assert list(ready.iter_groups()) == [groups[3], groups[5]]
+
+
+def test_taken_groups_are_freed_at_once_from_spent_slots() -> None:
+    """A partial take leaves spent slots in the bucket's lists until compaction; they must not
+    keep the taken groups (and their payloads) alive, on the in-order and the merged path."""
+    ready = _ready_index()
+    payloads = [Payload() for _ in range(12)]
+    refs = [weakref.ref(p) for p in payloads]
+    for seq in (*range(1, 12), 0):  # seq 0 finishes last: late
+        ready.push(0, seq, _group(f"u{seq}", 0, payloads[seq]))
+    del payloads
+    taken = ready.take_oldest(2)  # the merged path: seq 0 from the heap, seq 1 from the list
+    taken += ready.take_oldest(2)  # the in-order path
+    bucket = ready.buckets[0]
+    assert bucket.head == 3
+    assert bucket.late is None
+    check_bucket(bucket)
+    del taken
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True] * 4 + [False] * 8
+
+
+def test_resident_groups_leave_no_gc_tracked_tuple_each() -> None:
+    """A ready group costs no (seq, group) tuple the cyclic collector must traverse: after a
+    collection (which untracks tuples of untracked items only), no tuple refers to a Group."""
+    n = 10_000
+    buf = ReplayBuffer(SamplerConfig(max_off_policy_threshold=10**9))
+    for i in range(n):
+        buf.put_group_nowait(f"g{i}", [None] * 8, global_steps=i // 256)
+    gc.collect()
+    tuples = sum(
+        1 for obj in gc.get_objects() if type(obj) is tuple and any(isinstance(item, Group) for item in obj)
+    )
+    assert tuples < n // 100, f"{tuples} GC-tracked tuples refer to a Group, {n} resident groups"
