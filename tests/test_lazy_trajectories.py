@@ -104,8 +104,17 @@ def test_batch_views_read_payloads_without_building_records() -> None:
         buf.put_group_nowait(f"g{i}", group_payloads, global_steps=0)
     batch, _ = buf.sample_nowait(0, 3)  # (sample_now's event loop may repr the batch: that builds)
     assert all(a is b for a, b in zip(batch.payloads, [p for ps in payloads for p in ps], strict=True))
+    keys, tags = batch.keys, batch.tags
     assert not any(trajectories_built(group) for group in batch.groups)
-    assert batch.keys == [f"g{i}_{s}_0" for i in range(3) for s in range(4)]
+    assert keys == [f"g{i}_{s}_0" for i in range(3) for s in range(4)]
+    assert [dict(t) for t in tags] == [{}] * 12
+    built = batch.trajectories
+    assert (batch.keys, batch.tags, batch.payloads) == (
+        [t.key for t in built],
+        [t.tags for t in built],
+        [t.payload for t in built],
+    )
+    assert keys == batch.keys
     stats = buf.stats().total
     assert (stats.sampled_groups, stats.sampled_trajectories, stats.trajectories) == (4, 13, 0)
 

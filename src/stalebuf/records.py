@@ -279,6 +279,21 @@ def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
     return held  # type: ignore[no-any-return]
 
 
+# Batch's views read lazily stored groups without building their records.
+def _stored_keys(group: Group) -> Sequence[str]:
+    held = group[5]
+    if held.__class__ is LazyTrajectories and held._built is None:
+        return default_keys(held.uid, len(held.payloads))
+    return [t.key for t in group.trajectories]
+
+
+def _stored_tags(group: Group) -> Sequence[Mapping[str, Any]]:
+    held = group[5]
+    if held.__class__ is LazyTrajectories and held._built is None:
+        return [EMPTY_TAGS] * len(held.payloads)
+    return [t.tags for t in group.trajectories]
+
+
 def _stored_payloads(group: Group) -> Sequence[Any]:
     held = group[5]
     if held.__class__ is LazyTrajectories:
@@ -323,12 +338,12 @@ class Batch:
     @property
     def keys(self) -> list[str]:
         """All trajectory keys, flattened in group order."""
-        return [t.key for group in self.groups for t in group.trajectories]
+        return [key for group in self.groups for key in _stored_keys(group)]
 
     @property
     def tags(self) -> list[Mapping[str, Any]]:
         """All trajectory tags, flattened in group order."""
-        return [t.tags for group in self.groups for t in group.trajectories]
+        return [tags for group in self.groups for tags in _stored_tags(group)]
 
     @property
     def payloads(self) -> list[Any]:
