@@ -162,3 +162,17 @@ def test_a_resident_group_leaves_few_gc_tracked_objects() -> None:
     per_group = (len(gc.get_objects()) - before) / n
     assert per_group < 2.1  # the Group and its lazily built trajectories; no index entry
     del buf
+
+
+def test_read_as_a_tuple_a_lazy_group_shows_its_built_trajectories() -> None:
+    lazy, eager = _lazy_and_eager([1, 2])
+    uid, partition, step, status, tags, trajectories, finish_step, seconds = lazy
+    assert trajectories is lazy.trajectories
+    assert lazy[5] is lazy[-3] is lazy.trajectories
+    assert lazy[4:6] == (lazy.tags, lazy.trajectories)
+    assert (
+        tuple(lazy)[:5] == (uid, partition, step, status, tags) == ("lazy", "train", 0, Status.FINISHED, tags)
+    )
+    assert (finish_step, seconds) == (lazy.finish_step, lazy.generation_seconds)
+    assert len(lazy) == len(eager) == 8
+    assert eager[5] is eager.trajectories

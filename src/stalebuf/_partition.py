@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ._index import InFlightIndex, ReadyIndex
@@ -22,7 +22,7 @@ __all__ = ["OpenGroup", "PartitionState"]
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 _status_of = attrgetter("status")
-_trajectories_of = itemgetter(5)  # Group's trajectories as stored: counted without building them
+_trajectories_of = attrgetter("_stored")  # Group's trajectories as stored: counted unbuilt
 
 
 class OpenGroup:

@@ -157,24 +157,42 @@ class Group(_Record):
     tags: Mapping[str, Any] = _field(4, "Read-only metadata.")
     finish_step: int = _field(6, "The clock when it finished.")
     generation_seconds: float = _field(7, "Seconds from add to finish.")
+    # The trajectories as stored: a tuple, or LazyTrajectories (which supports len()). A field
+    # accessor reads the slot directly, past the __getitem__ below.
+    _stored: Any = _field(5, "The trajectories as stored.")
 
     @property
     def trajectories(self) -> tuple[Trajectory, ...]:
         """Its trajectories, in ``put`` order (built on first read for a group ``put_group``
         stored with default keys; the same tuple on every read)."""
-        held = self[5]
+        held = self._stored
         if held.__class__ is LazyTrajectories:
             return held.build()
         return held  # type: ignore[no-any-return]
 
+    # Read as a tuple, a group shows its built trajectories, never their lazy store.
+    def __iter__(self) -> Iterator[Any]:
+        """Iterate over the field values, as a tuple would."""
+        return iter(self._values())
+
+    def __getitem__(self, index: Any) -> Any:
+        """Return a field value (or a tuple of them for a slice), as a tuple would."""
+        return self._values()[index]
+
+    def _values(self) -> tuple[Any, ...]:
+        values = tuple(tuple.__iter__(self))
+        if values[5].__class__ is LazyTrajectories:
+            return (*values[:5], values[5].build(), *values[6:])
+        return values
+
     @property
     def global_steps(self) -> int:
         """The dispatch step: an alias of :attr:`dispatch_step`, the name verl uses."""
-        return self[2]  # type: ignore[no-any-return]
+        return self.dispatch_step
 
     def replace(self, **changes: Any) -> Group:
         """Return a copy with the given fields changed (like ``attrs.evolve``)."""
-        values = dict(zip(self._fields, self, strict=True))  # trajectories as stored: not built
+        values = dict(zip(self._fields, tuple.__iter__(self), strict=True))  # as stored: not built
         values.update(changes)
         return Group(**values)
 
@@ -188,7 +206,7 @@ class Group(_Record):
                 self.dispatch_step,
                 self.status,
                 _plain(self.tags),
-                self[5],  # as stored: lazily built trajectories travel as their payloads
+                self._stored,  # lazily built trajectories travel as their payloads
                 self.finish_step,
                 self.generation_seconds,
             ),
@@ -267,13 +285,13 @@ class LazyTrajectories:
 
 def count_trajectories(group: Group) -> int:
     """How many trajectories ``group`` holds, without building lazily stored records."""
-    return len(group[5])
+    return len(group._stored)
 
 
 def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
     """``group.trajectories``, but lazily stored records are built without being kept: a
     checkpoint of a million resident groups leaves them as compact as it found them."""
-    held = group[5]
+    held = group._stored
     if held.__class__ is LazyTrajectories:
         return held.peek()
     return held  # type: ignore[no-any-return]
@@ -281,21 +299,21 @@ def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
 
 # Batch's views read lazily stored groups without building their records.
 def _stored_keys(group: Group) -> Sequence[str]:
-    held = group[5]
+    held = group._stored
     if held.__class__ is LazyTrajectories and held._built is None:
         return default_keys(held.uid, len(held.payloads))
     return [t.key for t in group.trajectories]
 
 
 def _stored_tags(group: Group) -> Sequence[Mapping[str, Any]]:
-    held = group[5]
+    held = group._stored
     if held.__class__ is LazyTrajectories and held._built is None:
         return [EMPTY_TAGS] * len(held.payloads)
     return [t.tags for t in group.trajectories]
 
 
 def _stored_payloads(group: Group) -> Sequence[Any]:
-    held = group[5]
+    held = group._stored
     if held.__class__ is LazyTrajectories:
         return held.payloads
     return [t.payload for t in held]
