@@ -38,7 +38,6 @@ from .errors import (
 )
 from .policy import StalenessPolicy, SubclassHooks
 from .records import EvictionEvent, Group, Status
-from .staleness import exceeds_drop
 
 __all__ = ["BufferCore", "EvictCallback"]
 
@@ -245,7 +244,7 @@ class BufferCore:
                 ready.count
                 and rules.drops
                 and not part.exempt
-                and exceeds_drop(steps, ready.steps[0], rules.threshold, rules.sync_step)
+                and steps - ready.steps[0] + 1 > self._stale_span  # the oldest is stale
             ):
                 head.wake()
             return

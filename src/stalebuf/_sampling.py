@@ -21,7 +21,6 @@ from ._waiting import Waiter, park, park_with_deadline
 from .errors import StalebufError
 from .metrics import SampleMetrics
 from .records import Batch, EvictionEvent, Group, new_batch, new_group
-from .staleness import exceeds_drop
 
 __all__ = ["EVICTED_UIDS_REMEMBERED", "Sampling"]
 
@@ -55,7 +54,7 @@ class Sampling(Admission):
                 not rules.drops
                 or part.exempt
                 or not ready.count
-                or not exceeds_drop(global_steps, ready.steps[0], rules.threshold, rules.sync_step)
+                or global_steps - ready.steps[0] + 1 <= self._stale_span  # the oldest is not stale
             )
         ):
             # The common case, asked inline: the default rules and nothing to evict. The loop
