@@ -278,6 +278,32 @@ async def test_stale_group_wakes_the_waiter_so_the_refill_happens_now() -> None:
     assert buf.stats().total.evicted_stale_groups == 1
 
 
+@pytest.mark.parametrize(("T", "S"), [(1, 1), (2, 1), (1, 3)])
+@pytest.mark.parametrize("past", [0, 1])
+async def test_a_group_just_past_the_threshold_wakes_the_waiter_and_one_at_it_does_not(
+    T: int, S: int, past: int
+) -> None:
+    # The wake-up asks the default stale rule inline: s > T exactly (g - p + 1 > T*S), as
+    # eviction does. ``past`` = 1 puts the group one dispatch step past that boundary.
+    g = 10
+    events: list[EvictionEvent] = []
+    buf = make(max_off_policy_threshold=T, parameter_sync_step=S, on_evict=events.append)
+    dispatch = g + 1 - T * S - past  # staleness T (kept) or T + 1/S (dropped)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            sampler = Sampler(buf, g, 4)
+            tg.start_soon(sampler.run)
+            await settle()
+            before = evaluations(buf)
+            add_group(buf, "edge", dispatch)
+            await settle()
+            evicted = [group.uid for event in events for group in event.groups]
+            assert evicted == (["edge"] if past else [])
+            assert evaluations(buf) - before == past  # woken only to evict
+            assert not sampler.done
+            sampler.scope.cancel()
+
+
 async def test_failed_group_wakes_the_waiter_under_evict_strategy() -> None:
     def refill(event: EvictionEvent) -> None:
         buf.add_prompt_nowait("retry", global_steps=event.global_steps)
