@@ -148,6 +148,9 @@ class IndexModel:
             assert part.ready.count_fresh(lambda step, c=cutoff: step < c) == sum(
                 1 for e in order if e[0] >= cutoff
             )
+            below = part.ready.steps_before(cutoff)  # the default rule's walk, no predicate
+            assert below == part.ready.stale_steps(lambda step, c=cutoff: step < c)
+            assert below == sorted(step for step in part.ready.buckets if step < cutoff)
         assert {-key for key in part.ready.newest} >= set(part.ready.buckets)  # lazily cleaned
         seq_of = {id(e[2]): e[1] for e in self.ready}
         for step, bucket in part.ready.buckets.items():
@@ -223,6 +226,14 @@ def test_partition_index_matches_a_list_model_under_adversarial_orders(
         else:
             model.take_failed()
         model.check()
+
+
+@given(st.sets(st.integers(0, 300), max_size=120), st.integers(-1, 302))
+def test_steps_before_is_every_step_below_the_cutoff_in_order(steps: set[int], cutoff: int) -> None:
+    ready = _ready_index()
+    for seq, step in enumerate(steps):  # set order: the heap is built in no particular order
+        ready.push(step, seq, _group(f"g{seq}", step))
+    assert ready.steps_before(cutoff) == sorted(step for step in steps if step < cutoff)
 
 
 def test_late_finishers_land_in_order_behind_spent_slots() -> None:

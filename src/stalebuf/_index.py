@@ -206,6 +206,31 @@ class ReadyIndex:
             stale.append(step)
         return stale
 
+    def steps_before(self, cutoff: int) -> list[int]:
+        """Return the steps below ``cutoff``, ascending: what :meth:`stale_steps` returns for a
+        threshold rule, without a predicate call per step. O(j log j) for j returned.
+
+        Only the heap's subtrees under steps below ``cutoff`` are walked: a child is never
+        smaller than its parent.
+        """
+        heap = self.steps
+        if not heap or heap[0] >= cutoff:
+            return []
+        size = len(heap)
+        found: list[int] = []
+        frontier = [(heap[0], 0)]
+        pop, push = heapq.heappop, heapq.heappush
+        while frontier:
+            step, i = pop(frontier)
+            found.append(step)
+            child = 2 * i + 1
+            if child < size and heap[child] < cutoff:
+                push(frontier, (heap[child], child))
+            child += 1
+            if child < size and heap[child] < cutoff:
+                push(frontier, (heap[child], child))
+        return found
+
     def pop_steps(self, steps: list[int]) -> list[Group]:
         """Remove and return the groups of the oldest ``steps`` (as :meth:`stale_steps` gave)."""
         heap, buckets = self.steps, self.buckets

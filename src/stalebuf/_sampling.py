@@ -68,7 +68,11 @@ class Sampling(Admission):
         readmitted_from, evicted_before = -1, frozenset[str]()
         left = False  # whether any group left: admission slots to hand out
         while True:
-            stale = rules_of.stale_steps(rules, part, global_steps)
+            if self._plain_rules:  # the default rule: stale iff g - p + 1 > T * S, no call per step
+                drops = rules.drops and not part.exempt
+                stale = part.ready.steps_before(global_steps + 1 - self._stale_span) if drops else []
+            else:
+                stale = rules_of.stale_steps(rules, part, global_steps)
             stale_in_flight = rules_of.stale_in_flight_steps(rules, part, global_steps)
             if not stale and not stale_in_flight and not part.failed:
                 break
