@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from operator import attrgetter
+from collections.abc import Sequence
+from functools import reduce
+from itertools import repeat
+from operator import add, attrgetter, mul
 from typing import NamedTuple
 
-from .records import Group, count_trajectories
+from .records import Group
 from .staleness import age as staleness_age
 
 __all__ = ["SampleMetrics", "metric_prefix"]
@@ -43,6 +45,7 @@ _PARTITION_KEYS: dict[str, _Keys] = {}
 _dispatch_step_of = attrgetter("dispatch_step")
 _finish_step_of = attrgetter("finish_step")
 _generation_seconds_of = attrgetter("generation_seconds")
+_stored_trajectories_of = attrgetter("_stored")  # a tuple or lazily built records: len() works
 
 
 def _keys(prefix: str) -> _Keys:
@@ -94,27 +97,31 @@ class SampleMetrics:
     # selection takes them: the first and last groups then hold the extreme steps.
     oldest_first = False
 
-    def add_dropped(self, groups: Iterable[Group], global_steps: int) -> None:
+    def add_dropped(self, groups: Sequence[Group], global_steps: int) -> None:
         """Count groups evicted as stale at ``global_steps``."""
-        for group in groups:
-            age = staleness_age(global_steps, group.dispatch_step)
-            n = count_trajectories(group)
-            if self.dropped_groups == 0:
-                self.group_age_max = self.group_age_min = age
-            else:
-                self.group_age_max = max(self.group_age_max, age)
-                self.group_age_min = min(self.group_age_min, age)
-            self.dropped_groups += 1
-            self.group_age_sum += age
-            self.dropped_seconds += group.generation_seconds
-            if n:
-                if self.dropped_samples == 0:
-                    self.sample_age_max = self.sample_age_min = age
-                else:
-                    self.sample_age_max = max(self.sample_age_max, age)
-                    self.sample_age_min = min(self.sample_age_min, age)
-                self.dropped_samples += n
-                self.sample_age_sum += age * n
+        if not groups:
+            return
+        # Aggregated with C-level maps, not a Python loop per group: drop eviction may hand over
+        # thousands of groups at once.
+        ages = list(map(staleness_age, repeat(global_steps), map(_dispatch_step_of, groups)))
+        counts = list(map(len, map(_stored_trajectories_of, groups)))  # records not built
+        low, high = min(ages), max(ages)
+        if self.dropped_groups:
+            low, high = min(low, self.group_age_min), max(high, self.group_age_max)
+        self.group_age_min, self.group_age_max = low, high
+        self.dropped_groups += len(groups)
+        self.group_age_sum += sum(ages)
+        # Added one by one, in order, as a loop would: sum() of floats is compensated on 3.12+.
+        self.dropped_seconds = reduce(add, map(_generation_seconds_of, groups), self.dropped_seconds)
+        samples = sum(counts)
+        if samples:
+            held = [a for a, n in zip(ages, counts, strict=True) if n]
+            low, high = min(held), max(held)
+            if self.dropped_samples:
+                low, high = min(low, self.sample_age_min), max(high, self.sample_age_max)
+            self.sample_age_min, self.sample_age_max = low, high
+            self.dropped_samples += samples
+            self.sample_age_sum += sum(map(mul, ages, counts))
 
     def render(
         self,
