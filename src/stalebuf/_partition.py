@@ -239,7 +239,8 @@ class PartitionState:
         """Drop terminal ``groups`` from the resident counts; return their trajectory count."""
         # C-level loops: this runs for every sampled batch.
         trajectories = sum(map(len, map(_trajectories_of, groups)))
-        failures = list(map(_status_of, groups)).count(_FAILURE)
+        # No resident failure, none to count: a batch of 64 then skips reading 64 statuses.
+        failures = list(map(_status_of, groups)).count(_FAILURE) if self.failure else 0
         if self.resident_at is not None:
             for group in groups:
                 self._release(group.dispatch_step)
