@@ -9,6 +9,7 @@ the buffers here are built through a custom sampler that counts its instances.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -209,6 +210,23 @@ def test_a_newer_format_is_refused_with_an_upgrade_hint(saved: Path) -> None:
     saved.write_bytes(data)
     error = assert_refused(saved, f"format {FORMAT_VERSION + 1}")
     assert "upgrade" in str(error)
+
+
+def test_a_format_1_file_is_still_read(tmp_path: Path) -> None:
+    # Format 2 only added a way to pickle lazily stored groups: a file whose header says 1 (and
+    # whose checksum is bound to that header, as the documented layout says) restores.
+    buf = counted_buffer()
+    saved = tmp_path / "buffer.ckpt"
+    save(buf, saved)
+    data = bytearray(saved.read_bytes())
+    _version, flags, length, _digest = HEADER.unpack_from(data, len(MAGIC))
+    body = hashlib.sha256(data[len(MAGIC) + HEADER.size :]).digest()
+    digest = hashlib.sha256(struct.pack(">IIQ", 1, flags, length) + body).digest()
+    HEADER.pack_into(data, len(MAGIC), 1, flags, length, digest)
+    saved.write_bytes(data)
+    restored = ReplayBuffer.restore(saved, in_flight="keep").buffer
+    assert snapshot(restored) == snapshot(buf)
+    assert checkpoint_content(restored.checkpoint()) == checkpoint_content(buf.checkpoint())
 
 
 def test_unknown_flags_are_refused(saved: Path) -> None:

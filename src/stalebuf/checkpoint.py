@@ -38,8 +38,11 @@ __all__ = [
     "restore_buffer",
 ]
 
-#: The version of the checkpoint format (the value and the file); a newer one is refused.
-FORMAT_VERSION = 1
+#: The version of the checkpoint format (the value and the file); a newer one is refused, an
+#: older one read. 2: a group ``put_group`` stored with default keys pickles its payloads, not
+#: its trajectory records (which a version-1 reader could not unpickle); 1: every group pickled
+#: its records.
+FORMAT_VERSION = 2
 #: The cumulative per-partition counters a checkpoint carries (the resident counts are derived
 #: from the groups themselves, so they cannot disagree with them).
 COUNTERS: tuple[str, ...] = (
