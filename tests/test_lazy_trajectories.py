@@ -20,6 +20,7 @@ import pytest
 
 from _helpers import LIMIT, make, sample_now, stored_groups, trajectories_built
 from stalebuf import Group, ReplayBuffer, Status
+from stalebuf.records import map_payloads
 
 
 def _buffer(**config: Any) -> ReplayBuffer:
@@ -176,3 +177,20 @@ def test_read_as_a_tuple_a_lazy_group_shows_its_built_trajectories() -> None:
     assert (finish_step, seconds) == (lazy.finish_step, lazy.generation_seconds)
     assert len(lazy) == len(eager) == 8
     assert eager[5] is eager.trajectories
+
+
+def test_map_payloads_keeps_a_lazy_group_lazy_and_maps_an_eager_one() -> None:
+    lazy, eager = _lazy_and_eager([1, 2, 3])
+    for group, stays_lazy in ((lazy, True), (eager, False)):
+        mapped = map_payloads(group, lambda p: p * 10)
+        assert trajectories_built(mapped) is not stays_lazy
+        assert [t.payload for t in mapped.trajectories] == [10, 20, 30]
+        assert [t.key for t in mapped.trajectories] == [t.key for t in group.trajectories]
+        assert (mapped.uid, mapped.dispatch_step, mapped.status) == (
+            group.uid,
+            group.dispatch_step,
+            group.status,
+        )
+    built_first = map_payloads(lazy, str)  # lazy was built above: the records are mapped
+    assert trajectories_built(built_first)
+    assert [t.payload for t in built_first.trajectories] == ["1", "2", "3"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
@@ -281,6 +281,18 @@ class LazyTrajectories:
 
     def __repr__(self) -> str:
         return f"LazyTrajectories({self.uid!r}, {self.payloads!r})"
+
+
+def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
+    """Return ``group`` with every payload ``p`` replaced by ``change(p)``, everything else kept;
+    a lazily stored group stays lazy (its records are not built twice)."""
+    held = group._stored
+    if held.__class__ is LazyTrajectories and held._built is None:
+        return group.replace(trajectories=LazyTrajectories(held.uid, tuple(map(change, held.payloads))))
+    trajectories = tuple(
+        new_trajectory(t.key, t.session_id, t.index, t.tags, change(t.payload)) for t in group.trajectories
+    )
+    return group.replace(trajectories=trajectories)
 
 
 def count_trajectories(group: Group) -> int:

@@ -18,7 +18,7 @@ import anyio
 import attrs
 import ray
 
-from ..records import Batch, Group, new_trajectory
+from ..records import Batch, Group, map_payloads
 
 __all__ = [
     "PackedRun",
@@ -124,10 +124,7 @@ def with_values(group: Group, by_ref: Mapping[ray.ObjectRef[Any], Any]) -> Group
             return by_ref[payload]
         return payload
 
-    trajectories = tuple(
-        new_trajectory(t.key, t.session_id, t.index, t.tags, value_of(t.payload)) for t in group.trajectories
-    )
-    return group.replace(trajectories=trajectories)
+    return map_payloads(group, value_of)
 
 
 def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:
