@@ -3,7 +3,9 @@
 The uid strings and step numbers are created before tracing starts, so they are not
 counted. Bytes per group come from groups without trajectories; bytes per trajectory are
 the extra bytes of 8 ``put``s per group. Both are measured while the groups are RUNNING,
-then again after all of them are marked FINISHED, next to the polling baseline.
+then again after all of them are marked FINISHED, next to the polling baseline. Also, for
+information, the same for groups stored whole by ``put_group`` (whose trajectory records are
+built only when read).
 """
 
 from __future__ import annotations
@@ -82,6 +84,26 @@ def _measure(n: int, pn: int) -> tuple[Traced, Traced]:
     return mine, theirs
 
 
+def _put_group_bytes(n: int) -> tuple[float, float]:
+    """(bytes per trajectory, bytes per group) of ``n`` FINISHED groups stored by ``put_group``
+    with default keys, their records not yet read."""
+    uids = [f"p{i}" for i in range(n)]
+    steps = [i // PER_STEP for i in range(n)]
+    traced: dict[int, int] = {}
+    for t in (0, TRAJECTORIES_PER_GROUP):
+        payloads = [None] * t
+
+        def build(payloads: list[None] = payloads) -> ReplayBuffer:
+            buf = ReplayBuffer()
+            for uid, step in zip(uids, steps, strict=True):
+                buf.put_group_nowait(uid, payloads, global_steps=step)
+            return buf
+
+        traced[t] = traced_states(build, lambda _buf: None)[1]
+    per_group = traced[0] / n
+    return (traced[TRAJECTORIES_PER_GROUP] - traced[0]) / (n * TRAJECTORIES_PER_GROUP), per_group
+
+
 def _split(mem: Traced, state: int, groups: int) -> tuple[float, float]:
     """(bytes per trajectory, bytes per group) in ``state`` (0: in flight, 1: terminal)."""
     per_group = mem[0][state] / groups
@@ -111,3 +133,11 @@ def run(sizes: Sizes, report: Report) -> None:
                     verdict=report.check("P7", mine_b <= limit),
                 )
             )
+    status(f"P7 memory, {n} groups stored by put_group")
+    traj, group = _put_group_bytes(n)
+    report.info(
+        "P7",
+        f"FINISHED groups stored by put_group_nowait (records built when read): bytes per trajectory "
+        f"/ per group ({fmt_n(n)} groups x 8, payload None)",
+        f"{traj:.0f} B / {group:.0f} B",
+    )

@@ -27,7 +27,7 @@ def check_bucket(bucket: Any) -> None:
     assert 0 <= head < len(seqs)
     assert all(group is None for group in members[:head])  # taken groups are not kept alive
     assert all(isinstance(group, Group) for group in members[head:])
-    assert seqs[head:] == sorted(set(seqs[head:]))
+    assert list(seqs[head:]) == sorted(set(seqs[head:]))
     assert late is None or late  # no empty heap left behind
     late = late or []
     assert all(late[(i - 1) // 2][0] < late[i][0] for i in range(1, len(late)))  # a heap
@@ -323,13 +323,13 @@ def test_bucket_merges_in_order_and_late_groups_across_takes_and_compaction() ->
         check_bucket(bucket)
         assert bucket.head == head
         if seqs is not None:  # just compacted
-            assert bucket.seqs == seqs
+            assert list(bucket.seqs) == seqs
             assert [g.uid for g in bucket.members] == [f"u{s}" for s in seqs]
         resident = sorted(int(g.uid[1:]) for g in ready.iter_groups())
         assert taken + list(ready.iter_groups()) == [groups[seq] for seq in range(resident[-1] + 1)]
 
     push(0, 2, 4, 5, 6, 7, 8, 9, 1, 3)  # 1 and 3 finish late
-    assert ready.buckets[0].seqs == [0, 2, 4, 5, 6, 7, 8, 9]
+    assert list(ready.buckets[0].seqs) == [0, 2, 4, 5, 6, 7, 8, 9]
     assert len(ready.buckets[0].late) == 2
     take(2, head=1)  # 0 from the list, 1 from the heap
     take(2, head=2)  # 2, 3: the heap is empty now
@@ -355,7 +355,7 @@ def test_bucket_of_late_groups_only_moves_them_to_the_lists() -> None:
     for seq in (5, 4, 3, 2, 1, 0):
         ready.push(3, seq, groups[seq])
     bucket = ready.buckets[3]
-    assert bucket.seqs == [5]
+    assert list(bucket.seqs) == [5]
     assert len(bucket.late) == 5
     assert ready.take_oldest(2) == [groups[0], groups[1]]
     check_bucket(bucket)

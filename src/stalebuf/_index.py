@@ -17,7 +17,8 @@ Nothing here knows a staleness rule: callers pass predicates over dispatch steps
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, MutableSequence
 from itertools import chain
 from operator import is_, itemgetter
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -43,7 +44,7 @@ _seq_of = itemgetter(0)
 # ``type: ignore`` rather than typing.cast, which is a Python-level call at run time.
 
 
-def _iter_from(items: list[_T], start: int) -> Iterator[_T]:
+def _iter_from(items: MutableSequence[_T], start: int) -> Iterator[_T]:
     """Iterate ``items[start:]`` lazily without copying; O(1) to start."""
     it = iter(items)
     if start:
@@ -55,19 +56,21 @@ def _iter_from(items: list[_T], start: int) -> Iterator[_T]:
 class Bucket:
     """The ready groups of one dispatch step, in admission order, taken from the front.
 
-    Groups that finish in admission order (most of them) are appended to two parallel lists,
-    ``seqs`` and ``members`` (no tuple per group), which are taken from by advancing ``head``
-    instead of shifting them (a bucket may hold a million groups); taken member slots are
-    cleared at once so sampled groups are not kept alive, and the lists are compacted once half
-    of them is spent. A group that finishes out of order goes to ``late``, a heap of entries,
-    instead of into the middle of the lists: O(log n), not O(n). The bucket's order is the
-    merge of the two; ``seqs`` is never empty while the bucket holds a group.
+    Groups that finish in admission order (most of them) are appended to two parallel arrays,
+    ``seqs`` (machine integers) and ``members`` (no tuple per group), which are taken from by
+    advancing ``head`` instead of shifting them (a bucket may hold a million groups); taken
+    member slots are cleared at once so sampled groups are not kept alive, and the arrays are
+    compacted once half of them is spent. A group that finishes out of order goes to ``late``,
+    a heap of entries, instead of into the middle of the arrays: O(log n), not O(n). The
+    bucket's order is the merge of the two; ``seqs`` is never empty while it holds a group.
     """
 
     __slots__ = ("head", "late", "members", "seqs")
 
     def __init__(self, seq: int, group: Group) -> None:
-        self.seqs: list[int] = [seq]
+        # Admission numbers as machine integers: no int object per resident group for the cyclic
+        # collector to visit on every full collection (nor its 32 bytes).
+        self.seqs: array[int] = array("q", (seq,))
         self.members: list[Group | None] = [group]  # None in the spent slots before ``head``
         self.head = 0
         self.late: list[Entry] | None = None
@@ -127,7 +130,7 @@ class Bucket:
 
     def keep(self, entries: list[Entry]) -> None:
         """Replace the contents with ``entries``: ``(seq, group)`` pairs, ascending, not empty."""
-        self.seqs = list(map(_seq_of, entries))
+        self.seqs = array("q", map(_seq_of, entries))
         self.members = list(map(_group_of, entries))
         self.head = 0
         self.late = None
@@ -151,7 +154,7 @@ class Bucket:
         head = self.head
         groups: Iterator[Group] = _iter_from(self.members, head)  # type: ignore[arg-type]  # C-level
         if self.late:
-            entries = zip(_iter_from(self.seqs, head), groups, strict=True)
+            entries: Iterator[Entry] = zip(_iter_from(self.seqs, head), groups, strict=True)
             return map(_group_of, heapq.merge(entries, sorted(self.late)))
         return groups
 
