@@ -194,3 +194,18 @@ def test_map_payloads_keeps_a_lazy_group_lazy_and_maps_an_eager_one() -> None:
     built_first = map_payloads(lazy, str)  # lazy was built above: the records are mapped
     assert trajectories_built(built_first)
     assert [t.payload for t in built_first.trajectories] == ["1", "2", "3"]
+
+
+def test_tuple_operations_in_c_show_the_built_trajectories_too() -> None:
+    # Concatenation, repetition, membership, count, index and %-formatting read a tuple's slots
+    # in C: a lazily stored group answers them as an eager one does.
+    for group in _lazy_and_eager(["a", "b"]):
+        t = group.trajectories
+        assert (group + ())[5] is (() + group)[5] is (group * 1)[5] is (2 * group)[13] is t  # noqa: RUF005
+        assert t in group
+        assert (group.count(t), group.index(t), group.index(t, 5, 6)) == (1, 5, 5)
+        assert ("%s|" * 8 % group).split("|")[5] == str(t)
+        with pytest.raises(ValueError, match="not in tuple"):
+            group.index(t, 6)
+        with pytest.raises(TypeError):
+            group + []  # noqa: RUF005 - a tuple's own error

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import collections
 import enum
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, SupportsIndex
 
 import attrs
 import numpy as np
@@ -179,6 +180,36 @@ class Group(_Record):
         """Return a field value (or a tuple of them for a slice), as a tuple would."""
         return self._values()[index]
 
+    def __contains__(self, value: object) -> bool:
+        """Whether ``value`` is one of the field values, as for a tuple."""
+        return value in self._values()
+
+    def __add__(self, other: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Concatenate the field values with a tuple, as a tuple would."""
+        return self._values() + other
+
+    def __radd__(self, other: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Concatenate a tuple with the field values, as a tuple would."""
+        return other + self._values()
+
+    def __mul__(self, times: SupportsIndex) -> tuple[Any, ...]:
+        """Repeat the field values, as a tuple would."""
+        return self._values() * times
+
+    __rmul__ = __mul__
+
+    def count(self, value: Any) -> int:
+        """Count the field values equal to ``value``, as a tuple would."""
+        return self._values().count(value)
+
+    def index(self, value: Any, start: SupportsIndex = 0, stop: SupportsIndex = sys.maxsize) -> int:
+        """Return the position of ``value`` among the field values, as a tuple would.
+
+        Raises:
+            ValueError: no field value is equal to ``value``.
+        """
+        return self._values().index(value, start, stop)
+
     def _values(self) -> tuple[Any, ...]:
         values = tuple(tuple.__iter__(self))
         if values[5].__class__ is LazyTrajectories:
@@ -280,7 +311,8 @@ class LazyTrajectories:
         return (LazyTrajectories, (self.uid, self.payloads, self._built))
 
     def __repr__(self) -> str:
-        return f"LazyTrajectories({self.uid!r}, {self.payloads!r})"
+        # What a group's raw slot shows where C code formats it (``"%s" % group``): the records.
+        return repr(self.build())
 
 
 def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
