@@ -19,6 +19,7 @@ from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajecto
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
 from stalebuf._partition import OpenGroup, PartitionState
 from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
+from stalebuf._stored import map_payloads
 from stalebuf.records import LazyTrajectories
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "in_flight_heap_size",
     "in_flight_step_count",
     "make",
+    "map_payloads",
     "oldest_in_flight",
     "ready_order",
     "ready_steps",

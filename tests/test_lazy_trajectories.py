@@ -18,9 +18,8 @@ import anyio
 import numpy as np
 import pytest
 
-from _helpers import LIMIT, make, sample_now, stored_groups, trajectories_built
+from _helpers import LIMIT, make, map_payloads, sample_now, stored_groups, trajectories_built
 from stalebuf import Group, ReplayBuffer, Status
-from stalebuf.records import map_payloads
 
 
 def _buffer(**config: Any) -> ReplayBuffer:

@@ -25,11 +25,12 @@ from typing import IO, Any
 
 import attrs
 
+from ._stored import peek_trajectories
 from ._validation import check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
-from .records import Group, Status, new_group, new_trajectory, peek_trajectories
+from .records import Group, Status, new_group, new_trajectory
 
 __all__ = ["PayloadCodec", "read_checkpoint", "write_checkpoint"]
 

@@ -12,7 +12,8 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ._index import InFlightIndex, ReadyIndex
-from .records import Group, Status, Trajectory, count_trajectories
+from ._stored import count_trajectories
+from .records import Group, Status, Trajectory
 from .stats import PartitionStats
 
 if TYPE_CHECKING:

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from ._partition import OpenGroup, PartitionState
+from ._stored import count_trajectories
 from ._validation import check_payload_codec, describe, describe_error
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
-from .records import EvictionEvent, Group, Status, count_trajectories, new_group
+from .records import EvictionEvent, Group, Status, new_group
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer

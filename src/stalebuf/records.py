@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import enum
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
@@ -203,11 +203,8 @@ class Group(_Record):
         return self._values().count(value)
 
     def index(self, value: Any, start: SupportsIndex = 0, stop: SupportsIndex = sys.maxsize) -> int:
-        """Return the position of ``value`` among the field values, as a tuple would.
-
-        Raises:
-            ValueError: no field value is equal to ``value``.
-        """
+        """Return the position of ``value`` among the field values, as a tuple would (raises
+        ValueError if none is equal to it)."""
         return self._values().index(value, start, stop)
 
     def _values(self) -> tuple[Any, ...]:
@@ -313,32 +310,6 @@ class LazyTrajectories:
     def __repr__(self) -> str:
         # What a group's raw slot shows where C code formats it (``"%s" % group``): the records.
         return repr(self.build())
-
-
-def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
-    """Return ``group`` with every payload ``p`` replaced by ``change(p)``, everything else kept;
-    a lazily stored group stays lazy (its records are not built twice)."""
-    held = group._stored
-    if held.__class__ is LazyTrajectories and held._built is None:
-        return group.replace(trajectories=LazyTrajectories(held.uid, tuple(map(change, held.payloads))))
-    trajectories = tuple(
-        new_trajectory(t.key, t.session_id, t.index, t.tags, change(t.payload)) for t in group.trajectories
-    )
-    return group.replace(trajectories=trajectories)
-
-
-def count_trajectories(group: Group) -> int:
-    """How many trajectories ``group`` holds, without building lazily stored records."""
-    return len(group._stored)
-
-
-def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
-    """``group.trajectories``, but lazily stored records are built without being kept: a
-    checkpoint of a million resident groups leaves them as compact as it found them."""
-    held = group._stored
-    if held.__class__ is LazyTrajectories:
-        return held.peek()
-    return held  # type: ignore[no-any-return]
 
 
 # Batch's views read lazily stored groups without building their records.

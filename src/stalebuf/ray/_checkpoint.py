@@ -16,11 +16,12 @@ import attrs
 from ray.exceptions import RayError
 
 from .._checkpoint_file import PayloadCodec, read_checkpoint
+from .._stored import peek_trajectories
 from .._validation import describe_error
 from ..buffer import ReplayBuffer
 from ..checkpoint import BufferCheckpoint, InFlightMode
 from ..errors import CheckpointError
-from ..records import EvictionEvent, Group, Status, new_trajectory, peek_trajectories
+from ..records import EvictionEvent, Group, Status, new_trajectory
 from ._payloads import PackedRun, store_group, unique_refs, with_values
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ import anyio
 import attrs
 import ray
 
-from ..records import Batch, Group, map_payloads
+from .._stored import map_payloads
+from ..records import Batch, Group
 
 __all__ = [
     "PackedRun",
