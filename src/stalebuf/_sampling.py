@@ -68,11 +68,7 @@ class Sampling(Admission):
         readmitted_from, evicted_before = -1, frozenset[str]()
         left = False  # whether any group left: admission slots to hand out
         while True:
-            if self._plain_rules:  # the default rule: stale iff g - p + 1 > T * S, no call per step
-                drops = rules.drops and not part.exempt
-                stale = part.ready.steps_before(global_steps + 1 - self._stale_span) if drops else []
-            else:
-                stale = rules_of.stale_steps(rules, part, global_steps)
+            stale = self._stale_steps(part, global_steps)
             stale_in_flight = rules_of.stale_in_flight_steps(rules, part, global_steps)
             if not stale and not stale_in_flight and not part.failed:
                 break
@@ -96,6 +92,15 @@ class Sampling(Admission):
             return None
         metrics.oldest_first = oldest
         return self._take_batch(part, None if oldest else chosen, global_steps, batch_size)
+
+    def _stale_steps(self, part: PartitionState, global_steps: int) -> list[int]:
+        """The dispatch steps, oldest first, whose ready groups the drop rule evicts now."""
+        rules = self._rules
+        if self._plain_rules:  # the default rule: stale iff g - p + 1 > T * S, no call per step
+            if not rules.drops or part.exempt:
+                return []
+            return part.ready.steps_before(global_steps + 1 - self._stale_span)
+        return rules_of.stale_steps(rules, part, global_steps)
 
     def _take_batch(
         self, part: PartitionState, chosen: list[Group] | None, global_steps: int, batch_size: int
