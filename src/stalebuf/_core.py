@@ -38,6 +38,7 @@ from .errors import (
 )
 from .policy import StalenessPolicy, SubclassHooks
 from .records import EvictionEvent, Group, Status
+from .staleness import drop_span
 
 __all__ = ["BufferCore", "EvictCallback"]
 
@@ -96,8 +97,8 @@ class BufferCore:
         # Default rules are asked inline on the hot paths: the wake-up's, and put_group's.
         self._plain_rules = rules_of.asks_defaults(self._rules, ("is_stale", "must_wait_for", "select"))
         self._plain_admission = rules_of.asks_defaults(self._rules, ("admits", "is_stale"))
-        # The default is_stale as one comparison: s > T, that is g - p + 1 > T * S.
-        self._stale_span = policy.threshold * policy.sync_step
+        # The default is_stale as one comparison: p < g + 1 - span (see staleness.drop_span).
+        self._stale_span = drop_span(policy.threshold, policy.sync_step)
         self._sync_step = config.parameter_sync_step
         self._on_evict = on_evict
         self._groups: dict[str, OpenGroup | Group] = {}
@@ -244,7 +245,7 @@ class BufferCore:
                 ready.count
                 and rules.drops
                 and not part.exempt
-                and steps - ready.steps[0] + 1 > self._stale_span  # the oldest is stale
+                and ready.steps[0] < steps + 1 - self._stale_span  # the oldest is stale
             ):
                 head.wake()
             return

@@ -12,7 +12,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ._index import InFlightIndex, ReadyIndex
-from ._stored import count_trajectories
+from ._stored import count_trajectories, stored_trajectories
 from .records import Group, Status, Trajectory
 from .stats import PartitionStats
 
@@ -23,7 +23,6 @@ __all__ = ["OpenGroup", "PartitionState"]
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 _status_of = attrgetter("status")
-_trajectories_of = attrgetter("_stored")  # Group's trajectories as stored: counted unbuilt
 
 
 class OpenGroup:
@@ -239,7 +238,7 @@ class PartitionState:
     def _forget(self, groups: list[Group]) -> int:
         """Drop terminal ``groups`` from the resident counts; return their trajectory count."""
         # C-level loops: this runs for every sampled batch.
-        trajectories = sum(map(len, map(_trajectories_of, groups)))
+        trajectories = sum(map(len, map(stored_trajectories, groups)))
         # No resident failure, none to count: a batch of 64 then skips reading 64 statuses.
         failures = list(map(_status_of, groups)).count(_FAILURE) if self.failure else 0
         if self.resident_at is not None:

@@ -262,7 +262,7 @@ class Producers(Sampling):
             and not part.producers
             and part.resident_at is not None
             and part.resident_at.get(step, 0) < part.cap
-            and part.last_sampled + 2 - step <= self._stale_span  # not is_stale(last_sampled + 1, step)
+            and step >= part.last_sampled + 2 - self._stale_span  # not is_stale(last_sampled + 1, step)
         ):
             step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
         stored = payloads if type(payloads) is tuple else tuple(payloads)

@@ -54,7 +54,7 @@ class Sampling(Admission):
                 not rules.drops
                 or part.exempt
                 or not ready.count
-                or global_steps - ready.steps[0] + 1 <= self._stale_span  # the oldest is not stale
+                or ready.steps[0] >= global_steps + 1 - self._stale_span  # the oldest is kept
             )
         ):
             # The common case, asked inline: the default rules and nothing to evict. The loop
@@ -96,7 +96,7 @@ class Sampling(Admission):
     def _stale_steps(self, part: PartitionState, global_steps: int) -> list[int]:
         """The dispatch steps, oldest first, whose ready groups the drop rule evicts now."""
         rules = self._rules
-        if self._plain_rules:  # the default rule: stale iff g - p + 1 > T * S, no call per step
+        if self._plain_rules:  # the default rule: stale iff p < g + 1 - T*S, no call per step
             if not rules.drops or part.exempt:
                 return []
             return part.ready.steps_before(global_steps + 1 - self._stale_span)

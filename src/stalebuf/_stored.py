@@ -4,11 +4,16 @@ records of a group ``put_group`` stored lazily (see :class:`~stalebuf.records.La
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from .records import Group, LazyTrajectories, Trajectory, new_trajectory
 
-__all__ = ["count_trajectories", "map_payloads", "peek_trajectories"]
+__all__ = ["count_trajectories", "map_payloads", "peek_trajectories", "stored_trajectories"]
+
+#: A group's trajectories as stored, for C-level counting (``map(len, map(stored_trajectories,
+#: groups))``): a tuple, or LazyTrajectories, which supports ``len()`` without building.
+stored_trajectories = attrgetter("_stored")
 
 
 def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:

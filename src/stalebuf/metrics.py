@@ -8,6 +8,7 @@ from itertools import repeat
 from operator import add, attrgetter, mul
 from typing import NamedTuple
 
+from ._stored import stored_trajectories
 from .records import Group
 from .staleness import age as staleness_age
 
@@ -45,7 +46,6 @@ _PARTITION_KEYS: dict[str, _Keys] = {}
 _dispatch_step_of = attrgetter("dispatch_step")
 _finish_step_of = attrgetter("finish_step")
 _generation_seconds_of = attrgetter("generation_seconds")
-_stored_trajectories_of = attrgetter("_stored")  # a tuple or lazily built records: len() works
 
 
 def _keys(prefix: str) -> _Keys:
@@ -104,7 +104,7 @@ class SampleMetrics:
         # Aggregated with C-level maps, not a Python loop per group: drop eviction may hand over
         # thousands of groups at once.
         ages = list(map(staleness_age, repeat(global_steps), map(_dispatch_step_of, groups)))
-        counts = list(map(len, map(_stored_trajectories_of, groups)))  # records not built
+        counts = list(map(len, map(stored_trajectories, groups)))  # records not built
         low, high = min(ages), max(ages)
         if self.dropped_groups:
             low, high = min(low, self.group_age_min), max(high, self.group_age_max)

@@ -14,7 +14,7 @@ earlier is stale too. The buffer relies on that to look only at the oldest group
 
 from __future__ import annotations
 
-__all__ = ["age", "blocks_wait", "exceeds_drop"]
+__all__ = ["age", "blocks_wait", "drop_span", "exceeds_drop"]
 
 
 def age(global_steps: int, dispatch_step: int) -> int:
@@ -25,6 +25,13 @@ def age(global_steps: int, dispatch_step: int) -> int:
 def exceeds_drop(global_steps: int, dispatch_step: int, threshold: int, sync_step: int) -> bool:
     """Return True when a terminal group must be dropped: ``s > threshold``."""
     return global_steps - dispatch_step + 1 > threshold * sync_step
+
+
+def drop_span(threshold: int, sync_step: int) -> int:
+    """Return ``T * S``, the bound the hot paths compare with inline: :func:`exceeds_drop` holds
+    exactly when ``dispatch_step < global_steps + 1 - drop_span(threshold, sync_step)``, so one
+    subtraction gives the first dispatch step a sample at ``global_steps`` keeps."""
+    return threshold * sync_step
 
 
 def blocks_wait(global_steps: int, dispatch_step: int, threshold: int, sync_step: int) -> bool:
