@@ -20,7 +20,7 @@ from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajecto
 from stalebuf._partition import OpenGroup, PartitionState
 from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
 from stalebuf._stored import map_payloads
-from stalebuf.records import LazyTrajectories
+from stalebuf.records import LazyGroup
 
 __all__ = [
     "EVICTED_UIDS_REMEMBERED",
@@ -343,9 +343,8 @@ def stored_groups(buf: ReplayBuffer) -> dict[str, Group]:
 
 def trajectories_built(group: Group) -> bool:
     """Whether ``group``'s trajectory records exist (a put_group fast-path group builds them
-    on first read). Reads the stored field and ``LazyTrajectories._built``."""
-    held = tuple.__getitem__(group, 5)
-    return not isinstance(held, LazyTrajectories) or held._built is not None
+    on first read). Reads ``LazyGroup._built``."""
+    return not isinstance(group, LazyGroup) or group._built is not None
 
 
 def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:

@@ -24,7 +24,7 @@ from ._validation import (
     describe,
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
-from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys, new_trajectory
+from .records import EMPTY_TAGS, Group, LazyGroup, Status, Trajectory, default_keys, new_trajectory
 
 __all__ = ["GroupStatus", "Producers"]
 
@@ -266,9 +266,8 @@ class Producers(Sampling):
         ):
             step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
         stored = payloads if type(payloads) is tuple else tuple(payloads)
-        trajectories = LazyTrajectories(uid, stored)  # built when first read (see records.py)
-        record = _tuple_new(
-            Group, (uid, part.name, step, _FINISHED, frozen_tags, trajectories, max(clock, step), 0.0)
+        record = _tuple_new(  # records.new_lazy_group: its records are built when first read
+            LazyGroup, (uid, part.name, step, _FINISHED, frozen_tags, stored, max(clock, step), 0.0)
         )
         seq = self._next_seq
         self._next_seq = seq + 1

@@ -1,5 +1,5 @@
 """Reading a group's trajectories as stored: counted, copied or mapped without building the
-records of a group ``put_group`` stored lazily (see :class:`~stalebuf.records.LazyTrajectories`)."""
+records of a group ``put_group`` stored lazily (a :class:`~stalebuf.records.LazyGroup`)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,29 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from .records import Group, LazyTrajectories, Trajectory, new_trajectory
+from .records import Group, LazyGroup, Trajectory, new_lazy_group, new_trajectory
 
 __all__ = ["count_trajectories", "map_payloads", "peek_trajectories", "stored_trajectories"]
 
 #: A group's trajectories as stored, for C-level counting (``map(len, map(stored_trajectories,
-#: groups))``): a tuple, or LazyTrajectories, which supports ``len()`` without building.
+#: groups))``): its records, or the payloads of a LazyGroup, one per trajectory either way.
 stored_trajectories = attrgetter("_stored")
 
 
 def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
     """Return ``group`` with every payload ``p`` replaced by ``change(p)``, everything else kept;
     a lazily stored group stays lazy (its records are not built twice)."""
-    held = group._stored
-    if held.__class__ is LazyTrajectories and held._built is None:
-        return group.replace(trajectories=LazyTrajectories(held.uid, tuple(map(change, held.payloads))))
+    if group.__class__ is LazyGroup and group._built is None:
+        return new_lazy_group(
+            group.uid,
+            group.partition,
+            group.dispatch_step,
+            group.status,
+            group.tags,
+            tuple(map(change, group._stored)),
+            group.finish_step,
+            group.generation_seconds,
+        )
     trajectories = tuple(
         new_trajectory(t.key, t.session_id, t.index, t.tags, change(t.payload)) for t in group.trajectories
     )
@@ -36,7 +44,4 @@ def count_trajectories(group: Group) -> int:
 def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
     """``group.trajectories``, but lazily stored records are built without being kept: a
     checkpoint of a million resident groups leaves them as compact as it found them."""
-    held = group._stored
-    if held.__class__ is LazyTrajectories:
-        return held.peek()
-    return held  # type: ignore[no-any-return]
+    return group._peek()

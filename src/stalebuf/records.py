@@ -1,25 +1,26 @@
-"""Immutable value records handed to users: statuses, trajectories, groups, batches, evictions."""
+"""Immutable value records handed to users: statuses, trajectories and groups (and, from
+:mod:`stalebuf._batch`, batches and evictions)."""
 
 from __future__ import annotations
 
 import collections
 import enum
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
 from types import MappingProxyType
-from typing import Any, Literal, SupportsIndex
+from typing import Any, SupportsIndex
 
-import attrs
-import numpy as np
-import numpy.typing as npt
+from ._batch import Batch, EvictionEvent, EvictionReason, new_batch
 
 __all__ = [
     "EMPTY_TAGS",
     "Batch",
     "EvictionEvent",
+    "EvictionReason",
     "Group",
     "Status",
     "Trajectory",
@@ -71,8 +72,11 @@ class _Record(tuple):  # type: ignore[type-arg]
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
-        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
-        return f"{type(self).__name__}({values})"
+        return self._repr(type(self).__name__)
+
+    def _repr(self, name: str) -> str:
+        values = ", ".join(f"{field}={getattr(self, field)!r}" for field in self._fields)
+        return f"{name}({values})"
 
 
 class Trajectory(_Record):
@@ -156,22 +160,148 @@ class Group(_Record):
     dispatch_step: int = _field(2, "The step it was dispatched at.")
     status: Status = _field(3, "Its status.")
     tags: Mapping[str, Any] = _field(4, "Read-only metadata.")
+    trajectories: tuple[Trajectory, ...] = _field(5, "Its trajectories, in ``put`` order.")
     finish_step: int = _field(6, "The clock when it finished.")
     generation_seconds: float = _field(7, "Seconds from add to finish.")
-    # The trajectories as stored: a tuple, or LazyTrajectories (which supports len()). A field
-    # accessor reads the slot directly, past the __getitem__ below.
+    # The trajectories as stored: the records here, the payloads in a LazyGroup (both have the
+    # group's len(); a field accessor reads the slot itself, past any override).
     _stored: Any = _field(5, "The trajectories as stored.")
 
     @property
-    def trajectories(self) -> tuple[Trajectory, ...]:
-        """Its trajectories, in ``put`` order (built on first read for a group ``put_group``
-        stored with default keys; the same tuple on every read)."""
-        held = self._stored
-        if held.__class__ is LazyTrajectories:
-            return held.build()
-        return held  # type: ignore[no-any-return]
+    def global_steps(self) -> int:
+        """The dispatch step: an alias of :attr:`dispatch_step`, the name verl uses."""
+        return self.dispatch_step
 
-    # Read as a tuple, a group shows its built trajectories, never their lazy store.
+    def replace(self, **changes: Any) -> Group:
+        """Return a copy with the given fields changed (like ``attrs.evolve``); unless changed,
+        it holds the same trajectory records."""
+        values = dict(zip(self._fields, self._values(), strict=True))
+        values.update(changes)
+        return Group(**values)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the read-only tags travel as a plain dict."""
+        return (
+            _group,
+            (
+                self.uid,
+                self.partition,
+                self.dispatch_step,
+                self.status,
+                _plain(self.tags),
+                self._stored_form(),
+                self.finish_step,
+                self.generation_seconds,
+            ),
+        )
+
+    # -- the trajectories as stored: read without building lazily stored records --------
+
+    def _values(self) -> tuple[Any, ...]:
+        """The field values, the trajectories as records."""
+        return tuple(tuple.__iter__(self))
+
+    def _stored_form(self) -> Any:
+        """What a pickle holds for the trajectories."""
+        return self._stored
+
+    def _peek(self) -> tuple[Trajectory, ...]:
+        """The trajectory records; a lazily stored group builds them without keeping them."""
+        return self._stored  # type: ignore[no-any-return]
+
+    def _stored_keys(self) -> Sequence[str]:
+        return [t.key for t in self._stored]
+
+    def _stored_tags(self) -> Sequence[Mapping[str, Any]]:
+        return [t.tags for t in self._stored]
+
+    def _stored_payloads(self) -> Sequence[Any]:
+        return [t.payload for t in self._stored]
+
+
+# Records put by ``put_group``'s fast path (default keys and tags) are built on first read: the
+# group is a LazyGroup holding its payloads. A resident group is then one GC-tracked object
+# (its payloads tuple is untracked once the collector has seen it hold no container), not a
+# tuple of n trajectory records plus a holder: the cyclic collector traverses every tracked
+# object again at each collection of its generation, and with a million resident groups of 8
+# the eager records made building them about 3x slower with the collector on than off.
+_new_trajectory_from = partial(tuple.__new__, Trajectory)
+# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
+_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
+# Taken only to store built records, so that two threads reading a group's trajectories for
+# the first time get one tuple (reentrant: a finalizer run by the collector may read another).
+_BUILD_LOCK = threading.RLock()
+
+
+def default_keys(uid: str, count: int) -> list[str]:
+    """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
+    ``f"{uid}_{i}_0"``, built by C-level loops."""
+    if count <= len(_DEFAULT_SUFFIXES):
+        return list(map(uid.__add__, _DEFAULT_SUFFIXES[:count]))
+    return [f"{uid}_{i}_0" for i in range(count)]
+
+
+def _default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
+    count = len(payloads)
+    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
+    return tuple(map(_new_trajectory_from, rows))
+
+
+class LazyGroup(Group):
+    """A group stored with default keys (session ids ``0..n-1``, index 0, no tags): it holds
+    its payloads and builds its trajectory records on the first read of :attr:`trajectories`,
+    then keeps them, so every read returns the same tuple.
+
+    Internal: it reads, compares, pickles and prints as the :class:`Group` it stands for.
+    """
+
+    # No __slots__ (a tuple subclass can have none): the instance dict keeps the built records,
+    # and is not even allocated until then.
+    _built: tuple[Trajectory, ...] | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot set {name!r}: a Group is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {name!r}: a Group is immutable")
+
+    @property
+    def trajectories(self) -> tuple[Trajectory, ...]:  # type: ignore[override]
+        """Its trajectories, in ``put`` order (built on the first read, then the same tuple)."""
+        built = self._built
+        if built is None:
+            fresh = _default_records(self.uid, self._stored)
+            with _BUILD_LOCK:  # another thread may be storing its own build of them
+                built = self.__dict__.setdefault("_built", fresh)
+        return built
+
+    def __repr__(self) -> str:
+        return self._repr("Group")
+
+    def _values(self) -> tuple[Any, ...]:
+        values = tuple(tuple.__iter__(self))
+        return (*values[:5], self.trajectories, *values[6:])
+
+    def _stored_form(self) -> Any:
+        # The payloads (and the records if built, so that a pickle also holding one of them keeps
+        # it the group's): the form of the first files of format 2, which it keeps readable.
+        return LazyTrajectories(self.uid, self._stored, self._built)
+
+    def _peek(self) -> tuple[Trajectory, ...]:
+        built = self._built
+        return _default_records(self.uid, self._stored) if built is None else built
+
+    def _stored_keys(self) -> Sequence[str]:
+        return default_keys(self.uid, len(self._stored))
+
+    def _stored_tags(self) -> Sequence[Mapping[str, Any]]:
+        return [EMPTY_TAGS] * len(self._stored)
+
+    def _stored_payloads(self) -> Sequence[Any]:
+        return self._stored  # type: ignore[no-any-return]
+
+    # Read as a tuple, a group shows its built trajectories, never its payloads: the tuple
+    # operations done in C read the slots, so each goes through the field values.
     def __iter__(self) -> Iterator[Any]:
         """Iterate over the field values, as a tuple would."""
         return iter(self._values())
@@ -207,223 +337,28 @@ class Group(_Record):
         ValueError if none is equal to it)."""
         return self._values().index(value, start, stop)
 
-    def _values(self) -> tuple[Any, ...]:
-        values = tuple(tuple.__iter__(self))
-        if values[5].__class__ is LazyTrajectories:
-            return (*values[:5], values[5].build(), *values[6:])
-        return values
-
-    @property
-    def global_steps(self) -> int:
-        """The dispatch step: an alias of :attr:`dispatch_step`, the name verl uses."""
-        return self.dispatch_step
-
-    def replace(self, **changes: Any) -> Group:
-        """Return a copy with the given fields changed (like ``attrs.evolve``)."""
-        values = dict(zip(self._fields, tuple.__iter__(self), strict=True))  # as stored: not built
-        values.update(changes)
-        return Group(**values)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle support: the read-only tags travel as a plain dict."""
-        return (
-            _group,
-            (
-                self.uid,
-                self.partition,
-                self.dispatch_step,
-                self.status,
-                _plain(self.tags),
-                self._stored,  # lazily built trajectories travel as their payloads
-                self.finish_step,
-                self.generation_seconds,
-            ),
-        )
-
-
-# Records put by ``put_group``'s fast path (default keys and tags) are built on first read. A
-# resident group then holds one small object and its payloads instead of a tuple of n
-# trajectory records: the cyclic garbage collector traverses every tracked object again at
-# each collection of its generation, and with a million resident groups of 8 the eager records
-# made building them about 3x slower with the collector on than off.
-_new_trajectory_from = partial(tuple.__new__, Trajectory)
-# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
-_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
-
-
-def default_keys(uid: str, count: int) -> list[str]:
-    """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
-    ``f"{uid}_{i}_0"``, built by C-level loops."""
-    if count <= len(_DEFAULT_SUFFIXES):
-        return list(map(uid.__add__, _DEFAULT_SUFFIXES[:count]))
-    return [f"{uid}_{i}_0" for i in range(count)]
-
 
 class LazyTrajectories:
-    """The trajectories of a group stored with default keys, session ids ``0..n-1``, index 0
-    and no tags, built on first read and then kept (so every read returns the same records).
+    """How a pickle holds a :class:`LazyGroup`'s trajectories: its uid, payloads and built
+    records (None if not built). Unpickled, it becomes the group's again."""
 
-    Internal: :attr:`Group.trajectories` returns the built tuple, never this object.
-    """
-
-    __slots__ = ("_built", "payloads", "uid")
+    __slots__ = ("built", "payloads", "uid")
 
     def __init__(
         self, uid: str, payloads: tuple[Any, ...], built: tuple[Trajectory, ...] | None = None
     ) -> None:
         self.uid = uid
         self.payloads = payloads
-        self._built = built
-
-    def __len__(self) -> int:
-        return len(self.payloads)
-
-    def build(self) -> tuple[Trajectory, ...]:
-        """Return the trajectory records, building them on the first call."""
-        built = self._built
-        if built is None:
-            fresh = self.peek()
-            # Read again: another thread may have built them while this one did. From this read
-            # to the store there is no call, so no thread switch on CPython: every reader gets
-            # the one stored tuple.
-            built = self._built
-            if built is None:
-                built = self._built = fresh
-        return built
-
-    def peek(self) -> tuple[Trajectory, ...]:
-        """Return the trajectory records without keeping them (built again unless
-        :meth:`build` kept them): for readers such as a checkpoint that only copy fields."""
-        built = self._built
-        if built is not None:
-            return built
-        payloads = self.payloads
-        count = len(payloads)
-        rows = zip(default_keys(self.uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
-        return tuple(map(_new_trajectory_from, rows))
+        self.built = built
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle support: the payloads, and the records if they were built (so a pickle that
-        also holds one of them keeps it identical to the group's)."""
-        return (LazyTrajectories, (self.uid, self.payloads, self._built))
-
-    def __repr__(self) -> str:
-        # What a group's raw slot shows where C code formats it (``"%s" % group``): the records.
-        return repr(self.build())
+        return (LazyTrajectories, (self.uid, self.payloads, self.built))
 
 
-# Batch's views read lazily stored groups without building their records.
-def _stored_keys(group: Group) -> Sequence[str]:
-    held = group._stored
-    if held.__class__ is LazyTrajectories and held._built is None:
-        return default_keys(held.uid, len(held.payloads))
-    return [t.key for t in group.trajectories]
-
-
-def _stored_tags(group: Group) -> Sequence[Mapping[str, Any]]:
-    held = group._stored
-    if held.__class__ is LazyTrajectories and held._built is None:
-        return [EMPTY_TAGS] * len(held.payloads)
-    return [t.tags for t in group.trajectories]
-
-
-def _stored_payloads(group: Group) -> Sequence[Any]:
-    held = group._stored
-    if held.__class__ is LazyTrajectories:
-        return held.payloads
-    return [t.payload for t in held]
-
-
-@attrs.frozen(eq=False, weakref_slot=False)
-class Batch:
-    """What one ``sample`` call returns: whole groups, oldest first.
-
-    Attributes:
-        partition: the partition sampled.
-        global_steps: the trainer step passed to ``sample``.
-        groups: the selected groups, in selection order.
-        parameter_sync_step: the config's sync step, used by :attr:`staleness`.
-    """
-
-    partition: str
-    global_steps: int
-    groups: tuple[Group, ...]
-    parameter_sync_step: int = 1
-
-    def __len__(self) -> int:
-        """Return the number of groups."""
-        return len(self.groups)
-
-    def __iter__(self) -> Iterator[Group]:
-        """Iterate over the groups in selection order."""
-        return iter(self.groups)
-
-    @property
-    def uids(self) -> list[str]:
-        """The group uids, in selection order."""
-        return [group.uid for group in self.groups]
-
-    @property
-    def trajectories(self) -> list[Trajectory]:
-        """All trajectories, flattened in group order."""
-        return [t for group in self.groups for t in group.trajectories]
-
-    @property
-    def keys(self) -> list[str]:
-        """All trajectory keys, flattened in group order."""
-        return [key for group in self.groups for key in _stored_keys(group)]
-
-    @property
-    def tags(self) -> list[Mapping[str, Any]]:
-        """All trajectory tags, flattened in group order."""
-        return [tags for group in self.groups for tags in _stored_tags(group)]
-
-    @property
-    def payloads(self) -> list[Any]:
-        """All trajectory payloads, flattened in group order."""
-        return [payload for group in self.groups for payload in _stored_payloads(group)]
-
-    @property
-    def staleness(self) -> npt.NDArray[np.float64]:
-        """Staleness ``(g - p + 1) / parameter_sync_step`` of each group, as float64."""
-        dispatch = np.fromiter(
-            (group.dispatch_step for group in self.groups), dtype=np.float64, count=len(self.groups)
-        )
-        return (self.global_steps + 1 - dispatch) / self.parameter_sync_step
-
-
-EvictionReason = Literal["stale", "failure", "restart"]
-
-
-@attrs.frozen(eq=False, weakref_slot=False)
-class EvictionEvent:
-    """Groups evicted together for one reason during one ``sample`` evaluation.
-
-    Attributes:
-        partition: the partition they were evicted from.
-        reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``),
-            "failure" (``failure_strategy="evict"``) or "restart" (in-flight groups evicted by
-            ``ReplayBuffer.restore(..., in_flight="evict")``).
-        groups: the evicted groups, oldest first.
-        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart",
-            the partition's dispatch clock).
-    """
-
-    partition: str
-    reason: EvictionReason
-    groups: tuple[Group, ...]
-    global_steps: int
-
-
-# Fast constructors for the buffer's hot paths. Batch is an attrs class whose frozen __init__
-# routes every field through object.__setattr__ by name; setting the slot descriptors directly
-# takes about two thirds of that. The tuple-based records are built by tuple.__new__ in one C
-# call. Each builds exactly what the class's own constructor builds, and tests compare the two.
-_new = object.__new__
+# Fast constructors for the buffer's hot paths: the tuple-based records are built by
+# tuple.__new__ in one C call. Each builds exactly what the class's own constructor builds, and
+# tests compare the two.
 _tuple_new = tuple.__new__
-_set_bpartition, _set_bsteps, _set_groups, _set_sync = (
-    Batch.__dict__[field.name].__set__ for field in attrs.fields(Batch)
-)
 
 
 def new_trajectory(
@@ -450,16 +385,20 @@ def new_group(
     )
 
 
-def new_batch(
-    partition: str, global_steps: int, groups: tuple[Group, ...], parameter_sync_step: int
-) -> Batch:
-    """Return ``Batch(partition, global_steps, groups, parameter_sync_step)``, built faster."""
-    batch = _new(Batch)
-    _set_bpartition(batch, partition)
-    _set_bsteps(batch, global_steps)
-    _set_groups(batch, groups)
-    _set_sync(batch, parameter_sync_step)
-    return batch
+def new_lazy_group(
+    uid: str,
+    partition: str,
+    dispatch_step: int,
+    status: Status,
+    tags: Mapping[str, Any],
+    payloads: tuple[Any, ...],
+    finish_step: int,
+    generation_seconds: float,
+) -> LazyGroup:
+    """Return the :class:`LazyGroup` of ``payloads`` under default keys (records not built)."""
+    return _tuple_new(
+        LazyGroup, (uid, partition, dispatch_step, status, tags, payloads, finish_step, generation_seconds)
+    )
 
 
 def _plain(tags: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -482,10 +421,19 @@ def _group(
     dispatch_step: int,
     status: Status,
     tags: dict[str, Any] | None,
-    trajectories: tuple[Trajectory, ...],
+    trajectories: tuple[Trajectory, ...] | LazyTrajectories,
     finish_step: int,
     generation_seconds: float,
 ) -> Group:
+    if isinstance(trajectories, LazyTrajectories):  # a LazyGroup's pickled form
+        frozen = _frozen_tags(tags)
+        payloads = trajectories.payloads
+        group = new_lazy_group(
+            uid, partition, dispatch_step, status, frozen, payloads, finish_step, generation_seconds
+        )
+        if trajectories.built is not None:
+            group.__dict__["_built"] = trajectories.built
+        return group
     return new_group(
         uid,
         partition,
