@@ -267,9 +267,9 @@ class Sampling(Admission):
             BufferClosedError: the buffer was closed meanwhile.
         """
         binding = self._binding
-        backend = binding.bind()
-        started = backend.current_time()
+        binding.bind()
         waiter = binding.new_waiter(global_steps, batch_size)
+        started = waiter.now()
         interval = self._status_interval
         timer_logs = interval is not None and binding.on_asyncio
         if timer_logs:
@@ -292,7 +292,7 @@ class Sampling(Admission):
                 groups = await self._park_with_deadlines(part, waiter, attempt, started, timeout, timer_logs)
         finally:
             self._leave(part, waiter)
-        return groups, backend.current_time() - started
+        return groups, waiter.now() - started
 
     async def _park_with_deadlines(
         self,

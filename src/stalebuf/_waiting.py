@@ -31,7 +31,10 @@ class Waiter:
     Subclasses hold the backend's primitive; ``arm`` makes a fresh one before each park.
     """
 
-    __slots__ = ("batch_size", "global_steps", "log_due", "started")
+    __slots__ = ("batch_size", "global_steps", "log_due", "now", "started")
+
+    #: The running loop's clock (the backend's ``current_time``), for timing the wait.
+    now: Callable[[], float]
 
     def __init__(self, global_steps: int, batch_size: int) -> None:
         self.global_steps = global_steps
@@ -65,6 +68,7 @@ class EventWaiter(Waiter):
     def __init__(self, global_steps: int, batch_size: int, backend: type[AsyncBackend]) -> None:
         super().__init__(global_steps, batch_size)
         self.backend = backend
+        self.now = backend.current_time
         self.event = backend.create_event()
 
     def arm(self) -> None:
@@ -89,6 +93,7 @@ class FutureWaiter(Waiter):
     def __init__(self, global_steps: int, batch_size: int, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(global_steps, batch_size)
         self.loop = loop
+        self.now = loop.time  # what anyio's current_time() returns on asyncio, in one call
         self.future: asyncio.Future[None] = loop.create_future()
 
     def arm(self) -> None:
@@ -96,10 +101,15 @@ class FutureWaiter(Waiter):
 
     def wake(self) -> None:
         future = self.future
-        # Done: already woken, or cancelled with its task. A closed loop would raise on
-        # set_result's scheduling: such a waiter is abandoned and must be skipped, not woken.
-        if not future.done() and not self.loop.is_closed():
-            future.set_result(None)
+        if not future.done():  # done: already woken, or cancelled with its task
+            try:
+                future.set_result(None)
+            except RuntimeError:
+                # Scheduling the waiting task failed: its loop was closed under it (an abandoned
+                # waiter, which callers skip; the future is done, so it is never woken again).
+                # Asked only here, not before every wake-up: it is the rare case.
+                if not self.loop.is_closed():
+                    raise
 
     def parked(self) -> Awaitable[object]:
         return self.future
