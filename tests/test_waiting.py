@@ -15,6 +15,7 @@ import pytest
 
 from _helpers import LIMIT, add_group, evaluations, make, settle, snapshot, status_timer_running
 from stalebuf import Batch, EvictionEvent, ReplayBuffer, SamplerConfig, Status
+from stalebuf._waiting import FutureWaiter
 from stalebuf.errors import BufferClosedError
 
 pytestmark = pytest.mark.anyio
@@ -490,6 +491,34 @@ def test_a_waiter_whose_loop_was_closed_under_it_is_dropped_not_woken() -> None:
     del task
     gc.collect()  # the abandoned coroutine is finalised here: its cleanup must not fail
     assert buf.stats().total.waiting_samplers == 0
+
+
+def test_waking_a_future_waiter_whose_loop_closed_neither_raises_nor_schedules() -> None:
+    loop = asyncio.new_event_loop()
+    waiter = FutureWaiter(0, 1, loop)
+    woken: list[object] = []
+    waiter.future.add_done_callback(woken.append)  # a parked task's future has its wake-up here
+    loop.close()
+    waiter.wake()  # set_result cannot schedule the callback: the waiter is abandoned
+    waiter.wake()  # and stays quiet
+    assert waiter.abandoned()
+    assert waiter.future.done()
+    assert woken == []
+
+
+def test_a_scheduling_error_on_an_open_loop_is_not_taken_for_a_closed_loop() -> None:
+    class RefusingLoop(asyncio.SelectorEventLoop):
+        def call_soon(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("refused")
+
+    loop = RefusingLoop()
+    try:
+        waiter = FutureWaiter(0, 1, loop)
+        waiter.future.add_done_callback(lambda _: None)
+        with pytest.raises(RuntimeError, match="refused"):
+            waiter.wake()
+    finally:
+        loop.close()
 
 
 def test_status_timer_stops_when_nobody_waits_and_restarts_for_the_next_wait(
