@@ -253,6 +253,9 @@ class LazyGroup(Group):
     then keeps them, so every read returns the same tuple.
 
     Internal: it reads, compares, pickles and prints as the :class:`Group` it stands for.
+    The one exception is C code that reads a tuple's slots without a call to hook, such as
+    ``"%s ..." % group`` with the group as the argument tuple: it sees the payloads in the
+    trajectories' slot.
     """
 
     # No __slots__ (a tuple subclass can have none): the instance dict keeps the built records,
