@@ -1,0 +1,407 @@
+"""A hostile review of LazyGroup: a group put_group stores lazily against the same group built
+eagerly (explicit session ids take the general path).
+
+Every test compares the two, or checks a lazily stored group against what an eager one does.
+The first section holds the differences found (these tests fail until LazyGroup is fixed); the
+second, the attacks that held. The one documented difference (``"%s ..." % group``, where C reads
+the tuple's slots) and the time the general path measures (``generation_seconds``) are left out.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import pickle
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from _helpers import LIMIT, make, sample_now, stored_groups, trajectories_built
+from stalebuf import Batch, Group, ReplayBuffer, Status
+from stalebuf.errors import StalebufError
+from stalebuf.records import EMPTY_TAGS
+
+
+def _buffer(**config: Any) -> ReplayBuffer:
+    """A buffer whose "train" and "val" partitions exist (a partition's first group takes the
+    general path)."""
+    buf = make(**config)
+    buf.put_group_nowait("first", [None], global_steps=0)
+    buf.put_group_nowait("firstval", [None], global_steps=0, partition="val")
+    sample_now(buf, 0, 1)
+    sample_now(buf, 0, 1, partition="val")
+    return buf
+
+
+def _lazy_and_eager(payloads: list[Any], uid: str = "g", **config: Any) -> tuple[Group, Group]:
+    """The same group (same uid) stored by the fast path and, in another buffer, by the general
+    path; the lazy one is not built yet."""
+    lazy_buf, eager_buf = _buffer(**config), _buffer(**config)
+    lazy_buf.put_group_nowait(uid, payloads, global_steps=0)
+    eager_buf.put_group_nowait(uid, payloads, global_steps=0, session_ids=list(range(len(payloads))))
+    lazy, eager = stored_groups(lazy_buf)[uid], stored_groups(eager_buf)[uid]
+    assert not trajectories_built(lazy)
+    assert trajectories_built(eager)
+    return lazy, eager
+
+
+def _outcome(call: Callable[[], object]) -> object:
+    """What ``call`` returns, or the type of what it raises."""
+    try:
+        return call()
+    except Exception as exc:
+        return type(exc)
+
+
+# -- differences found: these fail while LazyGroup differs from an eager group ----------------
+
+
+def test_rebuilding_a_group_from_its_own_fields_keeps_its_payloads() -> None:
+    # ``type(x)(*x)`` is how generic code rebuilds a tuple record with ``_fields`` (namedtuple
+    # handling in pytree libraries, collate functions): a LazyGroup built that way takes the
+    # trajectory records for payloads and wraps each in a second record.
+    for group in _lazy_and_eager([1, 2]):
+        rebuilt = type(group)(*group)
+        assert [t.payload for t in rebuilt.trajectories] == [1, 2]
+        assert [t.key for t in rebuilt.trajectories] == ["g_0_0", "g_1_0"]
+
+
+def test_a_shallow_copy_shares_the_trajectory_records() -> None:
+    # An eager group's copy holds the same records (equal, as records compare by identity); an
+    # unread lazy group's copy builds records of its own.
+    for group in _lazy_and_eager([1, 2]):
+        duplicate = copy.copy(group)
+        assert duplicate.trajectories is group.trajectories
+        assert duplicate.trajectories[0] == group.trajectories[0]
+
+
+def test_comparing_with_the_plain_tuple_of_its_fields_answers_as_for_an_eager_group() -> None:
+    # Group keeps object.__eq__, which gives way to tuple.__eq__ against a plain tuple; and it
+    # inherits tuple's ordering. Both read the group's slots in C: a lazy group's hold payloads.
+    lazy, eager = _lazy_and_eager([1, 2])
+    operations: list[Callable[[Group, tuple[Any, ...]], object]] = [
+        lambda g, t: g == t,
+        lambda g, t: t == g,
+        lambda g, t: g != t,
+        lambda g, t: g < t,
+        lambda g, t: g <= t,
+        lambda g, t: t > g,
+        lambda g, t: t >= g,
+    ]
+    for operation in operations:
+        assert _outcome(partial(operation, lazy, tuple(lazy))) == _outcome(
+            partial(operation, eager, tuple(eager))
+        )
+
+
+def test_ordering_two_groups_compares_their_records_not_their_payloads() -> None:
+    # Two buffers may hold a group of the same uid: ordering them reaches the trajectories.
+    lazy_a, eager_a = _lazy_and_eager([1, 2])
+    lazy_b, eager_b = _lazy_and_eager([1, 3])
+    assert (lazy_a < lazy_b, lazy_b < lazy_a) == (eager_a < eager_b, eager_b < eager_a)
+    assert _outcome(lambda: lazy_a < eager_b) == _outcome(lambda: eager_a < eager_b)
+
+
+def test_a_lazy_group_exposes_no_instance_dict() -> None:
+    # An eager group has no __dict__; a lazy one's is writable, and what it holds is what
+    # ``trajectories`` returns (``vars(g)["_built"] = ...`` replaces a group's records).
+    lazy, eager = _lazy_and_eager([1])
+    assert _outcome(lambda: vars(eager)) is TypeError
+    assert _outcome(lambda: vars(lazy)) is TypeError
+    assert hasattr(lazy, "__dict__") is hasattr(eager, "__dict__")
+    for group in (eager, lazy):
+        assert _outcome(partial(object.__setattr__, group, "extra", 1)) is AttributeError
+
+
+def test_getnewargs_shows_the_trajectories() -> None:
+    # tuple.__getnewargs__ copies the slots in C; LazyGroup overrides every other tuple method.
+    for group in _lazy_and_eager([1, 2]):
+        (fields,) = group.__getnewargs__()  # type: ignore[attr-defined]
+        assert fields[5] is group.trajectories
+
+
+def test_count_and_index_take_positional_arguments_as_a_tuple_does() -> None:
+    lazy, eager = _lazy_and_eager([1])
+    calls: list[Callable[[Group], object]] = [
+        lambda g: g.index(g.trajectories, start=0),  # type: ignore[call-arg]
+        lambda g: g.count(value=g.trajectories),  # type: ignore[call-arg]
+    ]
+    for call in calls:
+        assert _outcome(partial(call, eager)) is TypeError
+        assert _outcome(partial(call, lazy)) is TypeError
+
+
+# -- attacks that held ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize("read_first", [False, True])
+def test_pickles_of_every_protocol_round_trip_and_keep_shared_records_shared(
+    protocol: int, read_first: bool
+) -> None:
+    for group in _lazy_and_eager([np.arange(3), "x", None]):
+        if read_first:
+            failed = group.replace(status=Status.FAILURE)
+            loaded, record, loaded_failed = pickle.loads(
+                pickle.dumps((group, group.trajectories[1], failed), protocol=protocol)
+            )
+            assert loaded.trajectories[1] is record
+            assert loaded_failed.trajectories is loaded.trajectories
+            assert loaded_failed.status is Status.FAILURE
+        else:
+            loaded = pickle.loads(pickle.dumps(group, protocol=protocol))
+            assert trajectories_built(loaded) is trajectories_built(group)
+        assert isinstance(loaded, Group)
+        assert loaded.trajectories is loaded.trajectories
+        assert [t.key for t in loaded.trajectories] == ["g_0_0", "g_1_0", "g_2_0"]
+        assert [t.session_id for t in loaded.trajectories] == [0, 1, 2]
+        assert all(t.tags is EMPTY_TAGS for t in loaded.trajectories)
+        np.testing.assert_array_equal(loaded.trajectories[0].payload, np.arange(3))
+        assert loaded.trajectories[1:] == loaded.trajectories[1:]  # identity holds across reads
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_deep_copy_copies_payloads_and_keeps_shared_records_shared(read_first: bool) -> None:
+    for group in _lazy_and_eager([[1], [2]]):
+        if read_first:
+            group.trajectories  # noqa: B018 - builds them
+        duplicate, record = copy.deepcopy((group, group.trajectories[1]))
+        assert duplicate.trajectories[1] is record
+        assert [t.payload for t in duplicate.trajectories] == [[1], [2]]
+        assert duplicate.trajectories[0].payload is not group.trajectories[0].payload
+        assert [t.key for t in duplicate.trajectories] == ["g_0_0", "g_1_0"]
+
+
+def test_python_level_tuple_reads_show_the_built_trajectories() -> None:
+    for group in _lazy_and_eager(["a", "b"]):
+        t = group.trajectories
+        assert list(reversed(group))[2] is t
+        assert group[::-1][2] is group[-3] is group[1::2][2] is group[-1:-9:-2][1] is t
+        assert group[5:6] == (t,)
+        assert dict(zip(Group._fields, group, strict=True))["trajectories"] is t
+        assert (lambda *fields: fields)(*group)[5] is [*group][5] is list(group)[5] is t
+        assert Group(*group).trajectories is t
+        assert Group(**dict(zip(Group._fields, group, strict=True))).trajectories is t
+        assert [name for name, value in zip(Group._fields, group, strict=True) if value is t] == [
+            "trajectories"
+        ]
+        assert len(group) == len(tuple(group)) == 8
+        rendered = json.dumps(group, default=str)
+        assert rendered.count('"g_0_0"') == rendered.count('"g_1_0"') == 1
+
+
+def test_many_threads_reading_first_get_one_tuple_per_group() -> None:
+    buf = _buffer()
+    for i in range(1500):
+        buf.put_group_nowait(f"g{i}", list(range(8)), global_steps=0)
+    groups = list(stored_groups(buf).values())
+    threads_count = 8
+    seen: list[list[tuple[Group, Any]]] = [[] for _ in range(threads_count)]
+    start = threading.Barrier(threads_count)
+
+    def read(out: list[tuple[Group, Any]], backwards: bool) -> None:
+        start.wait()
+        out.extend((group, group.trajectories) for group in (groups[::-1] if backwards else groups))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython will
+    try:
+        threads = [threading.Thread(target=read, args=(out, i % 2 == 1)) for i, out in enumerate(seen)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(LIMIT)
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(len(out) == len(groups) for out in seen)
+    assert all(records is group.trajectories for out in seen for group, records in out)
+
+
+def test_a_finalizer_run_by_the_collector_may_read_trajectories() -> None:
+    buf = _buffer()
+    for i in range(1000):
+        buf.put_group_nowait(f"g{i}", [i, i], global_steps=0)
+    groups = list(stored_groups(buf).values())
+    read: list[tuple[Group, Any]] = []
+
+    class Cycle:
+        """Garbage only the collector frees; its finalizer reads a group's records."""
+
+        def __init__(self, group: Group) -> None:
+            self.group = group
+            self.me = self
+
+        def __del__(self) -> None:
+            read.append((self.group, self.group.trajectories))
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(5, 1, 1)  # collect during the builds below, so finalizers nest in them
+    try:
+        for group in groups:
+            Cycle(group)
+            group.trajectories  # noqa: B018 - builds them
+        gc.collect()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert len(read) == len(groups)
+    assert all(records is group.trajectories for group, records in read)
+    assert all([t.payload for t in group.trajectories] == [i, i] for i, group in enumerate(groups))
+
+
+class Hostile:
+    """A payload whose comparisons, hash, length, truth and iteration raise."""
+
+    def _refuse(self, *args: object) -> Any:
+        raise RuntimeError("refused")
+
+    __eq__ = __ne__ = __lt__ = __hash__ = __len__ = __bool__ = __iter__ = _refuse
+
+
+def _generator() -> Iterator[int]:
+    yield 1
+
+
+@pytest.mark.parametrize(
+    "payloads",
+    [
+        [Hostile(), Hostile()],
+        [np.zeros((2, 2)), np.ones(3)],
+        [None, (1, (2, (3,))), _generator()],
+        list(range(10_000)),
+    ],
+    ids=["hostile", "numpy", "odd", "10k"],
+)
+def test_odd_payloads_read_alike(payloads: list[Any]) -> None:
+    lazy_buf, eager_buf = _buffer(), _buffer()
+    lazy_keys = lazy_buf.put_group_nowait("g", payloads, global_steps=0)
+    eager_keys = eager_buf.put_group_nowait(
+        "g", payloads, global_steps=0, session_ids=list(range(len(payloads)))
+    )
+    assert lazy_keys == eager_keys
+    assert lazy_buf.stats() == eager_buf.stats()
+    (lazy_batch, _), (eager_batch, _) = sample_now(lazy_buf, 0, 1), sample_now(eager_buf, 0, 1)
+    for batch in (lazy_batch, eager_batch):
+        assert all(a is b for a, b in zip(batch.payloads, payloads, strict=True))
+        assert batch.keys == eager_keys
+        (group,) = batch.groups
+        assert [t.key for t in group.trajectories] == eager_keys
+        assert all(t.payload is p for t, p in zip(group.trajectories, payloads, strict=True))
+        assert group.trajectories in group
+        assert group.index(group.trajectories) == 5
+    if len(payloads) < 10:
+        lazy, eager = lazy_batch.groups[0], eager_batch.groups[0]
+        assert repr(lazy.replace(generation_seconds=0.0)) == repr(eager.replace(generation_seconds=0.0))
+
+
+# -- whole-buffer differential: the same calls with lazily and eagerly stored groups ----------
+
+
+def _view(group: Group) -> tuple[Any, ...]:
+    records = [
+        (t.key, t.session_id, t.index, dict(t.tags), t.tags is EMPTY_TAGS, t.payload)
+        for t in group.trajectories
+    ]
+    fields = (group.uid, group.partition, group.dispatch_step, group.status, dict(group.tags))
+    return (*fields, records, group.finish_step)
+
+
+def _batch_view(batch: Batch) -> tuple[Any, ...]:
+    return (
+        batch.partition,
+        batch.global_steps,
+        [_view(group) for group in batch.groups],
+        batch.keys,
+        [(dict(tags), tags is EMPTY_TAGS) for tags in batch.tags],
+        batch.payloads,
+        batch.uids,
+        batch.staleness.tolist(),
+    )
+
+
+def _untimed(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics without the wall-clock ones (the general path times put_group)."""
+    return {k: v for k, v in metrics.items() if "seconds" not in k}
+
+
+def _run(seed: int, eager: bool, config: dict[str, Any], tmp_path: Path) -> list[Any]:
+    rng = random.Random(seed)
+    log: list[Any] = []
+    buf = _buffer(
+        on_evict=lambda event: log.append(
+            ("evicted", event.partition, event.reason, event.global_steps, [_view(g) for g in event.groups])
+        ),
+        **config,
+    )
+    step = 0
+    for i in range(50):
+        partition = rng.choice(["train", "train", "val"])
+        if rng.random() < 0.65:
+            payloads = [rng.randint(0, 9) for _ in range(rng.randint(0, 4))]
+            steps = rng.choice([None, max(0, step + rng.randint(-3, 2))])
+            ids: dict[str, Any] = {"session_ids": list(range(len(payloads)))} if eager else {}
+            try:
+                log.append(
+                    buf.put_group_nowait(f"u{i}", payloads, global_steps=steps, partition=partition, **ids)
+                )
+            except StalebufError as exc:
+                log.append(type(exc))
+        else:
+            step += rng.randint(0, 2)
+            try:
+                batch, metrics = buf.sample_nowait(step, rng.randint(1, 3), partition=partition)
+                log.append((_batch_view(batch), _untimed(metrics)))
+            except StalebufError as exc:
+                log.append(type(exc))
+        log.append(buf.stats())
+    resident = {uid: _view(group) for uid, group in stored_groups(buf).items()}
+    for uid in list(stored_groups(buf))[::2]:  # some groups read before saving, some not
+        stored_groups(buf)[uid].trajectories  # noqa: B018 - builds them
+    codec = (lambda p: json.dumps(p).encode(), json.loads)
+    for name, payload_codec in (("pickled", None), ("codec", codec)):
+        path = tmp_path / f"{name}-{seed}-{eager}"
+
+        async def save(path: Path = path, payload_codec: Any = payload_codec) -> None:
+            with anyio.fail_after(LIMIT):
+                await buf.save(path, payload_codec=payload_codec)
+
+        anyio.run(save)
+        restored = ReplayBuffer.restore(path, payload_codec=payload_codec).buffer
+        assert {uid: _view(group) for uid, group in stored_groups(restored).items()} == resident
+        assert restored.stats() == buf.stats()
+    log.append(resident)
+    return log
+
+
+@pytest.mark.parametrize(
+    ("config", "evicts"),
+    [
+        ({}, False),
+        ({"max_off_policy_threshold": 1}, True),
+        ({"max_off_policy_threshold": 2, "admission_batch_size": 2}, False),
+        ({"max_off_policy_strategy": "wait", "max_off_policy_threshold": 1}, False),
+        ({"failure_strategy": "evict", "max_off_policy_threshold": 1, "evict_stale_in_flight": True}, True),
+    ],
+    ids=["default", "drop", "admission", "wait", "evict"],
+)
+def test_a_buffer_of_lazy_groups_behaves_as_one_of_eager_groups(
+    config: dict[str, Any], evicts: bool, tmp_path: Path
+) -> None:
+    # Puts, samples (batch views, metrics), stats, evictions (on_evict), and save/restore with
+    # and without a codec, some groups read before saving: the same calls, the same answers.
+    logs = []
+    for seed in range(4):
+        lazy_log = _run(seed, False, config, tmp_path)
+        assert lazy_log == _run(seed, True, config, tmp_path)
+        logs.extend(lazy_log)
+    assert any(type(entry) is tuple and len(entry) == 2 for entry in logs)  # it sampled
+    if evicts:  # on_evict was exercised
+        assert any(type(entry) is tuple and entry[0] == "evicted" for entry in logs)
