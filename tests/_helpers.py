@@ -15,12 +15,12 @@ import anyio
 import anyio.abc
 
 from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
+from stalebuf._lazy_group import LazyGroup
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
 from stalebuf._partition import OpenGroup, PartitionState
 from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
 from stalebuf._stored import map_payloads
-from stalebuf.records import LazyGroup
 
 __all__ = [
     "EVICTED_UIDS_REMEMBERED",

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from threading import get_ident
 from typing import Any, Literal
 
+from ._lazy_group import LazyGroup, default_keys
 from ._partition import OpenGroup, PartitionState
 from ._sampling import Sampling
 from ._validation import (
@@ -24,7 +25,7 @@ from ._validation import (
     describe,
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
-from .records import EMPTY_TAGS, Group, LazyGroup, Status, Trajectory, default_keys, new_trajectory
+from .records import EMPTY_TAGS, Group, Status, Trajectory, new_trajectory
 
 __all__ = ["GroupStatus", "Producers"]
 

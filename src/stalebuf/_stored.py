@@ -1,5 +1,5 @@
 """Reading a group's trajectories as stored: counted, copied or mapped without building the
-records of a group ``put_group`` stored lazily (a :class:`~stalebuf.records.LazyGroup`)."""
+records of a group ``put_group`` stored lazily (a :class:`~stalebuf._lazy_group.LazyGroup`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from .records import Group, LazyGroup, Trajectory, new_lazy_group, new_trajectory
+from ._lazy_group import LazyGroup, new_lazy_group
+from .records import Group, Trajectory, new_trajectory
 
 __all__ = ["count_trajectories", "map_payloads", "peek_trajectories", "stored_trajectories"]
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import collections
 import enum
-import sys
-import threading
-from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
-from itertools import repeat
+from collections.abc import Mapping, Sequence
 from operator import itemgetter
 from types import MappingProxyType
-from typing import Any, SupportsIndex
+from typing import Any
 
 from ._batch import Batch, EvictionEvent, EvictionReason, new_batch
 
@@ -219,128 +215,6 @@ class Group(_Record):
         return [t.payload for t in self._stored]
 
 
-# Records put by ``put_group``'s fast path (default keys and tags) are built on first read: the
-# group is a LazyGroup holding its payloads. A resident group is then one GC-tracked object
-# (its payloads tuple is untracked once the collector has seen it hold no container), not a
-# tuple of n trajectory records plus a holder: the cyclic collector traverses every tracked
-# object again at each collection of its generation, and with a million resident groups of 8
-# the eager records made building them about 3x slower with the collector on than off.
-_new_trajectory_from = partial(tuple.__new__, Trajectory)
-# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
-_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
-# Taken only to store built records, so that two threads reading a group's trajectories for
-# the first time get one tuple (reentrant: a finalizer run by the collector may read another).
-_BUILD_LOCK = threading.RLock()
-
-
-def default_keys(uid: str, count: int) -> list[str]:
-    """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
-    ``f"{uid}_{i}_0"``, built by C-level loops."""
-    if count <= len(_DEFAULT_SUFFIXES):
-        return list(map(uid.__add__, _DEFAULT_SUFFIXES[:count]))
-    return [f"{uid}_{i}_0" for i in range(count)]
-
-
-def _default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
-    count = len(payloads)
-    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
-    return tuple(map(_new_trajectory_from, rows))
-
-
-class LazyGroup(Group):
-    """A group stored with default keys (session ids ``0..n-1``, index 0, no tags): it holds
-    its payloads and builds its trajectory records on the first read of :attr:`trajectories`,
-    then keeps them, so every read returns the same tuple.
-
-    Internal: it reads, compares, pickles and prints as the :class:`Group` it stands for.
-    The one exception is C code that reads a tuple's slots without a call to hook, such as
-    ``"%s ..." % group`` with the group as the argument tuple: it sees the payloads in the
-    trajectories' slot.
-    """
-
-    # No __slots__ (a tuple subclass can have none): the instance dict keeps the built records,
-    # and is not even allocated until then.
-    _built: tuple[Trajectory, ...] | None = None
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot set {name!r}: a Group is immutable")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"cannot delete {name!r}: a Group is immutable")
-
-    @property
-    def trajectories(self) -> tuple[Trajectory, ...]:  # type: ignore[override]
-        """Its trajectories, in ``put`` order (built on the first read, then the same tuple)."""
-        built = self._built
-        if built is None:
-            fresh = _default_records(self.uid, self._stored)
-            with _BUILD_LOCK:  # another thread may be storing its own build of them
-                built = self.__dict__.setdefault("_built", fresh)
-        return built
-
-    def __repr__(self) -> str:
-        return self._repr("Group")
-
-    def _values(self) -> tuple[Any, ...]:
-        values = tuple(tuple.__iter__(self))
-        return (*values[:5], self.trajectories, *values[6:])
-
-    def _stored_form(self) -> Any:
-        # The payloads (and the records if built, so that a pickle also holding one of them keeps
-        # it the group's): the form of the first files of format 2, which it keeps readable.
-        return LazyTrajectories(self.uid, self._stored, self._built)
-
-    def _peek(self) -> tuple[Trajectory, ...]:
-        built = self._built
-        return _default_records(self.uid, self._stored) if built is None else built
-
-    def _stored_keys(self) -> Sequence[str]:
-        return default_keys(self.uid, len(self._stored))
-
-    def _stored_tags(self) -> Sequence[Mapping[str, Any]]:
-        return [EMPTY_TAGS] * len(self._stored)
-
-    def _stored_payloads(self) -> Sequence[Any]:
-        return self._stored  # type: ignore[no-any-return]
-
-    # Read as a tuple, a group shows its built trajectories, never its payloads: the tuple
-    # operations done in C read the slots, so each goes through the field values.
-    def __iter__(self) -> Iterator[Any]:
-        """Iterate over the field values, as a tuple would."""
-        return iter(self._values())
-
-    def __getitem__(self, index: Any) -> Any:
-        """Return a field value (or a tuple of them for a slice), as a tuple would."""
-        return self._values()[index]
-
-    def __contains__(self, value: object) -> bool:
-        """Whether ``value`` is one of the field values, as for a tuple."""
-        return value in self._values()
-
-    def __add__(self, other: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Concatenate the field values with a tuple, as a tuple would."""
-        return self._values() + other
-
-    def __radd__(self, other: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Concatenate a tuple with the field values, as a tuple would."""
-        return other + self._values()
-
-    def __mul__(self, times: SupportsIndex) -> tuple[Any, ...]:
-        """Repeat the field values, as a tuple would."""
-        return self._values() * times
-
-    __rmul__ = __mul__
-
-    def count(self, value: Any) -> int:
-        """Count the field values equal to ``value``, as a tuple would."""
-        return self._values().count(value)
-
-    def index(self, value: Any, start: SupportsIndex = 0, stop: SupportsIndex = sys.maxsize) -> int:
-        """Return the position of ``value`` among the field values, as a tuple would (raises
-        ValueError if none is equal to it)."""
-        return self._values().index(value, start, stop)
-
-
 class LazyTrajectories:
     """How a pickle holds a :class:`LazyGroup`'s trajectories: its uid, payloads and built
     records (None if not built). Unpickled, it becomes the group's again."""
@@ -388,22 +262,6 @@ def new_group(
     )
 
 
-def new_lazy_group(
-    uid: str,
-    partition: str,
-    dispatch_step: int,
-    status: Status,
-    tags: Mapping[str, Any],
-    payloads: tuple[Any, ...],
-    finish_step: int,
-    generation_seconds: float,
-) -> LazyGroup:
-    """Return the :class:`LazyGroup` of ``payloads`` under default keys (records not built)."""
-    return _tuple_new(
-        LazyGroup, (uid, partition, dispatch_step, status, tags, payloads, finish_step, generation_seconds)
-    )
-
-
 def _plain(tags: Mapping[str, Any]) -> dict[str, Any] | None:
     return dict(tags) if tags else None
 
@@ -428,14 +286,14 @@ def _group(
     finish_step: int,
     generation_seconds: float,
 ) -> Group:
-    if isinstance(trajectories, LazyTrajectories):  # a LazyGroup's pickled form
+    if isinstance(trajectories, LazyTrajectories):  # a LazyGroup's pickled form (_lazy_group.py)
         frozen = _frozen_tags(tags)
         payloads = trajectories.payloads
         group = new_lazy_group(
             uid, partition, dispatch_step, status, frozen, payloads, finish_step, generation_seconds
         )
         if trajectories.built is not None:
-            group.__dict__["_built"] = trajectories.built
+            set_built(group, trajectories.built)
         return group
     return new_group(
         uid,
@@ -447,3 +305,7 @@ def _group(
         finish_step,
         generation_seconds,
     )
+
+
+# Last: LazyGroup subclasses Group (and _group above builds them when unpickling).
+from ._lazy_group import new_lazy_group, set_built  # noqa: E402
