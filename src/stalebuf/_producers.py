@@ -267,7 +267,7 @@ class Producers(Sampling):
         ):
             step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
         stored = payloads if type(payloads) is tuple else tuple(payloads)
-        record = _tuple_new(  # records.new_lazy_group: its records are built when first read
+        record = _tuple_new(  # _lazy_group.new_lazy_group: its records are built when first read
             LazyGroup, (uid, part.name, step, _FINISHED, frozen_tags, stored, max(clock, step), 0.0)
         )
         seq = self._next_seq
