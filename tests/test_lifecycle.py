@@ -64,6 +64,27 @@ def test_finish_and_fail_directly_from_pending() -> None:
     assert (stats.pending, stats.finished, stats.failure) == (0, 1, 1)
 
 
+_LAST = 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("session_id", "index"), [(0, 0), (7, 0), (63, 0), (64, 0), (65, 0), (0, 1), (63, 1), (_LAST, _LAST)]
+)
+def test_put_returns_and_stores_the_documented_key(session_id: int, index: int) -> None:
+    # The common keys (index 0, the first 64 sessions) are built from a table, the rest formatted.
+    buf = ReplayBuffer()
+    buf.add_prompt_nowait("u1", global_steps=0)
+    key = buf.put_nowait("u1", "x", session_id=session_id, index=index)
+    assert key == f"u1_{session_id}_{index}"
+    buf.mark_finished_nowait("u1")
+    (trajectory,) = resident_groups(buf)["u1"].trajectories
+    assert (trajectory.key, trajectory.session_id, trajectory.index) == (key, session_id, index)
+    buf.add_prompt_nowait("u2", global_steps=0)
+    buf.put_nowait("u2", session_id=session_id, index=index)
+    with pytest.raises(DuplicateTrajectoryError):
+        buf.put_nowait("u2", session_id=session_id, index=index)
+
+
 def test_tags_are_copied() -> None:
     buf = ReplayBuffer()
     tags = {"k": 1}

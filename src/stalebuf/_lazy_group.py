@@ -18,14 +18,12 @@ from functools import partial
 from itertools import repeat
 from typing import Any, SupportsIndex
 
-from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory
+from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys
 
-__all__ = ["LazyGroup", "default_keys", "new_lazy_group"]
+__all__ = ["LazyGroup", "new_lazy_group", "set_built"]
 
 _new_trajectory_from = partial(tuple.__new__, Trajectory)
 _tuple_new = tuple.__new__
-# What follows the uid in the default keys of a group's first trajectories: f"_{session}_0".
-_DEFAULT_SUFFIXES = tuple(f"_{session}_0" for session in range(64))
 # Taken only to store built records, so that two threads reading a group's trajectories for the
 # first time get one tuple (reentrant: a finalizer run by the collector may read another group).
 _build_lock = threading.RLock()
@@ -39,14 +37,6 @@ def _new_lock_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-def default_keys(uid: str, count: int) -> list[str]:
-    """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
-    ``f"{uid}_{i}_0"``, built by C-level loops."""
-    if count <= len(_DEFAULT_SUFFIXES):
-        return list(map(uid.__add__, _DEFAULT_SUFFIXES[:count]))
-    return [f"{uid}_{i}_0" for i in range(count)]
 
 
 def _default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from threading import get_ident
 from typing import Any, Literal
 
-from ._lazy_group import LazyGroup, default_keys
+from ._lazy_group import LazyGroup
 from ._partition import OpenGroup, PartitionState
 from ._sampling import Sampling
 from ._validation import (
@@ -25,7 +25,16 @@ from ._validation import (
     describe,
 )
 from .errors import BufferFullError, DuplicateGroupError, DuplicateTrajectoryError, InvalidTransitionError
-from .records import EMPTY_TAGS, Group, Status, Trajectory, new_trajectory
+from .records import (
+    DEFAULT_KEY_SESSIONS,
+    DEFAULT_KEY_SUFFIXES,
+    EMPTY_TAGS,
+    Group,
+    Status,
+    Trajectory,
+    default_keys,
+    new_trajectory,
+)
 
 __all__ = ["GroupStatus", "Producers"]
 
@@ -142,7 +151,10 @@ class Producers(Sampling):
         group = self._groups.get(uid) if type(uid) is str else None
         if type(group) is not OpenGroup:  # the lookup inlined; _open_group raises the right error
             group = self._open_group(uid, "put into")
-        key = f"{uid}_{session_id}_{index}"
+        if index or session_id >= DEFAULT_KEY_SESSIONS:
+            key = f"{uid}_{session_id}_{index}"
+        else:  # the common key, without formatting two ints
+            key = uid + DEFAULT_KEY_SUFFIXES[session_id]
         trajectories = group.trajectories
         if key in trajectories:
             raise DuplicateTrajectoryError(

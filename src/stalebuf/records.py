@@ -20,6 +20,7 @@ __all__ = [
     "Group",
     "Status",
     "Trajectory",
+    "default_keys",
     "new_batch",
     "new_group",
     "new_trajectory",
@@ -213,6 +214,21 @@ class Group(_Record):
 
     def _stored_payloads(self) -> Sequence[Any]:
         return [t.payload for t in self._stored]
+
+
+#: How many sessions :data:`DEFAULT_KEY_SUFFIXES` covers.
+DEFAULT_KEY_SESSIONS = 64
+#: What follows the uid in the key of trajectory ``(session, 0)`` for the first sessions:
+#: ``f"_{session}_0"``. Formatting two ints is most of what making a key costs.
+DEFAULT_KEY_SUFFIXES = tuple(f"_{session}_0" for session in range(DEFAULT_KEY_SESSIONS))
+
+
+def default_keys(uid: str, count: int) -> list[str]:
+    """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
+    ``f"{uid}_{i}_0"``, built by C-level loops."""
+    if count <= DEFAULT_KEY_SESSIONS:
+        return list(map(uid.__add__, DEFAULT_KEY_SUFFIXES[:count]))
+    return [f"{uid}_{i}_0" for i in range(count)]
 
 
 class LazyTrajectories:
