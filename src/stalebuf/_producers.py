@@ -113,7 +113,9 @@ class Producers(Sampling):
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
-        group = self._open_group(uid, "mark running")
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:  # the lookup inlined; _open_group raises the right error
+            group = self._open_group(uid, "mark running")
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
@@ -179,7 +181,10 @@ class Producers(Sampling):
         thread = self._binding.thread
         if self._closed or (thread is not None and thread != get_ident()):
             self._check_usable()
-        self._terminate(self._open_group(uid, "mark finished"), _FINISHED)
+        group = self._groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:  # the lookup inlined; _open_group raises the right error
+            group = self._open_group(uid, "mark finished")
+        self._terminate(group, _FINISHED)
 
     def mark_failed_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FAILURE.
