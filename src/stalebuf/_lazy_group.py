@@ -63,18 +63,19 @@ class LazyGroup(_WithInstanceDict):
     then keeps them, so every read returns the same tuple.
 
     Internal: it reads, compares, copies, pickles and prints as the :class:`Group` it stands
-    for, and ``LazyGroup(...)`` builds a plain Group. The exceptions are C code that reads a
+    for, and ``LazyGroup(...)`` builds a plain Group. The exceptions: C code that reads a
     tuple's slots without a call to hook, such as ``"%s ..." % group`` with the group as the
-    argument tuple or ``numpy.int64(2) * group``, which see the payloads in the trajectories'
-    slot, and ``object.__setattr__``, which can add an attribute (a frozen attrs record allows
-    it too, for its fields).
+    argument tuple, sees the payloads in the trajectories' slot; ``numpy.int64(2) * group``
+    raises ValueError (numpy declines a sequence that defines its own ``*``); and
+    ``object.__setattr__`` can add an attribute (as it can set the fields of a frozen attrs
+    record).
     """
 
     __slots__ = ()
     _built: tuple[Trajectory, ...] | None = None  # until the instance dict holds them
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Group:  # type: ignore[misc]
-        """Build a plain :class:`Group` (``type(g)(*g)`` rebuilds an equal record)."""
+        """Build a plain :class:`Group` (``type(g)(*g)`` rebuilds a record with the same fields)."""
         return Group(*args, **kwargs)
 
     @property
