@@ -305,11 +305,11 @@ def _group(
     if isinstance(trajectories, LazyTrajectories):  # a LazyGroup's pickled form (_lazy_group.py)
         frozen = _frozen_tags(tags)
         payloads = trajectories.payloads
-        group = new_lazy_group(
+        group = _lazy_group.new_lazy_group(
             uid, partition, dispatch_step, status, frozen, payloads, finish_step, generation_seconds
         )
         if trajectories.built is not None:
-            set_built(group, trajectories.built)
+            _lazy_group.set_built(group, trajectories.built)
         return group
     return new_group(
         uid,
@@ -323,5 +323,6 @@ def _group(
     )
 
 
-# Last: LazyGroup subclasses Group (and _group above builds them when unpickling).
-from ._lazy_group import new_lazy_group, set_built  # noqa: E402
+# Last, as a module (whichever of the two is imported first): LazyGroup subclasses Group, and
+# _group above builds them when unpickling.
+from . import _lazy_group  # noqa: E402
