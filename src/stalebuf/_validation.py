@@ -13,7 +13,7 @@ import math
 import reprlib
 from collections.abc import Collection, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import ConfigError, DuplicateTrajectoryError
 from .records import EMPTY_TAGS
@@ -37,6 +37,7 @@ __all__ = [
     "describe_typed",
     "finite_in",
     "int_at_least",
+    "is_finite_number",
     "one_of",
 ]
 
@@ -133,6 +134,16 @@ def one_of(label: str, choices: tuple[str, ...]) -> Any:
     return check
 
 
+def is_finite_number(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is an int or float (bool excluded) with a finite float value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def finite_in(
     label: str, low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False
 ) -> Any:
@@ -144,17 +155,9 @@ def finite_in(
     interval = f"{'(' if open_low else '['}{low:g}, {high:g}{closing}"
 
     def check(_instance: object, _attribute: object, value: object) -> None:
-        ok = False
-        if not isinstance(value, bool) and isinstance(value, (int, float)):
-            try:
-                number = float(value)
-            except OverflowError:
-                number = math.inf
-            ok = (
-                math.isfinite(number)
-                and (low < number if open_low else low <= number)
-                and (number < high if open_high else number <= high)
-            )
+        ok = is_finite_number(value) and (
+            (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
+        )
         if not ok:
             raise ConfigError(f"{label} must be a finite number in {interval}, got {describe(value)}")
 

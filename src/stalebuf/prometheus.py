@@ -30,7 +30,6 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
@@ -50,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._prometheus_samples import HistogramSnapshot, SampleHistograms, tap_samples
 from ._prometheus_stats import StatsReader, stats_reader
-from ._validation import describe, describe_error
+from ._validation import describe, describe_error, is_finite_number
 from .errors import ConfigError
 from .stats import BufferStats, PartitionStats
 
@@ -250,7 +249,7 @@ def register(
     """
     if type(namespace) is not str or not _NAME.match(namespace):
         raise ConfigError(f"namespace must be a valid Prometheus metric name, got {describe(namespace)}")
-    if not _finite_number(timeout) or timeout <= 0:
+    if not is_finite_number(timeout) or timeout <= 0:
         raise ConfigError(f"timeout must be a finite number > 0, got {describe(timeout)}")
     staleness = _check_buckets("staleness_buckets", staleness_buckets)
     waits = _check_buckets("wait_buckets", wait_buckets)
@@ -262,18 +261,9 @@ def register(
     return collector
 
 
-def _finite_number(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
 def _check_buckets(label: str, bounds: object) -> tuple[float, ...]:
     values = tuple(bounds) if isinstance(bounds, (list, tuple)) else ()
-    if not values or not all(map(_finite_number, values)) or any(a >= b for a, b in pairwise(values)):
+    if not values or not all(map(is_finite_number, values)) or any(a >= b for a, b in pairwise(values)):
         raise ConfigError(
             f"{label} must be a non-empty list of increasing finite numbers, got {describe(bounds)}"
         )

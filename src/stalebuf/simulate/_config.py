@@ -12,10 +12,10 @@ from typing import Any, Literal, get_args
 
 import attrs
 
-from .._validation import a_bool, describe, finite_in, int_at_least, one_of
+from .._validation import a_bool, describe, finite_in, int_at_least, is_finite_number, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ._latency import LATENCY_KINDS, Latency, LatencyKind, _finite
+from ._latency import LATENCY_KINDS, Latency, LatencyKind
 
 __all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
 
@@ -26,7 +26,7 @@ FailureStrategy = Literal["evict", "sample"]
 
 def _as_float(value: object) -> object:
     # Store every accepted number as a float; leave the rest for the validator to reject.
-    return float(value) if _finite(value) else value
+    return float(value) if is_finite_number(value) else value
 
 
 @attrs.frozen(kw_only=True)

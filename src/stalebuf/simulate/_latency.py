@@ -24,12 +24,12 @@ import os
 import random
 from collections.abc import Iterable, Iterator
 from statistics import NormalDist
-from typing import Any, Literal, TypeGuard, get_args
+from typing import Any, Literal, get_args
 
 import attrs
 import numpy as np
 
-from .._validation import describe, finite_in, one_of
+from .._validation import describe, finite_in, is_finite_number, one_of
 from ..errors import ConfigError
 
 __all__ = ["LATENCY_KINDS", "Latency", "LatencyKind"]
@@ -62,15 +62,6 @@ _PARAM_CHECKS: dict[str, tuple[Any, ...]] = {
 _Z95 = NormalDist().inv_cdf(0.95)
 
 
-def _finite(value: object) -> TypeGuard[float]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
 def _short(value: float) -> str:
     """Format ``value`` as ``%g`` when that is exact, else as its full repr."""
     text = f"{value:g}"
@@ -81,7 +72,7 @@ def _to_params(value: object) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ConfigError(f"latency params must be a sequence of numbers, got {describe(value)}")
     params = tuple(value)
-    if not all(_finite(p) for p in params):
+    if not all(is_finite_number(p) for p in params):
         raise ConfigError(f"latency params must be finite numbers, got {describe(params)}")
     return tuple(float(p) for p in params)
 
@@ -282,7 +273,7 @@ def _seconds(path: str, where: str, cell: object, from_text: bool) -> float:
     if from_text and isinstance(cell, str):
         with contextlib.suppress(ValueError):
             number = float(cell)
-    elif _finite(cell):
+    elif is_finite_number(cell):
         number = float(cell)
     if not (math.isfinite(number) and number > 0.0):
         raise ConfigError(
