@@ -58,9 +58,10 @@ class _Body:
         self.length = 0
 
     def frame(self, data: bytes | bytearray | memoryview) -> None:
-        if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1):
+        if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous):
             # A length prefix counts bytes: a view of 8-byte items (``ndarray.data``) has 8x
-            # more bytes than len() says, and a prefix of len() would tear the file.
+            # more bytes than len() says, and a prefix of len() would tear the file; a strided
+            # view cannot be written at all.
             data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
         for piece in (_FRAME.pack(len(data)), data):
             self.file.write(piece)
