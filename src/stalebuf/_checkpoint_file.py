@@ -26,7 +26,7 @@ from typing import IO, Any
 import attrs
 
 from ._stored import peek_trajectories
-from ._validation import check_tags, describe, describe_error
+from ._validation import check_payload_codec, check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
@@ -57,7 +57,12 @@ class _Body:
         self.digest = hashlib.sha256()
         self.length = 0
 
-    def frame(self, data: bytes | memoryview) -> None:
+    def frame(self, data: bytes | bytearray | memoryview) -> None:
+        if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous):
+            # A length prefix counts bytes: a view of 8-byte items (``ndarray.data``) has 8x
+            # more bytes than len() says, and a prefix of len() would tear the file; a strided
+            # view cannot be written at all.
+            data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
         for piece in (_FRAME.pack(len(data)), data):
             self.file.write(piece)
             self.digest.update(piece)
@@ -70,10 +75,13 @@ def write_checkpoint(
     """Write ``checkpoint`` to ``path`` atomically (see the module docs).
 
     Raises:
-        CheckpointError: with a codec, a value that JSON cannot hold (named), or ``encode``
-            failed or returned something other than bytes.
+        CheckpointError: a value the format cannot hold (named): one pickle cannot hold, or with
+            a codec one JSON cannot hold; or ``encode`` failed or returned something other than
+            bytes.
+        ConfigError: ``codec`` is not None or a pair ``(encode, decode)`` of callables.
         OSError: the file could not be written (the previous file, if any, is untouched).
     """
+    check_payload_codec(codec)
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
     handle, temporary = tempfile.mkstemp(prefix=".stalebuf-", suffix=".tmp", dir=directory)
@@ -107,13 +115,40 @@ def _digest(version: int, flags: int, length: int, body: hashlib._Hash) -> bytes
 
 def _write_pickled(body: _Body, checkpoint: BufferCheckpoint) -> None:
     manifest = attrs.evolve(checkpoint, groups=())
-    body.frame(pickle.dumps((manifest, len(checkpoint.groups)), protocol=5))
+    try:
+        body.frame(pickle.dumps((manifest, len(checkpoint.groups)), protocol=5))
+    except Exception as exc:
+        raise CheckpointError(f"the config cannot be pickled: {describe_error(exc)}") from exc
     for chunk in _chunks(checkpoint.groups):
         buffers: list[pickle.PickleBuffer] = []
-        data = pickle.dumps(chunk, protocol=5, buffer_callback=buffers.append)
+        try:
+            data = pickle.dumps(chunk, protocol=5, buffer_callback=buffers.append)
+        except Exception as exc:
+            raise _unpicklable(chunk, exc) from exc
         body.frame(_COUNT.pack(len(buffers)) + data)
         for buffer in buffers:
             body.frame(buffer.raw())
+
+
+def _unpicklable(chunk: tuple[Group, ...], error: Exception) -> CheckpointError:
+    """The error for a chunk pickle refused, naming its first group (and trajectory) at fault."""
+    for group in chunk:
+        try:
+            pickle.dumps(group, protocol=5, buffer_callback=lambda _: None)
+        except Exception as exc:
+            for trajectory in peek_trajectories(group):
+                try:
+                    pickle.dumps(trajectory, protocol=5, buffer_callback=lambda _: None)
+                except Exception:
+                    where = f"group {describe(group.uid)}, trajectory {describe(trajectory.key)}"
+                    break
+            else:
+                where = f"group {describe(group.uid)} (its tags)"
+            return CheckpointError(
+                f"{where} cannot be pickled: {describe_error(exc)}; pass payload_codec= to save "
+                "payloads pickle cannot hold"
+            )
+    return CheckpointError(f"the groups cannot be pickled: {describe_error(error)}")
 
 
 def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[Any], bytes]) -> None:
@@ -131,7 +166,9 @@ def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[An
     body.frame(_to_json(manifest, "the config"))
     for chunk in _chunks(checkpoint.groups):
         rows = [_group_row(group) for group in chunk]
-        body.frame(_to_json(rows, f"group {describe(chunk[0].uid)} or the next {len(chunk) - 1}"))
+        for group, row in zip(chunk, rows, strict=True):  # one by one, to name the group at fault
+            _check_plain(row, f"group {describe(group.uid)}")
+        body.frame(json.dumps(rows, allow_nan=True, separators=(",", ":")).encode())
         for group in chunk:
             for trajectory in peek_trajectories(group):
                 try:
@@ -187,7 +224,8 @@ def _check_plain(value: Any, where: str) -> None:
             _check_plain(item, f"{where}, key {describe(key)}")
         return
     raise CheckpointError(
-        f"{where}: a value of type {kind.__name__} cannot be saved as JSON (a plain format)"
+        f"{where}: a value of type {kind.__name__} ({describe(value)}) cannot be saved as JSON "
+        "(a plain format)"
     )
 
 

@@ -26,6 +26,7 @@ from ._rollout import RolloutGroup, rollout
 from ._threadsafe import ThreadsafeProducer
 from ._validation import (
     check_partition,
+    check_payload_codec,
     check_step,
     check_timeout,
     describe,
@@ -160,10 +161,14 @@ class ReplayBuffer(Producers):
         the file holds no pickle at all (see the README's trust model).
 
         Raises:
-            CheckpointError: with a codec, a value JSON cannot hold (the message names it), or
-                ``encode`` failed.
+            CheckpointError: a value the format cannot hold (the message names it): a payload
+                or config value pickle cannot hold, or with a codec a value JSON cannot hold;
+                or ``encode`` failed.
+            ConfigError: ``payload_codec`` is not None or a pair ``(encode, decode)`` of
+                callables (as for :meth:`restore`); nothing is written.
             OSError: the file could not be written.
         """
+        check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
         await anyio.to_thread.run_sync(write_checkpoint, path, checkpoint, payload_codec)
 
