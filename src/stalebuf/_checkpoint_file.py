@@ -18,6 +18,7 @@ import json
 import math
 import os
 import pickle
+import stat
 import struct
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -84,8 +85,11 @@ def write_checkpoint(
     check_payload_codec(codec)
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
+    mode = _plain_file_mode(target)
     handle, temporary = tempfile.mkstemp(prefix=".stalebuf-", suffix=".tmp", dir=directory)
     try:
+        if hasattr(os, "fchmod"):  # POSIX: mkstemp's 0o600 would hide the file from other users
+            os.fchmod(handle, mode)
         with os.fdopen(handle, "wb") as file:
             file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
             body = _Body(file)
@@ -232,6 +236,26 @@ def _check_plain(value: Any, where: str) -> None:
 def _chunks(groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
     for start in range(0, len(groups), _CHUNK):
         yield groups[start : start + _CHUNK]
+
+
+def _plain_file_mode(target: str) -> int:
+    """The permissions a plain ``open(target, "wb")`` would leave: the existing file's, or
+    0o666 less the umask for a new one."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(os.stat(target).st_mode)
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (another thread
+    creating a file meanwhile would get a wrong mask otherwise)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: str) -> None:

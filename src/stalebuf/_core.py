@@ -106,8 +106,9 @@ class BufferCore:
         self._next_seq = 0
         # The dispatch clock of each partition: the largest step a sample was called with.
         self._clocks: dict[str, int] = {}
-        # uids evicted while in flight, most recent last, so a late producer learns why.
-        self._evicted_in_flight: OrderedDict[str, None] = OrderedDict()
+        # uids evicted while in flight, most recent last, so a late producer learns why: None
+        # for "stale", else the eviction's reason ("restart").
+        self._evicted_in_flight: OrderedDict[str, str | None] = OrderedDict()
         self._closed = False
         self._binding = LoopBinding()
         self._status_interval = interval
@@ -159,8 +160,9 @@ class BufferCore:
                 raise TypeError(f"uid must be a str, got {type(uid).__name__}")
             if group is None:
                 if uid in self._evicted_in_flight:
+                    how = "as stale" if self._evicted_in_flight[uid] is None else "by a restart"
                     raise GroupEvictedError(
-                        f"group {describe(uid)} was evicted as stale while in flight: stop generating"
+                        f"group {describe(uid)} was evicted {how} while in flight: stop generating"
                     )
                 raise UnknownGroupError(
                     f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"

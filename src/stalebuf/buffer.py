@@ -149,6 +149,8 @@ class ReplayBuffer(Producers):
 
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
+            CheckpointError: the buffer's policy was built from another config than the buffer's
+                (``restore`` rebuilds it from the buffer's, so its rules would change).
         """
         self._binding.check_thread()
         return capture(self)

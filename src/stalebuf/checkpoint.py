@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from time import monotonic
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -150,6 +150,10 @@ class RestoreResult:
     buffer: ReplayBuffer
     reissue: tuple[Group, ...]
 
+    def __iter__(self) -> Iterator[Any]:
+        """Unpack as ``buffer, reissue = ...``, in that order."""
+        return iter((self.buffer, self.reissue))
+
 
 def capture(buffer: ReplayBuffer) -> BufferCheckpoint:
     """Return ``buffer``'s state; copies references, never payloads."""
@@ -164,6 +168,15 @@ def capture(buffer: ReplayBuffer) -> BufferCheckpoint:
         for name, part in buffer._partitions.items()
     )
     policy = buffer._policy
+    rules_config = getattr(policy, "config", buffer.config)
+    if rules_config is not buffer.config and rules_config != buffer.config:
+        # restore rebuilds the policy from the one config a checkpoint keeps: refuse now rather
+        # than let the restored buffer follow other rules than this one.
+        raise CheckpointError(
+            "this buffer's policy was built from another config than the buffer's, and restore "
+            "rebuilds the policy from the buffer's config, so its rules would change; build the "
+            "buffer with the policy's config (ReplayBuffer(policy=...) without config takes it)"
+        )
     policy_name = None
     if type(policy).__module__ != "stalebuf.policy" and buffer.config.custom_sampler is None:
         policy_name = f"{type(policy).__module__}:{type(policy).__qualname__}"
@@ -268,7 +281,7 @@ def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) ->
         part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
         events.append(EvictionEvent(name, "restart", tuple(groups), buffer._clocks.get(name, 0)))
         for group in groups:  # a producer that survived the restart learns why on its next write
-            buffer._evicted_in_flight[group.uid] = None
+            buffer._evicted_in_flight[group.uid] = "restart"
     remembered = buffer._evicted_in_flight
     while len(remembered) > EVICTED_UIDS_REMEMBERED:  # the bound stale in-flight evictions keep
         remembered.popitem(last=False)

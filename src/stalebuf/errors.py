@@ -92,9 +92,10 @@ class BufferFullError(StalebufError):
 
 
 class GroupEvictedError(UnknownGroupError):
-    """The group was evicted as stale while still in flight: stop generating for it.
+    """The group was evicted while still in flight: stop generating for it.
 
-    Raised by a producer call on such a group (``evict_stale_in_flight=True``).
+    Raised by a producer call on such a group: evicted as stale (``evict_stale_in_flight=True``),
+    or by ``ReplayBuffer.restore(..., in_flight="evict")`` (reason "restart").
     """
 
 

@@ -9,7 +9,7 @@ restored group's payloads in the object store again, one object per group, owned
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +45,10 @@ class RemoteRestoreResult:
 
     buffer: RemoteReplayBuffer
     reissue: tuple[Group, ...]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Unpack as ``buffer, reissue = ...``, in that order."""
+        return iter((self.buffer, self.reissue))
 
 
 @attrs.frozen
