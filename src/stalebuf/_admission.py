@@ -166,7 +166,9 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
         """
+        self._binding.check_thread()
         check_partition(partition)
         return self._clocks.get(partition, 0)
 
@@ -176,7 +178,9 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
         """
+        self._binding.check_thread()
         check_partition(partition)
         return self._capacity(self._partitions.get(partition), partition)
 
@@ -186,8 +190,10 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``admits`` raised.
         """
+        self._binding.check_thread()
         check_partition(partition)
         part = self._partitions.get(partition)
         if part is None:
@@ -200,5 +206,6 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
         """
         return self.free_slots(partition) == 0
