@@ -164,11 +164,12 @@ class Admission(BufferCore):
         """Return the step a group dispatched now is tagged with: the largest ``global_steps``
         any ``sample`` on ``partition`` has been called with (0 before the first).
 
+        It reads one int, so unlike every other call it may be made from any thread (the
+        example server's ``def`` handlers do).
+
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
-            WrongThreadError: called from another thread than the bound loop's.
         """
-        self._binding.check_thread()
         check_partition(partition)
         return self._clocks.get(partition, 0)
 
