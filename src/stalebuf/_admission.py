@@ -164,6 +164,9 @@ class Admission(BufferCore):
         """Return the step a group dispatched now is tagged with: the largest ``global_steps``
         any ``sample`` on ``partition`` has been called with (0 before the first).
 
+        It reads one int, so unlike every other call it may be made from any thread (the
+        example server's ``def`` handlers do).
+
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
         """
@@ -176,7 +179,9 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
         """
+        self._binding.check_thread()
         check_partition(partition)
         return self._capacity(self._partitions.get(partition), partition)
 
@@ -186,8 +191,10 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``admits`` raised.
         """
+        self._binding.check_thread()
         check_partition(partition)
         part = self._partitions.get(partition)
         if part is None:
@@ -200,5 +207,6 @@ class Admission(BufferCore):
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
         """
         return self.free_slots(partition) == 0

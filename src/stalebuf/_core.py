@@ -75,14 +75,15 @@ class BufferCore:
         status_log_interval: float | None,
     ) -> None:
         """Check the constructor's arguments (see ``ReplayBuffer``) and set up empty state."""
+        # Types first: a policy of the wrong type must not be asked for its config.
+        if policy is not None and not isinstance(policy, StalenessPolicy):
+            raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
         if config is None:
             config = SamplerConfig() if policy is None else policy.config
         elif not isinstance(config, SamplerConfig):
             raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
         if policy is None:
             policy = StalenessPolicy(config)
-        elif not isinstance(policy, StalenessPolicy):
-            raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
         if on_evict is not None and not callable(on_evict):
             raise ConfigError(f"on_evict must be callable or None, got {describe_typed(on_evict)}")
         if inspect.iscoroutinefunction(on_evict):

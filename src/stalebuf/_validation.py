@@ -305,7 +305,9 @@ def check_group_payloads(
             keys.append(f"{uid}_{session_id}_{index}")
         if len(set(keys)) != n:
             duplicate = next(key for key in keys if keys.count(key) > 1)
-            raise DuplicateTrajectoryError(f"put_group for {uid!r} names trajectory {duplicate!r} twice")
+            raise DuplicateTrajectoryError(
+                f"put_group for {describe(uid)} names trajectory {describe(duplicate)} twice"
+            )
     return keys, tuple(zip(keys, sessions, positions, tags, items, strict=True))
 
 

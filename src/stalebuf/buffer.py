@@ -31,7 +31,7 @@ from ._validation import (
     check_timeout,
     describe,
 )
-from .checkpoint import BufferCheckpoint, InFlightMode, RestoreResult, capture, restore_buffer
+from .checkpoint import NOT_GIVEN, BufferCheckpoint, InFlightMode, RestoreResult, capture, restore_buffer
 from .config import SamplerConfig
 from .errors import BatchNotReadyError, ConfigError, WrongThreadError
 from .metrics import SampleMetrics
@@ -42,7 +42,7 @@ from .stats import BufferStats, PartitionStats
 __all__ = ["GroupStatus", "ReplayBuffer"]
 
 _Self = TypeVar("_Self", bound="ReplayBuffer")
-_UNSET: Any = object()
+_UNSET: Any = NOT_GIVEN  # an argument not given (restore_buffer knows it too)
 
 
 class ReplayBuffer(Producers):
@@ -121,7 +121,7 @@ class ReplayBuffer(Producers):
         *,
         in_flight: InFlightMode = "reissue",
         on_evict: EvictCallback | None = None,
-        status_log_interval: float | None = 60.0,
+        status_log_interval: float | None = _UNSET,
         payload_codec: PayloadCodec | None = None,
     ) -> RestoreResult:
         """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous.
@@ -133,6 +133,8 @@ class ReplayBuffer(Producers):
         their trajectories discarded (counted in ``reissued_*``) and lists them in the result's
         ``reissue``; "keep" keeps them exactly; "evict" evicts them (reason "restart", one
         event per partition to ``on_evict``, counted in ``evicted_restart_*``).
+        ``status_log_interval`` is passed to the built class only when given (its default is
+        the class's own: 60 s for ``ReplayBuffer``), as :meth:`from_config` does.
 
         Raises:
             CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must

@@ -318,6 +318,10 @@ def policy_from_name(name: str, config: SamplerConfig) -> Any:
         ) from exc
 
 
+#: ``restore``'s default ``status_log_interval``: the built class's own default.
+NOT_GIVEN: Any = object()
+
+
 def restore_buffer(
     cls: type[ReplayBuffer],
     source: object,
@@ -341,7 +345,10 @@ def restore_buffer(
         raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
     if checkpoint.format_version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint format {checkpoint.format_version} is newer than {FORMAT_VERSION}")
-    options: dict[str, Any] = {"status_log_interval": status_log_interval}
+    # Passed only when given: a custom sampler's constructor need not take it (issue 10, item 12).
+    options: dict[str, Any] = (
+        {} if status_log_interval is NOT_GIVEN else {"status_log_interval": status_log_interval}
+    )
     if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
         options["on_evict"] = on_evict
     config = checkpoint.config

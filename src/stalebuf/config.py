@@ -25,7 +25,12 @@ FailureStrategy = Literal["sample", "evict"]
 def _to_partitions(value: object) -> frozenset[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise ConfigError(f"exempt_partitions must be a collection of partition names, got {describe(value)}")
-    names = frozenset(value)
+    try:
+        names = frozenset(value)
+    except Exception as exc:  # an iteration, or an element's __hash__/__eq__, raised
+        raise ConfigError(
+            f"exempt_partitions could not be read as a set of names: {type(exc).__name__}"
+        ) from exc
     for name in names:
         if type(name) is not str or not name:
             raise ConfigError(f"exempt_partitions must hold non-empty strings, got {describe(name)}")
@@ -35,10 +40,14 @@ def _to_partitions(value: object) -> frozenset[str]:
 def _to_kwargs(value: object) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"sampler_kwargs must be a mapping, got {describe(value)}")
-    for key in value:
+    try:
+        copied = dict(value)
+    except Exception as exc:  # a user mapping whose iteration or lookup raises
+        raise ConfigError(f"sampler_kwargs could not be copied: {type(exc).__name__}") from exc
+    for key in copied:
         if type(key) is not str or not key.isidentifier():
             raise ConfigError(f"sampler_kwargs keys must be identifiers, got {describe(key)}")
-    return MappingProxyType(dict(value))
+    return MappingProxyType(copied)
 
 
 def _check_custom_sampler(_instance: object, _attribute: attrs.Attribute[str | None], value: object) -> None:
@@ -143,8 +152,12 @@ class SamplerConfig:
             raise ConfigError(f"sampler config must be a mapping, got {type(mapping).__name__}")
         known = {field.name for field in attrs.fields(cls)}
         values: dict[str, Any] = {}
-        for key, value in mapping.items():
-            if key not in known:
+        try:
+            items = list(mapping.items())
+        except Exception as exc:  # a user mapping whose iteration or lookup raises
+            raise ConfigError(f"sampler config could not be read: {type(exc).__name__}") from exc
+        for key, value in items:
+            if type(key) is not str or key not in known:
                 raise ConfigError(
                     f"unknown sampler config key {describe(key)}; known keys: {', '.join(sorted(known))}"
                 )

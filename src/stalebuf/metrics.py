@@ -130,7 +130,7 @@ class SampleMetrics:
         global_steps: int,
         sync_step: int,
         wait_seconds: float,
-        admission: tuple[int, float] | None = None,
+        admission: tuple[float, float] | None = None,
     ) -> dict[str, float]:
         """Return the metrics dict for a call that returned ``sampled`` at ``global_steps``;
         ``admission`` is ``(free_slots, producer_wait_seconds)`` on a partition with admission."""
