@@ -23,11 +23,16 @@ from .errors import StalebufError
 from .metrics import SampleMetrics
 from .records import Batch, EvictionEvent, Group, new_batch, new_group
 
-__all__ = ["EVICTED_UIDS_REMEMBERED", "Sampling"]
+__all__ = ["EVICTED_UIDS_REMEMBERED", "MAX_READMITTED_ROUNDS", "Sampling"]
 
 #: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
 #: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
 EVICTED_UIDS_REMEMBERED = 65_536
+
+#: How many eviction rounds in a row one ``sample`` runs when each evicts only groups that
+#: ``on_evict`` added in the round before, before it raises: re-admitting a stale group under a
+#: new uid would otherwise loop forever.
+MAX_READMITTED_ROUNDS = 1_000
 
 _uid_of = attrgetter("uid")
 #: Runs an iterator to its end in C: unregistering a batch of 64 groups costs no Python loop.
@@ -69,6 +74,7 @@ class Sampling(Admission):
             metrics.oldest_first = True
             return self._take_batch(part, None, global_steps, batch_size)
         readmitted_from, evicted_before = -1, frozenset[str]()
+        readmitted_rounds = 0  # rounds in a row evicting only what on_evict had just added
         left = False  # whether any group left: admission slots to hand out
         while True:
             stale = self._stale_steps(part, global_steps)
@@ -76,7 +82,18 @@ class Sampling(Admission):
             if not stale and not stale_in_flight and not part.failed:
                 break
             if evicted_before:
-                self._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before)
+                if self._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before):
+                    readmitted_rounds += 1
+                    if readmitted_rounds >= MAX_READMITTED_ROUNDS:
+                        raise StalebufError(
+                            f"on_evict added groups to partition {describe(part.name)} that were evicted "
+                            f"again at once, {MAX_READMITTED_ROUNDS} rounds in a row (stale at their "
+                            "dispatch step, or failed under failure_strategy='evict'), so sample would "
+                            "never finish; the last ones stay in the buffer. Re-admit at the current step "
+                            "instead."
+                        )
+                else:
+                    readmitted_rounds = 0
             # State changes from here on: the call has gone through, so the clock moves now
             # (a hook that raised above left everything, the clock included, as it was).
             self._advance_clock(part.name, global_steps)
@@ -179,20 +196,24 @@ class Sampling(Admission):
         stale_in_flight: list[int],
         readmitted_from: int,
         evicted_before: frozenset[str],
-    ) -> None:
-        """Refuse a round that would evict exactly what ``on_evict`` re-admitted in the round
-        before (same uids, added since): it would loop forever. They stay in the buffer."""
+    ) -> bool:
+        """Return whether this round would evict only groups ``on_evict`` added in the round
+        before; refuse it if they are exactly what that round evicted (same uids): it would loop
+        forever. They stay in the buffer."""
         buckets, in_flight = part.ready.buckets, part.in_flight.groups
         entries = [(seq, group.uid) for step in stale for seq, group in buckets[step].live_entries()]
         entries += [(group.seq, uid) for step in stale_in_flight for uid, group in in_flight[step].items()]
         entries += [(seq, group.uid) for _, seq, group in part.failed]
-        if all(seq >= readmitted_from and uid in evicted_before for seq, uid in entries):
+        if not all(seq >= readmitted_from for seq, _ in entries):
+            return False
+        if all(uid in evicted_before for _, uid in entries):
             raise StalebufError(
                 f"on_evict re-admitted groups of partition {describe(part.name)} that are evicted again "
                 "at once "
                 "(stale at their dispatch step, or failed under failure_strategy='evict'), so sample "
                 "would never finish; they stay in the buffer. Re-admit at the current step instead."
             )
+        return True
 
     def _evicted(
         self, part: PartitionState, reason: str, groups: list[Group], global_steps: int

@@ -312,12 +312,21 @@ def check_group_payloads(
 
 
 def _materialise(name: str, values: object) -> tuple[Any, ...]:
-    """Copy a collection into a tuple, turning any error of its iteration into a TypeError."""
-    if type(values) is tuple:
-        return values
+    """Copy a collection into a tuple, turning any error of its iteration into a TypeError.
+
+    Raises:
+        TypeError: ``values`` is not a collection, or its iteration or ``len()`` raised.
+        ValueError: its ``len()`` disagrees with what it yields (a collection that lies).
+    """
+    if type(values) is tuple or type(values) is list:
+        return tuple(values)
     if isinstance(values, (str, bytes)) or not hasattr(type(values), "__iter__"):
         raise TypeError(f"{name} must be a collection with one item per trajectory, got {describe(values)}")
     try:
-        return tuple(values)  # type: ignore[arg-type]
+        items: tuple[Any, ...] = tuple(values)  # type: ignore[arg-type]
+        claimed = len(values) if hasattr(type(values), "__len__") else len(items)  # type: ignore[arg-type]
     except Exception as exc:
         raise TypeError(f"{name} could not be iterated: {type(exc).__name__}") from exc
+    if claimed != len(items):
+        raise ValueError(f"{name} says len() is {claimed} but yielded {len(items)} items")
+    return items
