@@ -1130,6 +1130,31 @@ async def test_custom_sampler_errors_surface_as_config_error() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_verl_style_custom_sampler_starts_and_restores_in_the_actor(tmp_path: Any) -> None:
+    """Its constructor takes no ``status_log_interval``: from_config and restore pass one to
+    the actor's buffer only when the caller gave one (issue 10, item 12)."""
+    sampler = f"{os.path.join(os.path.dirname(__file__), 'samplers.py')}:VerlStyle"
+    config = {"custom_sampler": sampler, "sampler_kwargs": {"label": "y"}}
+    buffer = RemoteReplayBuffer.from_config(config)
+    restored: RemoteReplayBuffer | None = None
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.put_group("a", [1], global_steps=0)
+            path = str(tmp_path / "verl.ckpt")
+            await buffer.save(path)
+            restored, reissue = RemoteReplayBuffer.restore(path)
+            assert reissue == ()
+            for remote in (buffer, restored):
+                assert (await remote.info())["config"].custom_sampler == sampler
+                batch, _ = await remote.sample(0, 1)
+                assert batch.uids == ["a"]
+    finally:
+        buffer.kill()
+        if restored is not None:
+            restored.kill()
+
+
+@pytest.mark.asyncio
 async def test_from_config_with_a_mapping_and_async_with() -> None:
     buffer = RemoteReplayBuffer.from_config(
         {"max_off_policy_threshold": 4, "max_off_policy_strategy": "wait"},
@@ -1197,7 +1222,7 @@ def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
     async actors' ``__init__`` that way): buffer calls then hop onto a private loop thread."""
     from stalebuf.ray._actor import BufferHost
 
-    host = BufferHost(None, False, None, 8, False)
+    host = BufferHost(None, False, (None,), 8, False)
     try:
 
         async def main() -> None:

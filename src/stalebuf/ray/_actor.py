@@ -104,7 +104,7 @@ class BufferHost:
         self,
         config: SamplerConfig | Mapping[str, Any] | None,
         use_factory: bool,
-        status_log_interval: float | None,
+        status_log_interval: tuple[float | None, ...],
         eviction_queue_size: int,
         keep_evicted_payloads: bool,
         restore: RestoreRequest | None = None,
@@ -115,21 +115,19 @@ class BufferHost:
         self._ledger = SampleLedger(self._readmit_batch)
         self._admissions = AdmissionLedger()
         self._reissue: tuple[Group, ...] = ()
+        # (interval,) when the client gave one, () to leave the built class's own default.
+        options: dict[str, Any] = (
+            {"status_log_interval": status_log_interval[0]} if status_log_interval else {}
+        )
         try:
             if restore is not None:
-                self._buffer, self._reissue = restore_buffer(
-                    restore, self._record_eviction, status_log_interval
-                )
+                self._buffer, self._reissue = restore_buffer(restore, self._record_eviction, options)
             elif use_factory:
                 assert config is not None
-                self._buffer = ReplayBuffer.from_config(
-                    config, on_evict=self._record_eviction, status_log_interval=status_log_interval
-                )
+                self._buffer = ReplayBuffer.from_config(config, on_evict=self._record_eviction, **options)
             else:
                 assert config is None or isinstance(config, SamplerConfig)
-                self._buffer = ReplayBuffer(
-                    config, on_evict=self._record_eviction, status_log_interval=status_log_interval
-                )
+                self._buffer = ReplayBuffer(config, on_evict=self._record_eviction, **options)
         except Exception as exc:  # reported to every caller instead of killing the actor
             self._init_error = exc
             self._buffer = ReplayBuffer(status_log_interval=None)

@@ -9,7 +9,7 @@ restored group's payloads in the object store again, one object per group, owned
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -93,9 +93,10 @@ async def by_value(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
 def restore_buffer(
     request: RestoreRequest,
     on_evict: Callable[[EvictionEvent], object],
-    status_log_interval: float | None,
+    options: Mapping[str, Any],
 ) -> tuple[ReplayBuffer, tuple[Group, ...]]:
-    """Read the file, store the payloads (unless ``request.store`` is False) and restore.
+    """Read the file, store the payloads (unless ``request.store`` is False) and restore
+    (``options``: ``status_log_interval``, when the client gave one).
 
     Raises:
         What ``ReplayBuffer.restore`` raises (CheckpointError, ConfigError, OSError, ...).
@@ -108,9 +109,7 @@ def restore_buffer(
             for group in checkpoint.groups
         )
         checkpoint = attrs.evolve(checkpoint, groups=groups)
-    result = ReplayBuffer.restore(
-        checkpoint, in_flight=request.in_flight, on_evict=on_evict, status_log_interval=status_log_interval
-    )
+    result = ReplayBuffer.restore(checkpoint, in_flight=request.in_flight, on_evict=on_evict, **options)
     return result.buffer, result.reissue
 
 

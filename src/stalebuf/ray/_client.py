@@ -10,7 +10,7 @@ from typing import Any
 from .._checkpoint_file import PayloadCodec
 from .._validation import check_payload_codec
 from ..buffer import GroupStatus
-from ..checkpoint import InFlightMode, check_in_flight
+from ..checkpoint import NOT_GIVEN, InFlightMode, check_in_flight
 from ..config import SamplerConfig
 from ..errors import ConfigError
 from ..records import Batch
@@ -140,7 +140,7 @@ class RemoteReplayBuffer(ClientBase):
         config: SamplerConfig | Mapping[str, Any],
         *,
         on_evict: None = None,
-        status_log_interval: float | None = 60.0,
+        status_log_interval: float | None = NOT_GIVEN,
         name: str | None = None,
         namespace: str | None = None,
         get_if_exists: bool = False,
@@ -151,7 +151,9 @@ class RemoteReplayBuffer(ClientBase):
         start_timeout: float = 60.0,
     ) -> RemoteReplayBuffer:
         """Start an actor whose buffer is ``ReplayBuffer.from_config(config)`` (honours
-        ``custom_sampler``, loaded in the actor's process); the options are as for the class.
+        ``custom_sampler``, loaded in the actor's process); the options are as for the class,
+        except that ``status_log_interval`` is passed on only when given (a custom sampler's
+        constructor need not take it), as ``ReplayBuffer.from_config`` does.
 
         Raises:
             ConfigError: for an invalid config or option here; a custom sampler the actor
@@ -209,7 +211,7 @@ class RemoteReplayBuffer(ClientBase):
         *,
         in_flight: InFlightMode = "reissue",
         payload_codec: PayloadCodec | None = None,
-        status_log_interval: float | None = 60.0,
+        status_log_interval: float | None = NOT_GIVEN,
         name: str | None = None,
         namespace: str | None = None,
         actor_options: Mapping[str, Any] | None = None,
@@ -225,7 +227,8 @@ class RemoteReplayBuffer(ClientBase):
         restored group's payloads in the object store (one object per group, owned by the
         actor), so sampled batches carry PayloadRefs as usual. Under ``in_flight="evict"`` the
         "restart" evictions are the first events of ``evictions(from_oldest=True)``. The other
-        options are as for the class.
+        options are as for the class (``status_log_interval`` passed on only when given, as for
+        :meth:`from_config`).
 
         Raises:
             CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must

@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from .._validation import check_timeout
+from ..checkpoint import NOT_GIVEN
 from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError
 from ..records import Batch, Group
@@ -250,6 +251,9 @@ def start_actor(
         actor_options=actor_options,
         start_timeout=start_timeout,
     )
+    # Across the process boundary "not given" (the built class's own default, which a custom
+    # sampler's constructor need not take) travels as an empty tuple.
+    interval = () if status_log_interval is NOT_GIVEN else (status_log_interval,)
     options = ray_actor_options(name, namespace, get_if_exists, actor_options)
     groups = (actor_options or {}).get("concurrency_groups") or {}
     if not isinstance(groups, Mapping):
@@ -260,9 +264,7 @@ def start_actor(
         handle = (
             actor_class(groups)
             .options(**options)
-            .remote(
-                config, use_factory, status_log_interval, eviction_queue_size, keep_evicted_payloads, restore
-            )
+            .remote(config, use_factory, interval, eviction_queue_size, keep_evicted_payloads, restore)
         )
     except (TypeError, ValueError) as exc:  # bad options, or the name is taken
         raise ConfigError(f"cannot start the buffer actor: {exc}") from exc

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, cast
 
 from .._validation import check_status_log_interval, describe, finite_in, int_at_least, one_of
+from ..checkpoint import NOT_GIVEN
 from ..errors import ConfigError
 
 __all__ = [
@@ -61,7 +62,8 @@ def check_options(
             "on_evict cannot cross process boundaries; iterate `remote.evictions()` instead "
             "(an async iterator of EvictionEvents)"
         )
-    check_status_log_interval(status_log_interval)
+    if status_log_interval is not NOT_GIVEN:
+        check_status_log_interval(status_log_interval)
     check_payload_mode(payloads)
     _check_queue_size(None, None, eviction_queue_size)
     check_start_timeout(start_timeout)
