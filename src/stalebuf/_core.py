@@ -83,6 +83,13 @@ class BufferCore:
             policy = StalenessPolicy(config)
         elif not isinstance(policy, StalenessPolicy):
             raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
+        elif policy.config != config:
+            # The buffer reads S (metrics, batches, checkpoints) from config and the rules from
+            # the policy: two different configs would silently disagree.
+            raise ConfigError(
+                "policy.config differs from config: build the policy from the same SamplerConfig "
+                "(or pass only the policy)"
+            )
         if on_evict is not None and not callable(on_evict):
             raise ConfigError(f"on_evict must be callable or None, got {describe_typed(on_evict)}")
         if inspect.iscoroutinefunction(on_evict):

@@ -53,9 +53,10 @@ class ReplayBuffer(Producers):
     from that thread: producers on other threads use :meth:`threadsafe`.
 
     Args:
-        config: the sampler config; None means ``SamplerConfig()``.
-        policy: the rule book; None builds ``StalenessPolicy(config)``. Subclasses may instead
-            override ``_is_stale``, ``_must_wait_for`` and ``_select`` (see :mod:`stalebuf.policy`).
+        config: the sampler config; None means the policy's, or ``SamplerConfig()``.
+        policy: the rule book, built from this same config; None builds
+            ``StalenessPolicy(config)``. Subclasses may instead override ``_is_stale``,
+            ``_must_wait_for`` and ``_select`` (see :mod:`stalebuf.policy`).
         on_evict: called synchronously with one :class:`EvictionEvent` per reason per
             eviction round, inside ``sample``, after the buffer state is consistent. It may
             call the ``*_nowait`` producer methods (e.g. to refill prompts).
@@ -64,7 +65,8 @@ class ReplayBuffer(Producers):
 
     Raises:
         ConfigError: ``config`` is not a SamplerConfig or names a ``custom_sampler`` (build
-            that with :meth:`from_config`), ``policy`` is not a StalenessPolicy, ``on_evict``
+            that with :meth:`from_config`), ``policy`` is not a StalenessPolicy or was built
+            from another config, ``on_evict``
             is not a plain callable, or ``status_log_interval`` is not None or a number >= 0.001.
     """
 
