@@ -156,3 +156,10 @@ def test_the_example_answers_a_deeply_nested_body_with_a_value_error() -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(ValueError, match="nested too deeply"):
         example.GroupRequest.parse(deep)
+
+
+def test_a_closed_stdout_is_no_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started with stdout closed (``stalebuf simulate >&-``), Python sets ``sys.stdout`` to
+    None: ``print`` drops the report, but the final flush raised AttributeError with a traceback."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["simulate", *SMALL]) == 0

@@ -237,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         status = _simulate_command(args)
-        sys.stdout.flush()  # here, so that a reader gone early is caught below, not at exit
+        if sys.stdout is not None:  # None when started with stdout closed (`>&-`): print drops it all
+            sys.stdout.flush()  # here, so that a reader gone early is caught below, not at exit
         return status
     except BrokenPipeError:
         # The reader stopped reading (`stalebuf simulate | head -1`): not an error, as for
