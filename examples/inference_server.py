@@ -90,9 +90,13 @@ class GroupRequest:
         """Parse a JSON body; the buffer itself checks the values.
 
         Raises:
-            ValueError: not a JSON object, or ``uid`` or ``payloads`` is missing.
+            ValueError: not JSON (or nested too deeply to parse), not a JSON object, or ``uid``
+                or ``payloads`` is missing.
         """
-        data = json.loads(body)
+        try:
+            data = json.loads(body)
+        except RecursionError:  # "[[[[...": valid JSON too deep for the parser, still a bad body
+            raise ValueError("the body is nested too deeply") from None
         if not isinstance(data, dict) or "uid" not in data or "payloads" not in data:
             raise ValueError('the body must be a JSON object with "uid" and "payloads"')
         return cls(

@@ -24,7 +24,8 @@ class Batch:
         partition: the partition sampled.
         global_steps: the trainer step passed to ``sample``.
         groups: the selected groups, in selection order.
-        parameter_sync_step: the config's sync step, used by :attr:`staleness`.
+        parameter_sync_step: the sync step S of the buffer's policy (its config's), used by
+            :attr:`staleness`.
     """
 
     partition: str

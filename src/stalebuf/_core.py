@@ -100,7 +100,9 @@ class BufferCore:
         self._plain_admission = rules_of.asks_defaults(self._rules, ("admits", "is_stale"))
         # The default is_stale as one comparison: p < g + 1 - span (see staleness.drop_span).
         self._stale_span = drop_span(policy.threshold, policy.sync_step)
-        self._sync_step = config.parameter_sync_step
+        # S as the policy has it: the rules and the staleness a batch reports must agree, even
+        # for a policy built from another config than ``config``.
+        self._sync_step = policy.sync_step
         self._on_evict = on_evict
         self._groups: dict[str, OpenGroup | Group] = {}
         self._partitions: dict[str, PartitionState] = {}

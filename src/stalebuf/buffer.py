@@ -54,8 +54,10 @@ class ReplayBuffer(Producers):
     from that thread: producers on other threads use :meth:`threadsafe`.
 
     Args:
-        config: the sampler config; None means ``SamplerConfig()``.
-        policy: the rule book; None builds ``StalenessPolicy(config)``. Subclasses may instead
+        config: the sampler config; None means the policy's, or ``SamplerConfig()``.
+        policy: the rule book; None builds ``StalenessPolicy(config)``. It answers every rule
+            question, and its ``sync_step`` is the S of every staleness the buffer reports; build
+            it from the same config (a checkpoint keeps only ``config``). Subclasses may instead
             override ``_is_stale``, ``_must_wait_for`` and ``_select`` (see :mod:`stalebuf.policy`).
         on_evict: called synchronously with one :class:`EvictionEvent` per reason per
             eviction round, inside ``sample``, after the buffer state is consistent. It may

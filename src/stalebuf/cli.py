@@ -133,8 +133,8 @@ empirical latencies:
   --latency empirical:PATH#COLUMN reads that column of a CSV file with a
   header row, or that field of a .json file (an array of objects or an object
   of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
-  must be a number > 0. Each prompt's time is drawn from them uniformly, with
-  --seed. A file that cannot be read is one error line and exit status 2.
+  must be a number > 0 and at most 1e12. Each prompt's time is drawn from
+  them uniformly, with --seed. A file that cannot be read is one error line and exit status 2.
 
 reading the report:
   "long prompts" are the slowest quarter of the first steps * batch-size
@@ -237,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         status = _simulate_command(args)
-        sys.stdout.flush()  # here, so that a reader gone early is caught below, not at exit
+        if sys.stdout is not None:  # None when started with stdout closed (`>&-`): print drops it all
+            sys.stdout.flush()  # here, so that a reader gone early is caught below, not at exit
         return status
     except BrokenPipeError:
         # The reader stopped reading (`stalebuf simulate | head -1`): not an error, as for

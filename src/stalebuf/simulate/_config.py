@@ -15,7 +15,7 @@ import attrs
 from .._validation import a_bool, describe, finite_in, int_at_least, is_finite_number, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ._latency import LATENCY_KINDS, Latency, LatencyKind
+from ._latency import LATENCY_KINDS, MAX_SECONDS, Latency, LatencyKind
 
 __all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
 
@@ -51,7 +51,8 @@ class SimulationConfig:
             in batches, in ``[0, 1000]``: the trainer keeps ``round(batch_size * (1 +
             dispatch_ahead))`` prompts dispatched.
         latency: the distribution of a group's generation time (its "length").
-        train_step_seconds: the time one trainer step takes once it has its batch (> 0).
+        train_step_seconds: the time one trainer step takes once it has its batch (> 0, at most
+            ``MAX_SECONDS``, 1e12).
         failure_rate: the probability that a group's generation fails, in [0, 1).
         seed: the seed of the run's ``random.Random`` (int >= 0).
 
@@ -75,7 +76,9 @@ class SimulationConfig:
     )
     latency: Latency = attrs.field(factory=lambda: Latency("lognormal", (3.4, 1.0)))
     train_step_seconds: float = attrs.field(
-        default=30.0, converter=_as_float, validator=finite_in("train_step_seconds", 0.0, open_low=True)
+        default=30.0,
+        converter=_as_float,
+        validator=finite_in("train_step_seconds", 0.0, MAX_SECONDS, open_low=True),
     )
     failure_rate: float = attrs.field(
         default=0.01, converter=_as_float, validator=finite_in("failure_rate", 0.0, 1.0, open_high=True)

@@ -32,7 +32,7 @@ import numpy as np
 from .._validation import describe, finite_in, is_finite_number, one_of
 from ..errors import ConfigError
 
-__all__ = ["LATENCY_KINDS", "Latency", "LatencyKind"]
+__all__ = ["LATENCY_KINDS", "MAX_SECONDS", "Latency", "LatencyKind"]
 
 LatencyKind = Literal["lognormal", "exponential", "fixed", "empirical"]
 
@@ -43,6 +43,11 @@ _FORMS = (
     "lognormal:MU,SIGMA, lognormal-fit:MEDIAN,P95, exponential:MEAN, fixed:SECONDS, "
     "empirical:PATH or empirical:PATH#COLUMN"
 )
+
+#: The longest time, in seconds, a fixed or exponential latency, an empirical value or a train step
+#: may be (about 31,700 years). The virtual clock is a float: much larger times lose the train
+#: step to rounding (the run never ends) or overflow to infinity (it fails).
+MAX_SECONDS = 1e12
 
 # Each parametric kind's parameters, by the names its spec uses, and their checks in the same order.
 _PARAM_NAMES: dict[str, tuple[str, ...]] = {
@@ -55,8 +60,8 @@ _PARAM_CHECKS: dict[str, tuple[Any, ...]] = {
         finite_in("lognormal latency MU (log of seconds)", -30.0, 30.0),
         finite_in("lognormal latency SIGMA", 0.0, 5.0),
     ),
-    "exponential": (finite_in("exponential latency MEAN (seconds)", 0.0, open_low=True),),
-    "fixed": (finite_in("fixed latency SECONDS", 0.0, open_low=True),),
+    "exponential": (finite_in("exponential latency MEAN (seconds)", 0.0, MAX_SECONDS, open_low=True),),
+    "fixed": (finite_in("fixed latency SECONDS", 0.0, MAX_SECONDS, open_low=True),),
 }
 # The standard normal's 95th percentile: a lognormal's p95 is exp(MU + _Z95 * SIGMA).
 _Z95 = NormalDist().inv_cdf(0.95)
@@ -109,9 +114,11 @@ class Latency:
         if self.kind == "empirical":
             if not self.params:
                 raise ConfigError("empirical latency needs at least one generation time")
-            if min(self.params) <= 0.0:
+            if min(self.params) <= 0.0 or max(self.params) > MAX_SECONDS:
+                bad = min(self.params) if min(self.params) <= 0.0 else max(self.params)
                 raise ConfigError(
-                    f"empirical latency: generation times must be > 0 seconds, got {min(self.params)!r}"
+                    f"empirical latency: generation times must be > 0 and <= {MAX_SECONDS:g} seconds, "
+                    f"got {bad!r}"
                 )
             return
         names = _PARAM_NAMES[self.kind]
@@ -250,7 +257,8 @@ def _read_times(path: str, column: str | None) -> tuple[float, ...]:
     elif column is not None:
         cells = _csv_cells(path, text, column)
     elif suffix == ".csv":
-        raise ConfigError(f"empirical latency: {path!r} is a CSV file: {_choose(path, _csv_header(text))}")
+        header = _csv_header(path, text)
+        raise ConfigError(f"empirical latency: {path!r} is a CSV file: {_choose(path, header)}")
     else:
         cells = ((f"line {n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip())
     # Text cells are parsed; JSON ones must already be numbers.
@@ -279,24 +287,46 @@ def _seconds(path: str, where: str, cell: object, from_text: bool) -> float:
         raise ConfigError(
             f"empirical latency: {path!r} {where}: expected a number of seconds > 0, got {describe(cell)}"
         )
+    if number > MAX_SECONDS:
+        raise ConfigError(
+            f"empirical latency: {path!r} {where}: expected at most {MAX_SECONDS:g} seconds, "
+            f"got {describe(cell)}"
+        )
     return number
 
 
-def _csv_header(text: str) -> list[str]:
-    return next(csv.reader(io.StringIO(text)), [])
+def _csv_rows(text: str) -> Any:
+    # newline="": a lone "\r" ends a row too (old spreadsheet exports), and quoted newlines stay.
+    return csv.reader(io.StringIO(text, newline=""))
+
+
+def _csv_error(path: str, line: int, exc: csv.Error) -> ConfigError:
+    return ConfigError(f"empirical latency: {path!r} line {max(line, 1)} is not valid CSV: {exc}")
+
+
+def _csv_header(path: str, text: str) -> list[str]:
+    reader = _csv_rows(text)
+    try:
+        return next(reader, [])
+    except csv.Error as exc:
+        raise _csv_error(path, reader.line_num, exc) from None
 
 
 def _csv_cells(path: str, text: str, column: str) -> Iterator[tuple[str, object]]:
-    reader = csv.reader(io.StringIO(text))
-    header = next(reader, [])
-    if column not in header:
-        raise ConfigError(f"empirical latency: {path!r} has no column {column!r}; {_choose(path, header)}")
-    index = header.index(column)
-    for row in reader:
-        if not any(cell.strip() for cell in row):
-            continue  # a blank line
-        where = f"line {reader.line_num}, column {column!r}"
-        yield where, row[index] if index < len(row) else ""
+    reader = _csv_rows(text)
+    try:
+        header: list[str] = next(reader, [])
+        if column not in header:
+            choose = _choose(path, header)
+            raise ConfigError(f"empirical latency: {path!r} has no column {column!r}; {choose}")
+        index = header.index(column)
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue  # a blank line
+            where = f"line {reader.line_num}, column {column!r}"
+            yield where, row[index] if index < len(row) else ""
+    except csv.Error as exc:  # a field over csv's size limit, a NUL byte (before Python 3.11)
+        raise _csv_error(path, reader.line_num, exc) from None
 
 
 def _json_cells(path: str, text: str, column: str | None) -> list[tuple[str, object]]:

@@ -141,8 +141,15 @@ def _verdict(results: Sequence[SimulationResult]) -> list[str]:
                 f"{r.config.label} idles the trainer {_percent(r.trainer_idle_fraction)} of the time and "
                 f"trains groups up to staleness {r.staleness.max:g}"
             )
+    if f"{ratio:.2f}" == "1.00":  # a tie: "drop trains 1.00x as many ... as drop" says nothing
+        low, high = f"{slow.trained_groups_per_hour:.0f}", f"{fast.trained_groups_per_hour:.0f}"
+        span = low if low == high else f"{low} to {high}"
+        throughput = f"every run trains about as many groups per hour as the others ({span})."
+    else:
+        fast_label, slow_label = fast.config.label, slow.config.label
+        throughput = f"{fast_label} trains {ratio:.2f}x as many groups per hour as {slow_label}."
     return [
-        f"{fast.config.label} trains {ratio:.2f}x as many groups per hour as {slow.config.label}.",
+        throughput,
         *(f"{cost};" for cost in costs[:-1]),
         f"{costs[-1]}.",
     ]
