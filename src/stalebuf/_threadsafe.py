@@ -51,7 +51,7 @@ class ThreadsafeProducer:
         self,
         uid: str,
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
     ) -> None:
@@ -90,7 +90,7 @@ class ThreadsafeProducer:
         uid: str,
         payloads: Collection[Any],
         *,
-        global_steps: int,
+        global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
         trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
