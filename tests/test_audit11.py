@@ -11,9 +11,16 @@ from typing import Any
 import anyio
 import pytest
 
-from _helpers import LIMIT, assert_conserved, make, settle, start_call
+from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, assert_conserved, make, settle, start_call
 from _helpers import train_stats as train
-from stalebuf import BatchNotReadyError, ReplayBuffer, SamplerConfig, StalenessPolicy
+from stalebuf import (
+    BatchNotReadyError,
+    GroupEvictedError,
+    ReplayBuffer,
+    SamplerConfig,
+    StalenessPolicy,
+    UnknownGroupError,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -146,3 +153,19 @@ async def test_a_producer_at_a_tag_closed_for_good_does_not_block_the_partition_
             tg.cancel_scope.cancel()
     # Either the closed tag is refused at once, or at least it does not hold up the clock's tag.
     assert done[0] or done[1]
+
+
+def test_a_restore_that_evicts_in_flight_groups_keeps_the_remembered_uids_bounded() -> None:
+    # "The buffer remembers these uids in bounded memory (document the bound, e.g. the most recent
+    # 65,536)": a restore with in_flight="evict" adds its evicted uids to the same memory.
+    buf = make()
+    for i in range(EVICTED_UIDS_REMEMBERED + 3):
+        buf.add_prompt_nowait(f"g{i}", global_steps=0)
+    restored = ReplayBuffer.restore(buf.checkpoint(), in_flight="evict").buffer
+    with pytest.raises(UnknownGroupError) as oldest:
+        restored.put_nowait("g0", 1)
+    assert type(oldest.value) is UnknownGroupError  # forgotten: the oldest three are past the bound
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait(f"g{EVICTED_UIDS_REMEMBERED + 2}", 1)
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait("g3", 1)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from ._partition import OpenGroup, PartitionState
+from ._sampling import EVICTED_UIDS_REMEMBERED
 from ._stored import count_trajectories
 from ._validation import check_payload_codec, describe, describe_error
 from .config import SamplerConfig
@@ -268,6 +269,9 @@ def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) ->
         events.append(EvictionEvent(name, "restart", tuple(groups), buffer._clocks.get(name, 0)))
         for group in groups:  # a producer that survived the restart learns why on its next write
             buffer._evicted_in_flight[group.uid] = None
+    remembered = buffer._evicted_in_flight
+    while len(remembered) > EVICTED_UIDS_REMEMBERED:  # the documented bound holds after a restore too
+        remembered.popitem(last=False)
     if events:
         buffer._emit(events)
 
