@@ -683,11 +683,12 @@ class BufferMachine(RuleBasedStateMachine):
         check_error(jumped, BufferFullError, "add_prompt_nowait while a producer waits")
         assert error is None, f"the waiting producer raised {error!r}"
         m.waiting = 1
+        m.waited.add(name)  # the producer was blocked when the sample ran: that sample reports it
         try:
             made = self.check_sample(name, g, batch_size, result, exc, before.total.sampled_groups, False)
         finally:
             m.waiting = 0
-        m.waited.add(name)
+        m.waited.add(name)  # and the rest of its wait, after the sample, the next one
         tag = m.tag(name, step)  # the clock after the sample, if it asked for none
         expected = m.admits(name, tag, head=True)
         assert admitted == expected, f"waiting producer admitted={admitted}, model says {expected} at {tag}"

@@ -109,6 +109,8 @@ class Admission(BufferCore):
         backend = binding.bind()
         started = backend.current_time()
         waiter = binding.new_waiter(-1 if requested is None else requested, 0)
+        # Where its wait not yet reported starts: a sample reporting it moves this forward.
+        waiter.started = started
 
         def attempt() -> _Admitted[_T] | None:
             self._check_open()
@@ -124,9 +126,25 @@ class Admission(BufferCore):
         try:
             admitted = await park(waiter, attempt)
         finally:
-            part.producer_wait_seconds += backend.current_time() - started
+            part.producer_wait_seconds += backend.current_time() - waiter.started
             self._leave_producers(part, waiter)
         return admitted.value
+
+    @staticmethod
+    def _take_producer_wait(part: PartitionState) -> float:
+        """Return the seconds producers spent blocked on ``part`` since the last call, counting
+        those still blocked up to now, and start the next period."""
+        seconds, part.producer_wait_seconds = part.producer_wait_seconds, 0.0
+        for waiter in part.producers:
+            if waiter.abandoned():
+                continue
+            try:
+                now = waiter.now()
+            except RuntimeError:  # trio's clock, read outside the run it waits in: it never runs
+                continue
+            seconds += now - waiter.started
+            waiter.started = now
+        return seconds
 
     def _leave_producers(self, part: PartitionState, waiter: Waiter) -> None:
         """Take ``waiter`` out of the producer queue; if it was the head, pass the turn on."""

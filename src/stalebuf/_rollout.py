@@ -101,17 +101,34 @@ async def rollout(
         state.watchers.append(evicted)
         try:
             yield group
-        except (GroupEvictedError, BufferClosedError):
+        except BaseException as exc:
             if not group.evicted:
                 _end(buffer, uid, finished=False)
                 raise
-            # It wrote after the eviction, before its cancellation arrived: the same outcome.
-        except BaseException:
-            if not group.evicted:
-                _end(buffer, uid, finished=False)
-            raise
+            # It wrote after the eviction, before its cancellation arrived (perhaps from tasks
+            # of its own, whose task group wraps the refusals): the same outcome as cancelled.
+            rest = _without_refusals(exc)
+            if rest is exc:
+                raise
+            if rest is not None:
+                raise rest from None  # what is left (cancellations, other errors) goes on
         if not group.evicted:
             _end(buffer, uid, finished=True)
+
+
+_REFUSALS = (GroupEvictedError, BufferClosedError)
+
+
+def _without_refusals(exc: BaseException) -> BaseException | None:
+    """Return ``exc`` without the refused writes in it: None if it is one, or an exception
+    group of nothing else; the rest of a group that holds some; else ``exc`` itself."""
+    if isinstance(exc, _REFUSALS):
+        return None
+    split = getattr(exc, "split", None) if hasattr(exc, "exceptions") else None
+    if split is None:  # not an exception group (a builtin from 3.11, anyio's backport before)
+        return exc
+    refused, rest = split(_REFUSALS)
+    return exc if refused is None else rest
 
 
 def _end(buffer: Producers, uid: str, *, finished: bool) -> None:

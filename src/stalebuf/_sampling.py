@@ -261,8 +261,7 @@ class Sampling(Admission):
             except Exception:
                 logger.exception("a staleness policy hook raised while counting free admission slots")
                 free = math.nan
-            admission = (free, part.producer_wait_seconds)
-            part.producer_wait_seconds = 0.0
+            admission = (free, self._take_producer_wait(part))
         return batch, metrics.render(
             part.name, groups, global_steps, self._sync_step, wait_seconds, admission
         )

@@ -40,7 +40,8 @@ class Waiter:
         self.global_steps = global_steps
         self.batch_size = batch_size
         # Set when the status reporter logs for this waiter: when it started waiting and when
-        # its next status line is due, in loop time.
+        # its next status line is due, in loop time. A waiting producer keeps in ``started``
+        # where its wait not yet reported in producer_wait_seconds begins.
         self.started = self.log_due = math.inf
 
     def arm(self) -> None:

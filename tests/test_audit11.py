@@ -1,0 +1,215 @@
+"""Audit of issue 11 (flow control) against its text: the defects an independent tester found.
+
+Each test quotes the sentence of the issue it checks. Async tests run on asyncio and trio,
+every wait bounded by ``anyio.fail_after``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, assert_conserved, make, settle, start_call
+from _helpers import train_stats as train
+from stalebuf import (
+    BatchNotReadyError,
+    GroupEvictedError,
+    ReplayBuffer,
+    SamplerConfig,
+    StalenessPolicy,
+    UnknownGroupError,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+class _RaisingAdmits(StalenessPolicy):
+    """A policy whose ``admits`` raises once armed."""
+
+    armed = False
+
+    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
+        if self.armed:
+            raise RuntimeError("admits raised")
+        return super().admits(tag, resident_at_tag, last_sampled, cap, partition)
+
+
+@pytest.mark.parametrize("nowait", [False, True])
+async def test_a_raising_admits_hook_never_loses_a_sampled_batch(nowait: bool) -> None:
+    # "sample metrics, always present on partitions with admission: {prefix}/admission/free_slots
+    # (free_slots() after the batch is taken)": computing it asks the policy's admits; if that
+    # raises after the batch was removed, the batch must not vanish with the error.
+    config = SamplerConfig(admission_batch_size=2, max_off_policy_threshold=2)
+    policy = _RaisingAdmits(config)
+    buf = ReplayBuffer(config, policy=policy, status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    buf.put_group_nowait("b", [1], global_steps=0)
+    policy.armed = True
+    with anyio.fail_after(LIMIT):
+        try:
+            if nowait:
+                batch, _ = buf.sample_nowait(0, 1)
+            else:
+                batch, _ = await buf.sample(0, 1)
+        except RuntimeError:
+            # Raising is acceptable only if nothing was taken.
+            assert "a" in buf
+            assert train(buf).sampled_groups == 0
+        else:
+            assert [group.uid for group in batch.groups] == ["a"]
+    assert_conserved(buf)
+
+
+async def test_producer_wait_seconds_counts_producers_still_blocked_at_the_sample() -> None:
+    # "{prefix}/admission/producer_wait_seconds (total time producers spent blocked on admission
+    # since the previous sample on the partition)": a producer blocked since before this sample
+    # spent that time blocked, whether or not its wait has ended yet.
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2)
+    buf.put_group_nowait("a", [1])
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.add_prompt("b"))
+            await anyio.sleep(0.05)
+            assert not waiting.done
+            _, metrics = buf.sample_nowait(0, 1)  # frees the slot b waited for
+            await settle()
+            assert waiting.returned
+    assert metrics["training/admission/producer_wait_seconds"] > 0
+
+
+async def test_producer_wait_seconds_of_a_producer_waiting_across_samples_is_split_between_them() -> None:
+    # Same sentence: the part of a long wait before a sample belongs to that sample, the rest to
+    # the samples after it.
+    buf = make(admission_batch_size=1, max_off_policy_threshold=3)
+    buf.put_group_nowait("a0", [1], global_steps=0)
+    buf.put_group_nowait("a1", [1], global_steps=1)
+    buf.add_prompt_nowait("f", global_steps=5)  # holds tag 5's only slot
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.add_prompt("b", global_steps=5))
+            await anyio.sleep(0.05)
+            _, metrics0 = buf.sample_nowait(0, 1)
+            await anyio.sleep(0.05)
+            _, metrics1 = buf.sample_nowait(1, 1)
+            assert not waiting.done
+            tg.cancel_scope.cancel()
+    assert metrics0["training/admission/producer_wait_seconds"] > 0
+    assert metrics1["training/admission/producer_wait_seconds"] > 0
+    assert train(buf).waiting_producers == 0
+    assert "b" not in buf
+
+
+async def test_the_threadsafe_handle_tags_by_the_dispatch_clock_by_default() -> None:
+    # "add_prompt, add_prompt_nowait, put_group, put_group_nowait (and rollout()) take
+    # global_steps=None by default, meaning use dispatch_step(partition)": the producer handle
+    # for other threads (same methods, same names) keeps that default.
+    buf = make(admission_batch_size=2, max_off_policy_threshold=3)
+    with pytest.raises(BatchNotReadyError):
+        buf.sample_nowait(4, 1)  # moves the clock to 4
+    handle = buf.threadsafe()
+    result: dict[str, Any] = {}
+
+    def produce() -> None:
+        try:
+            handle.add_prompt("b")
+            handle.put_group("c", [1])
+        except BaseException as exc:
+            result["error"] = exc
+
+    with anyio.fail_after(LIMIT):
+        await anyio.to_thread.run_sync(produce)
+    assert "error" not in result, result.get("error")
+    assert "b" in buf
+    assert "c" in buf
+    batch, _ = buf.sample_nowait(4, 1)
+    assert batch.groups[0].uid == "c"
+    assert batch.groups[0].dispatch_step == 4
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a producer at an explicit tag that admission closed for good (is_stale(last_sampled + 1, "
+    "tag)) waits forever at the head of the FIFO queue and blocks every clock-tagged producer "
+    "behind it, though their tag has free slots",
+)
+async def test_a_producer_at_a_tag_closed_for_good_does_not_block_the_partition_forever() -> None:
+    # "A producer that passes an explicit global_steps waits for a slot at that tag" and
+    # property 2, "no deadlock": a tag older than last_sampled + 1 - T*S can never open again
+    # (sample steps only grow), so waiting there is waiting forever.
+    buf = make(admission_batch_size=2, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    for g in range(3):
+        buf.put_group_nowait(f"x{g}", [1])
+        buf.sample_nowait(g, 1)
+    assert buf.dispatch_step() == 2
+    assert buf.free_slots() == 2
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            old = await start_call(tg, lambda: buf.add_prompt("old", global_steps=0))
+            new = await start_call(tg, lambda: buf.add_prompt("new"))
+            await settle()
+            done = old.done, new.returned
+            tg.cancel_scope.cancel()
+    # Either the closed tag is refused at once, or at least it does not hold up the clock's tag.
+    assert done[0] or done[1]
+
+
+def test_a_restore_that_evicts_in_flight_groups_keeps_the_remembered_uids_bounded() -> None:
+    # "The buffer remembers these uids in bounded memory (document the bound, e.g. the most recent
+    # 65,536)": a restore with in_flight="evict" adds its evicted uids to the same memory.
+    buf = make()
+    for i in range(EVICTED_UIDS_REMEMBERED + 3):
+        buf.add_prompt_nowait(f"g{i}", global_steps=0)
+    restored = ReplayBuffer.restore(buf.checkpoint(), in_flight="evict").buffer
+    with pytest.raises(UnknownGroupError) as oldest:
+        restored.put_nowait("g0", 1)
+    assert type(oldest.value) is UnknownGroupError  # forgotten: the oldest three are past the bound
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait(f"g{EVICTED_UIDS_REMEMBERED + 2}", 1)
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait("g3", 1)
+
+
+@pytest.mark.parametrize("writers", [2, 1])  # 1: the other session is still generating, and is cancelled
+@pytest.mark.parametrize("how", ["in-flight eviction", "close"])
+async def test_a_body_whose_child_task_writes_before_the_cancellation_reaches_it_still_exits_quietly(
+    how: str, writers: int
+) -> None:
+    # "group evicted while the body runs (in-flight eviction, close) -> the body is cancelled
+    # (anyio cancel scope); the block exits without raising; group.evicted is True": the usual
+    # body generates its sessions in a task group; a session whose generation completed just
+    # before the eviction writes, is refused, and its task group wraps that refusal in an
+    # ExceptionGroup. The block must still exit quietly.
+    buf = make(admission_batch_size=1, max_off_policy_threshold=1, evict_stale_in_flight=True)
+    generated = anyio.Event()
+    outcome: list[object] = []
+
+    async def session(group: Any, index: int) -> None:
+        if index >= writers:
+            await anyio.sleep_forever()
+        await generated.wait()
+        await group.put("result", session_id=index)  # no checkpoint before this write
+
+    async def produce() -> None:
+        try:
+            async with buf.rollout("a") as group:
+                async with anyio.create_task_group() as sessions:
+                    for index in range(2):
+                        sessions.start_soon(session, group, index)
+                outcome.append("wrote")
+            outcome.append(group.evicted)
+        except BaseException as exc:  # an ExceptionGroup is what must not escape
+            outcome.append(exc)
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            await settle()
+            generated.set()  # the sessions may resume...
+            if how == "close":  # ...but first, in the same step of the loop:
+                buf.close()
+            else:
+                with pytest.raises(BatchNotReadyError):
+                    buf.sample_nowait(2, 1)
+    assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
