@@ -213,3 +213,57 @@ async def test_a_body_whose_child_task_writes_before_the_cancellation_reaches_it
                 with pytest.raises(BatchNotReadyError):
                     buf.sample_nowait(2, 1)
     assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
+
+
+# -- producer_wait_seconds in O(1): the ledger behind it --------------------------------------
+
+
+def test_producer_waits_report_ended_and_ongoing_waits_once() -> None:
+    from stalebuf._waiting import ProducerWaits, Waiter
+
+    waits = ProducerWaits()
+    a, b = Waiter(0, 0), Waiter(0, 0)
+    waits.park(a, 10.0)
+    waits.park(b, 12.0)
+    assert waits.report(15.0) == (15 - 10) + (15 - 12)  # both still parked, counted up to now
+    waits.leave(a, 16.0)  # 1 s more since the report
+    assert waits.report(20.0) == 1.0 + (20 - 15)
+    waits.leave(b, 21.0)
+    assert waits.report(30.0) == 1.0
+    assert waits.report(40.0) == 0.0  # nobody waits: nothing more, and nothing counted twice
+    waits.park(a, 50.0)
+    waits.leave(a, None)  # its loop is gone: nothing of it is counted
+    assert waits.report(60.0) == 0.0
+    assert (waits.parked, waits.starts) == (0, 0.0)
+
+
+def test_producer_waits_never_report_a_negative_wait() -> None:
+    # Successive trio runs have clocks with different offsets: a wait measured across them is
+    # not a wait, and must not subtract from the others.
+    from stalebuf._waiting import ProducerWaits, Waiter
+
+    waits = ProducerWaits()
+    a = Waiter(0, 0)
+    waits.park(a, 1_000.0)
+    assert waits.report(5.0) == 0.0
+    waits.leave(a, 3.0)
+    assert waits.report(10.0) == 0.0
+
+
+def test_a_producer_parked_on_a_closed_loop_is_dropped_from_the_wait_count() -> None:
+    import asyncio
+
+    buf = make(max_off_policy_threshold=1, admission_batch_size=1)
+    buf.put_group_nowait("r", [1])  # the slot at step 0 is taken
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(buf.add_prompt("parked"))
+    loop.run_until_complete(asyncio.sleep(0.01))  # it parks on the full partition
+    assert buf.stats().total.waiting_producers == 1
+    loop.close()  # closed under it: the waiter is abandoned
+    del task
+    part = buf._partitions["train"]
+    assert buf.stats().total.waiting_producers == 0  # dropped as abandoned
+    assert part.producer_waits.parked == 0
+    batch, metrics = buf.sample_nowait(0, 1)
+    assert batch.uids == ["r"]
+    assert metrics["training/admission/producer_wait_seconds"] >= 0.0

@@ -8,6 +8,7 @@ moment its group leaves the buffer (see ``PartitionState._release``), so nothing
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -106,11 +107,8 @@ class Admission(BufferCore):
         """
         binding = self._binding
         binding.check_backend()
-        backend = binding.bind()
-        started = backend.current_time()
+        binding.bind()
         waiter = binding.new_waiter(-1 if requested is None else requested, 0)
-        # Where its wait not yet reported starts: a sample reporting it moves this forward.
-        waiter.started = started
 
         def attempt() -> _Admitted[_T] | None:
             self._check_open()
@@ -123,37 +121,41 @@ class Admission(BufferCore):
             return _Admitted(admit(tag))
 
         part.producers.append(waiter)  # from here on, the finally below must remove it
+        part.producer_waits.park(waiter, waiter.now())
         try:
             admitted = await park(waiter, attempt)
         finally:
-            part.producer_wait_seconds += backend.current_time() - waiter.started
             self._leave_producers(part, waiter)
         return admitted.value
 
     @staticmethod
     def _take_producer_wait(part: PartitionState) -> float:
         """Return the seconds producers spent blocked on ``part`` since the last call, counting
-        those still blocked up to now, and start the next period."""
-        seconds, part.producer_wait_seconds = part.producer_wait_seconds, 0.0
-        for waiter in part.producers:
-            if waiter.abandoned():
-                continue
-            try:
-                now = waiter.now()
-            except RuntimeError:  # trio's clock, read outside the run it waits in: it never runs
-                continue
-            seconds += now - waiter.started
-            waiter.started = now
-        return seconds
+        those still blocked up to now, and start the next period (O(1))."""
+        now: float | None = None
+        if part.producers:
+            with contextlib.suppress(RuntimeError):  # trio's clock, read outside its run: later
+                now = part.producers[0].now()
+        return part.producer_waits.report(now)
 
     def _leave_producers(self, part: PartitionState, waiter: Waiter) -> None:
-        """Take ``waiter`` out of the producer queue; if it was the head, pass the turn on."""
+        """Take ``waiter`` out of the producer queue and count its wait; if it was the head,
+        pass the turn on."""
         producers = part.producers
-        if producers and producers[0] is waiter:
+        head = bool(producers) and producers[0] is waiter
+        if head:
             producers.popleft()
-            self._wake_producer(part)
-        elif waiter in producers:  # not there if dropped as abandoned
+        elif waiter in producers:
             producers.remove(waiter)
+        else:  # dropped as abandoned: its wait was counted then
+            return
+        try:
+            now: float | None = waiter.now()
+        except RuntimeError:  # trio's clock, once its run is over
+            now = None
+        part.producer_waits.leave(waiter, now)
+        if head:
+            self._wake_producer(part)
 
     def _wake_producer(self, part: PartitionState) -> None:
         """Wake the head waiting producer if a slot is open for it.

@@ -9,15 +9,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._index import InFlightIndex, ReadyIndex
 from ._stored import count_trajectories, stored_trajectories
+from ._waiting import ProducerWaits, Waiter
 from .records import Group, Status, Trajectory
 from .stats import PartitionStats
-
-if TYPE_CHECKING:
-    from ._waiting import Waiter
 
 __all__ = ["OpenGroup", "PartitionState"]
 
@@ -99,7 +97,7 @@ class PartitionState:
         "last_sampled",
         "name",
         "pending",
-        "producer_wait_seconds",
+        "producer_waits",
         "producers",
         "ready",
         "reissued_groups",
@@ -135,7 +133,7 @@ class PartitionState:
         # leaves through _forget, which decrements it: the count cannot drift from the truth.
         self.resident_at: dict[int, int] | None = None if self.cap is None else {}
         self.last_sampled = -1  # the largest step a sample returned a batch at
-        self.producer_wait_seconds = 0.0  # since the last sample, by producers that waited
+        self.producer_waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
         self.pending = self.running = self.finished = self.failure = 0
         self.trajectories = 0
         self.admitted_groups = self.admitted_trajectories = 0
@@ -286,15 +284,22 @@ class PartitionState:
         at the head), so this is O(1) on the hot paths; ``everywhere`` checks every waiter
         (``stats()`` and ``close()`` do: they count or wake them all).
         """
+        # A dropped producer's wait ends with its loop: nothing more of it is counted.
         for queue in (self.waiters, self.producers):
             if everywhere:
                 if any(waiter.abandoned() for waiter in queue):
                     live = [waiter for waiter in queue if not waiter.abandoned()]
+                    if queue is self.producers:
+                        for waiter in queue:
+                            if waiter.abandoned():
+                                self.producer_waits.leave(waiter, None)
                     queue.clear()
                     queue.extend(live)
             else:
                 while queue and queue[0].abandoned():
-                    queue.popleft()
+                    waiter = queue.popleft()
+                    if queue is self.producers:
+                        self.producer_waits.leave(waiter, None)
 
     def has_live_waiter(self) -> bool:
         """Whether a ``sample`` that can still run waits on this partition."""

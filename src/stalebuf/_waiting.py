@@ -20,7 +20,7 @@ from anyio.abc import AsyncBackend
 
 from .errors import BackendMismatchError, WrongThreadError
 
-__all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "Waiter", "park"]
+__all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "ProducerWaits", "Waiter", "park"]
 
 _T = TypeVar("_T")
 
@@ -39,9 +39,8 @@ class Waiter:
     def __init__(self, global_steps: int, batch_size: int) -> None:
         self.global_steps = global_steps
         self.batch_size = batch_size
-        # Set when the status reporter logs for this waiter: when it started waiting and when
-        # its next status line is due, in loop time. A waiting producer keeps in ``started``
-        # where its wait not yet reported in producer_wait_seconds begins.
+        # When it started waiting, in loop time (set when the status reporter logs for a
+        # sample, or when a producer parks), and when its next status line is due.
         self.started = self.log_due = math.inf
 
     def arm(self) -> None:
@@ -117,6 +116,50 @@ class FutureWaiter(Waiter):
 
     def abandoned(self) -> bool:
         return self.loop.is_closed()
+
+
+class ProducerWaits:
+    """How long a partition's producers were blocked on admission, reported per ``sample``.
+
+    A report counts the waits that ended since the one before and, up to now, the waits still
+    going on: in O(1), whatever the number of parked producers, from their count and the sum
+    of their starts (each the later of its park and the last report).
+    """
+
+    __slots__ = ("ended", "parked", "reported_at", "starts")
+
+    def __init__(self) -> None:
+        self.ended = 0.0  # seconds of waits that ended since the last report
+        self.parked = 0  # producers counted below: those in the partition's queue
+        self.starts = 0.0  # the sum of their starts not yet reported
+        self.reported_at = -math.inf  # loop time of the last report that counted a parked one
+
+    def park(self, waiter: Waiter, now: float) -> None:
+        """Count ``waiter``, which joins the queue at ``now`` (loop time)."""
+        waiter.started = now
+        self.parked += 1
+        self.starts += now
+
+    def leave(self, waiter: Waiter, now: float | None) -> None:
+        """Stop counting ``waiter``, which left the queue at ``now`` (None: its loop is gone)."""
+        start = max(waiter.started, self.reported_at)
+        if now is not None:
+            self.ended += max(0.0, now - start)  # (clocks of successive trio runs differ)
+        self.parked -= 1
+        if self.parked:
+            self.starts -= start
+        else:  # no float drift, and no clock of a finished run, once nobody waits
+            self.starts, self.reported_at = 0.0, -math.inf
+
+    def report(self, now: float | None) -> float:
+        """Return the seconds producers were blocked since the last report, those still parked
+        counted up to ``now`` (None: a clock that cannot be read here; they count later)."""
+        seconds, self.ended = self.ended, 0.0
+        if self.parked and now is not None:
+            seconds += max(0.0, self.parked * now - self.starts)
+            self.starts = self.parked * now
+            self.reported_at = now
+        return seconds
 
 
 class LoopBinding:
