@@ -15,6 +15,7 @@ from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, assert_conserved, make, set
 from _helpers import train_stats as train
 from stalebuf import (
     BatchNotReadyError,
+    BufferFullError,
     GroupEvictedError,
     ReplayBuffer,
     SamplerConfig,
@@ -128,12 +129,6 @@ async def test_the_threadsafe_handle_tags_by_the_dispatch_clock_by_default() -> 
     assert batch.groups[0].dispatch_step == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a producer at an explicit tag that admission closed for good (is_stale(last_sampled + 1, "
-    "tag)) waits forever at the head of the FIFO queue and blocks every clock-tagged producer "
-    "behind it, though their tag has free slots",
-)
 async def test_a_producer_at_a_tag_closed_for_good_does_not_block_the_partition_forever() -> None:
     # "A producer that passes an explicit global_steps waits for a slot at that tag" and
     # property 2, "no deadlock": a tag older than last_sampled + 1 - T*S can never open again
@@ -267,3 +262,42 @@ def test_a_producer_parked_on_a_closed_loop_is_dropped_from_the_wait_count() -> 
     batch, metrics = buf.sample_nowait(0, 1)
     assert batch.uids == ["r"]
     assert metrics["training/admission/producer_wait_seconds"] >= 0.0
+
+
+async def test_a_closed_tag_is_refused_at_once_and_the_clock_tag_is_admitted() -> None:
+    buf = make(admission_batch_size=2, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    for g in range(3):
+        buf.put_group_nowait(f"x{g}", [1])
+        buf.sample_nowait(g, 1)  # last_sampled 2: tag 0 would be stale (s = 4 > 2) at sample 3
+    with anyio.fail_after(LIMIT):
+        with pytest.raises(BufferFullError, match="closed for good"):
+            await buf.add_prompt("old", global_steps=0)
+        with pytest.raises(BufferFullError, match="closed for good"):
+            await buf.put_group("old", [1], global_steps=0)
+        with pytest.raises(BufferFullError, match="closed for good"):
+            buf.add_prompt_nowait("old", global_steps=0)
+        await buf.add_prompt("new")  # the clock's tag (2) has free slots
+    assert "old" not in buf
+    assert buf.stats().total.waiting_producers == 0
+
+
+async def test_a_waiting_producer_whose_tag_a_sample_closes_raises_and_frees_the_queue() -> None:
+    # Tag 1 is full (b=1) while open; a sample at step 3 then closes it for good (s = 4 > 2 at
+    # the next sample, 4): the producer waiting there raises instead of holding up the queue.
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2, max_off_policy_strategy="drop")
+    buf.put_group_nowait("full", [1], global_steps=1)
+    buf.put_group_nowait("ready", [1], global_steps=3)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.add_prompt("late", global_steps=1))
+            behind = await start_call(tg, lambda: buf.add_prompt("next"))
+            await settle()
+            assert buf.stats().total.waiting_producers == 2
+            batch, _ = await buf.sample(3, 1)  # evicts "full" as stale, returns "ready"
+            assert batch.uids == ["ready"]
+            await settle()
+    assert isinstance(waiting.error, BufferFullError)
+    assert "closed for good" in str(waiting.error)
+    assert behind.returned
+    assert "late" not in buf and "next" in buf
+    assert_conserved(buf)

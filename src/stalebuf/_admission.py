@@ -72,11 +72,27 @@ class Admission(BufferCore):
                     )
             resident, last_sampled = part.resident_at_step(tag), part.last_sampled
         if not self._rules.admits(tag, resident, last_sampled, cap, name):
+            if requested is not None and self._closed_for_good(name, tag, last_sampled):
+                raise BufferFullError(
+                    f"dispatch step {tag} of partition {describe(name)} is closed for good: a group "
+                    f"tagged {tag} would be stale at the next sample ({last_sampled + 1}); dispatch "
+                    "at the clock (global_steps=None) or a later step"
+                )
             raise BufferFullError(
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"
             )
         return tag
+
+    def _closed_for_good(self, name: str, tag: int, last_sampled: int) -> bool:
+        """Whether no slot at ``tag`` can ever open: the default admission rule refuses a tag
+        that is stale at the next sample, and the drop rule is monotone while sample steps only
+        grow. (A custom ``admits`` may reopen anything: never closed for good then.)
+
+        Raises:
+            Exception: whatever the policy's ``is_stale`` raised.
+        """
+        return self._admits_by_default and self._rules.is_stale(last_sampled + 1, tag, name)
 
     def _free_slots(self, part: PartitionState) -> int | None:
         """How many groups ``add_prompt`` would admit at the clock's step without waiting."""
@@ -117,9 +133,13 @@ class Admission(BufferCore):
             try:
                 tag = self._admission_tag(part.name, part, requested, head=True)
             except BufferFullError:
+                if requested is not None and self._closed_for_good(part.name, requested, part.last_sampled):
+                    raise  # a sample closed its tag while it waited: it would wait forever
                 return None
             return _Admitted(admit(tag))
 
+        if requested is not None and self._closed_for_good(part.name, requested, part.last_sampled):
+            self._admission_tag(part.name, part, requested, head=True)  # raises, saying why
         part.producers.append(waiter)  # from here on, the finally below must remove it
         part.producer_waits.park(waiter, waiter.now())
         try:
@@ -173,7 +193,16 @@ class Admission(BufferCore):
         try:
             self._admission_tag(part.name, part, requested, head=True)
         except BufferFullError:
-            return
+            # Its tag closed for good: wake it to raise, or it would hold up the queue forever.
+            try:
+                closed = requested is not None and self._closed_for_good(
+                    part.name, requested, part.last_sampled
+                )
+            except Exception:  # woken, it asks again and raises it from its own call
+                logger.exception("a staleness policy hook raised while checking a waiting producer")
+                closed = True
+            if not closed:
+                return
         except Exception:
             logger.exception("a staleness policy hook raised while checking a waiting producer")
         head.wake()

@@ -55,6 +55,7 @@ class BufferCore:
     _rules: StalenessPolicy
     _plain_rules: bool
     _plain_admission: bool
+    _admits_by_default: bool
     _stale_span: int
     _sync_step: int
     _on_evict: EvictCallback | None
@@ -98,6 +99,9 @@ class BufferCore:
         # Default rules are asked inline on the hot paths: the wake-up's, and put_group's.
         self._plain_rules = rules_of.asks_defaults(self._rules, ("is_stale", "must_wait_for", "select"))
         self._plain_admission = rules_of.asks_defaults(self._rules, ("admits", "is_stale"))
+        # The default admits (the policy's, asked with the subclass's _is_stale if any): a tag the
+        # monotone drop rule closes at the next sample then never opens again.
+        self._admits_by_default = rules_of.asks_defaults(policy, ("admits",))
         # The default is_stale as one comparison: p < g + 1 - span (see staleness.drop_span).
         self._stale_span = drop_span(policy.threshold, policy.sync_step)
         # S as the policy has it: the rules and the staleness a batch reports must agree, even

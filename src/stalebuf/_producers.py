@@ -249,7 +249,9 @@ class Producers(GroupWrites):
         BufferFullError; with ``global_steps=None`` the group is tagged when it is admitted.
 
         Raises:
-            The errors of :meth:`add_prompt_nowait` except BufferFullError.
+            The errors of :meth:`add_prompt_nowait` except BufferFullError, which it raises only
+                for an explicit ``global_steps`` whose tag is closed for good (stale at the next
+                ``sample``: no slot there can ever open), at once or when a sample closes it.
             BufferClosedError: the buffer was closed while it waited.
         """
         try:
@@ -305,7 +307,9 @@ class Producers(GroupWrites):
         instead of raising BufferFullError. A group already in the buffer never waits.
 
         Raises:
-            The errors of :meth:`put_group_nowait` except BufferFullError.
+            The errors of :meth:`put_group_nowait` except BufferFullError, which it raises only
+                for an explicit ``global_steps`` whose tag is closed for good (stale at the next
+                ``sample``: no slot there can ever open), at once or when a sample closes it.
             BufferClosedError: the buffer was closed while it waited.
         """
         try:
