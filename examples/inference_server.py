@@ -176,7 +176,7 @@ async def get_stats(request: Request) -> Response:
         "total": attrs.asdict(stats.total),
         "trainer": {"steps": ledger.steps, "trained_groups": len(ledger.trained)},
     }
-    if request.query_params.get("uids"):
+    if request.query_params.get("uids", "0").lower() not in ("0", "false", "no", ""):
         with ledger.lock:  # one consistent snapshot: this handler runs on the loop, atomically
             settled = set(ledger.trained).union(*ledger.evicted.values())
             unsettled = ledger.accepted - settled

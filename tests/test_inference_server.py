@@ -127,6 +127,8 @@ def _load_and_check(url: str) -> None:
             duplicate = await client.post("/groups", json=kept)
             malformed = await client.post("/groups_sync", content=b"not json")
             stats = (await client.get("/stats", params={"uids": "1"})).json()
+            assert "uids" not in (await client.get("/stats", params={"uids": "0"})).json()
+            assert "uids" not in (await client.get("/stats")).json()
             metrics_text = (await client.get("/metrics")).text
         assert duplicate.status_code == 409
         assert malformed.status_code == 400
