@@ -7,14 +7,14 @@ stalebuf module), so a rename inside stalebuf needs this file updated and no tes
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.abc
 
-from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
+from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, StalenessPolicy, Status, Trajectory
 from stalebuf._lazy_group import LazyGroup
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
@@ -27,8 +27,10 @@ __all__ = [
     "LIMIT",
     "Background",
     "GroupView",
+    "LyingLen",
     "OpenGroup",
     "PartitionState",
+    "RaisingAdmits",
     "add_group",
     "admission_counts",
     "assert_conserved",
@@ -97,6 +99,33 @@ def add_group(
 async def settle() -> None:
     """Let every task run until all are blocked."""
     await anyio.wait_all_tasks_blocked()
+
+
+class LyingLen:
+    """A collection that claims ``claimed`` items but yields ``items``."""
+
+    def __init__(self, claimed: int, items: list[Any]) -> None:
+        self.claimed, self.items = claimed, items
+
+    def __len__(self) -> int:
+        return self.claimed
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.items
+
+
+class RaisingAdmits(StalenessPolicy):
+    """The default rules, but ``admits`` raises RuntimeError("admits raised") once ``armed``."""
+
+    armed = False
+
+    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
+        if self.armed:
+            raise RuntimeError("admits raised")
+        return super().admits(tag, resident_at_tag, last_sampled, cap, partition)
 
 
 class Background:

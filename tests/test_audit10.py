@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
 import pytest
 
-from _helpers import LIMIT, settle
-from stalebuf import ReplayBuffer, SamplerConfig, StalebufError, StalenessPolicy
+from _helpers import LIMIT, LyingLen, RaisingAdmits, settle
+from stalebuf import ReplayBuffer, SamplerConfig, StalebufError
 from stalebuf.errors import ConfigError, DuplicateTrajectoryError, WrongThreadError
 
 
@@ -104,15 +104,6 @@ class _StaleTrapAfterSample(ReplayBuffer):
         return super()._is_stale(global_steps, dispatch_step, partition)
 
 
-class _AdmitsTrap(StalenessPolicy):
-    armed = False
-
-    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
-        if self.armed:
-            raise RuntimeError("admits")
-        return super().admits(tag, resident_at_tag, last_sampled, cap, partition)
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", ["subclass _is_stale", "policy admits"])
 @pytest.mark.parametrize("call", ["sample", "sample_nowait", "sample parked"])
@@ -128,7 +119,7 @@ async def test_a_hook_raising_while_sample_builds_admission_metrics_loses_no_bat
     if kind == "subclass _is_stale":
         buf = _StaleTrapAfterSample(config)
     else:
-        buf = ReplayBuffer(config, policy=_AdmitsTrap(config))
+        buf = ReplayBuffer(config, policy=RaisingAdmits(config))
     if call != "sample parked":
         buf.put_group_nowait("a", [1, 2], global_steps=0)
     trap: Any = buf if kind == "subclass _is_stale" else buf.policy
@@ -166,20 +157,6 @@ async def test_a_hook_raising_while_sample_builds_admission_metrics_loses_no_bat
 # -- item 4: a payloads collection whose len() disagrees with what it yields -----------------
 
 
-class _Liar(Collection[Any]):
-    def __init__(self, items: list[Any], length: int) -> None:
-        self.items, self.length = items, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.items)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self.items
-
-
 @pytest.mark.parametrize("length", [1, 3])
 @pytest.mark.parametrize("argument", ["payloads", "session_ids", "indices", "trajectory_tags"])
 def test_put_group_collection_whose_len_disagrees_with_its_items_is_a_value_error(
@@ -197,10 +174,10 @@ def test_put_group_collection_whose_len_disagrees_with_its_items_is_a_value_erro
     }
     kwargs: dict[str, Any] = {"global_steps": 0}
     if argument != "payloads":
-        kwargs[argument] = _Liar(values[argument], length)
+        kwargs[argument] = LyingLen(length, values[argument])
         payloads: Any = values["payloads"]
     else:
-        payloads = _Liar(values["payloads"], length)
+        payloads = LyingLen(length, values["payloads"])
     with pytest.raises(ValueError, match=argument):
         buf.put_group_nowait("g", payloads, **kwargs)
     assert "g" not in buf

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, assert_conserved, make, settle, start_call
+from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, RaisingAdmits, assert_conserved, make, settle, start_call
 from _helpers import train_stats as train
 from stalebuf import (
     BatchNotReadyError,
@@ -19,22 +19,10 @@ from stalebuf import (
     GroupEvictedError,
     ReplayBuffer,
     SamplerConfig,
-    StalenessPolicy,
     UnknownGroupError,
 )
 
 pytestmark = pytest.mark.anyio
-
-
-class _RaisingAdmits(StalenessPolicy):
-    """A policy whose ``admits`` raises once armed."""
-
-    armed = False
-
-    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
-        if self.armed:
-            raise RuntimeError("admits raised")
-        return super().admits(tag, resident_at_tag, last_sampled, cap, partition)
 
 
 @pytest.mark.parametrize("nowait", [False, True])
@@ -43,7 +31,7 @@ async def test_a_raising_admits_hook_never_loses_a_sampled_batch(nowait: bool) -
     # (free_slots() after the batch is taken)": computing it asks the policy's admits; if that
     # raises after the batch was removed, the batch must not vanish with the error.
     config = SamplerConfig(admission_batch_size=2, max_off_policy_threshold=2)
-    policy = _RaisingAdmits(config)
+    policy = RaisingAdmits(config)
     buf = ReplayBuffer(config, policy=policy, status_log_interval=None)
     buf.put_group_nowait("a", [1], global_steps=0)
     buf.put_group_nowait("b", [1], global_steps=0)

@@ -53,7 +53,7 @@ from typing import Any
 import anyio
 import pytest
 
-from _helpers import LIMIT, assert_conserved, full_snapshot, resident_groups, resident_uids
+from _helpers import LIMIT, LyingLen, assert_conserved, full_snapshot, resident_groups, resident_uids
 from stalebuf import ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
@@ -155,22 +155,6 @@ class EvilMapping(Mapping[str, Any], EvilRepr):
 
     def __iter__(self) -> Iterator[str]:
         raise RuntimeError("evil iter")
-
-
-class LyingLen:
-    """Claims ``claimed`` items but yields ``items``."""
-
-    def __init__(self, claimed: int, items: list[Any]) -> None:
-        self.claimed, self.items = claimed, items
-
-    def __len__(self) -> int:
-        return self.claimed
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.items)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self.items
 
 
 def group(c: Ctx, uid: str = "new", payloads: Any = ("x", "y"), **kwargs: Any) -> list[str]:
