@@ -154,50 +154,6 @@ def test_a_restore_that_evicts_in_flight_groups_keeps_the_remembered_uids_bounde
         restored.put_nowait("g3", 1)
 
 
-@pytest.mark.parametrize("writers", [2, 1])  # 1: the other session is still generating, and is cancelled
-@pytest.mark.parametrize("how", ["in-flight eviction", "close"])
-async def test_a_body_whose_child_task_writes_before_the_cancellation_reaches_it_still_exits_quietly(
-    how: str, writers: int
-) -> None:
-    # "group evicted while the body runs (in-flight eviction, close) -> the body is cancelled
-    # (anyio cancel scope); the block exits without raising; group.evicted is True": the usual
-    # body generates its sessions in a task group; a session whose generation completed just
-    # before the eviction writes, is refused, and its task group wraps that refusal in an
-    # ExceptionGroup. The block must still exit quietly.
-    buf = make(admission_batch_size=1, max_off_policy_threshold=1, evict_stale_in_flight=True)
-    generated = anyio.Event()
-    outcome: list[object] = []
-
-    async def session(group: Any, index: int) -> None:
-        if index >= writers:
-            await anyio.sleep_forever()
-        await generated.wait()
-        await group.put("result", session_id=index)  # no checkpoint before this write
-
-    async def produce() -> None:
-        try:
-            async with buf.rollout("a") as group:
-                async with anyio.create_task_group() as sessions:
-                    for index in range(2):
-                        sessions.start_soon(session, group, index)
-                outcome.append("wrote")
-            outcome.append(group.evicted)
-        except BaseException as exc:  # an ExceptionGroup is what must not escape
-            outcome.append(exc)
-
-    with anyio.fail_after(LIMIT):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(produce)
-            await settle()
-            generated.set()  # the sessions may resume...
-            if how == "close":  # ...but first, in the same step of the loop:
-                buf.close()
-            else:
-                with pytest.raises(BatchNotReadyError):
-                    buf.sample_nowait(2, 1)
-    assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
-
-
 # -- producer_wait_seconds in O(1): the ledger behind it --------------------------------------
 
 

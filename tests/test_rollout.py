@@ -10,6 +10,7 @@ on asyncio and trio, every wait bounded by ``anyio.fail_after``.
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -183,6 +184,49 @@ async def test_a_body_that_writes_before_the_cancellation_reaches_it_still_exits
         except Exception as exc:
             outcome.append(exc)
 
+    await _release_then_evict_or_close(buf, how, produce, generated)
+    assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
+
+
+@pytest.mark.parametrize("writers", [2, 1])  # 1: the other session is still generating, and is cancelled
+@pytest.mark.parametrize("how", ["in-flight eviction", "close"])
+async def test_a_body_whose_child_task_writes_before_the_cancellation_reaches_it_still_exits_quietly(
+    how: str, writers: int
+) -> None:
+    """As above, but the body generates its sessions in a task group of its own (the usual
+    body): a session whose generation completed just before the eviction writes, is refused,
+    and its task group wraps that refusal in an ExceptionGroup. The block must still exit
+    quietly."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=1, evict_stale_in_flight=True)
+    generated = anyio.Event()
+    outcome: list[object] = []
+
+    async def session(group: Any, index: int) -> None:
+        if index >= writers:
+            await anyio.sleep_forever()
+        await generated.wait()
+        await group.put("result", session_id=index)  # no checkpoint before this write
+
+    async def produce() -> None:
+        try:
+            async with buf.rollout("a") as group:
+                async with anyio.create_task_group() as sessions:
+                    for index in range(2):
+                        sessions.start_soon(session, group, index)
+                outcome.append("wrote")
+            outcome.append(group.evicted)
+        except BaseException as exc:  # an ExceptionGroup is what must not escape
+            outcome.append(exc)
+
+    await _release_then_evict_or_close(buf, how, produce, generated)
+    assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
+
+
+async def _release_then_evict_or_close(
+    buf: ReplayBuffer, how: str, produce: Callable[[], Awaitable[None]], generated: anyio.Event
+) -> None:
+    """Run ``produce`` until it parks, then set ``generated`` and, in the same step of the loop
+    (before the producer resumes), evict its group in flight ("in-flight eviction") or close."""
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
             tg.start_soon(produce)
@@ -193,7 +237,6 @@ async def test_a_body_that_writes_before_the_cancellation_reaches_it_still_exits
             else:
                 with pytest.raises(BatchNotReadyError):
                     buf.sample_nowait(2, 1)
-    assert outcome == [True], f"the block raised or wrote instead of exiting quietly: {outcome}"
 
 
 async def test_close_while_the_body_runs_cancels_it_and_the_group_stays() -> None:
