@@ -73,8 +73,7 @@ class Sampling(Admission):
                 return None
             metrics.oldest_first = True
             return self._take_batch(part, None, global_steps, batch_size)
-        readmitted_from, evicted_before = -1, frozenset[str]()
-        readmitted_rounds = 0  # rounds in a row evicting only what on_evict had just added
+        readmitted_from, evicted_before, readmitted_rounds = -1, frozenset[str](), 0  # see _readmitted_rounds
         left = False  # whether any group left: admission slots to hand out
         while True:
             stale = self._stale_steps(part, global_steps)
@@ -82,18 +81,9 @@ class Sampling(Admission):
             if not stale and not stale_in_flight and not part.failed:
                 break
             if evicted_before:
-                if self._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before):
-                    readmitted_rounds += 1
-                    if readmitted_rounds >= MAX_READMITTED_ROUNDS:
-                        raise StalebufError(
-                            f"on_evict added groups to partition {describe(part.name)} that were evicted "
-                            f"again at once, {MAX_READMITTED_ROUNDS} rounds in a row (stale at their "
-                            "dispatch step, or failed under failure_strategy='evict'), so sample would "
-                            "never finish; the last ones stay in the buffer. Re-admit at the current step "
-                            "instead."
-                        )
-                else:
-                    readmitted_rounds = 0
+                readmitted_rounds = self._readmitted_rounds(
+                    part, stale, stale_in_flight, readmitted_from, evicted_before, readmitted_rounds
+                )
             # State changes from here on: the call has gone through, so the clock moves now
             # (a hook that raised above left everything, the clock included, as it was).
             self._advance_clock(part.name, global_steps)
@@ -188,6 +178,29 @@ class Sampling(Admission):
         while len(remembered) > EVICTED_UIDS_REMEMBERED:
             remembered.popitem(last=False)
         return records
+
+    @classmethod
+    def _readmitted_rounds(
+        cls,
+        part: PartitionState,
+        stale: list[int],
+        stale_in_flight: list[int],
+        readmitted_from: int,
+        evicted_before: frozenset[str],
+        rounds: int,
+    ) -> int:
+        """Return how many rounds in a row, this one included, evict only groups ``on_evict``
+        added in the round before; refuse the round that reaches the bound (they stay)."""
+        if not cls._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before):
+            return 0
+        if rounds + 1 >= MAX_READMITTED_ROUNDS:
+            raise StalebufError(
+                f"on_evict added groups to partition {describe(part.name)} that were evicted again at "
+                f"once, {MAX_READMITTED_ROUNDS} rounds in a row (stale at their dispatch step, or failed "
+                "under failure_strategy='evict'), so sample would never finish; the last ones stay in "
+                "the buffer. Re-admit at the current step instead."
+            )
+        return rounds + 1
 
     @staticmethod
     def _check_not_readmitted(
