@@ -140,8 +140,8 @@ class Admission(BufferCore):
 
         if requested is not None and self._closed_for_good(part.name, requested, part.last_sampled):
             self._admission_tag(part.name, part, requested, head=True)  # raises, saying why
-        part.producers.append(waiter)  # from here on, the finally below must remove it
         part.producer_waits.park(waiter, waiter.now())
+        part.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
         try:
             admitted = await park(waiter, attempt)
         finally:

@@ -134,7 +134,8 @@ empirical latencies:
   header row, or that field of a .json file (an array of objects or an object
   of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
   must be a number > 0 and at most 1e12. Each prompt's time is drawn from
-  them uniformly, with --seed. A file that cannot be read is one error line and exit status 2.
+  them uniformly, with --seed. A file that cannot be read is one error line
+  and exit status 2.
 
 reading the report:
   "long prompts" are the slowest quarter of the first steps * batch-size
