@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from _helpers import LIMIT, LyingLen, RaisingAdmits, settle
-from stalebuf import ReplayBuffer, SamplerConfig, StalebufError
+from stalebuf import ReplayBuffer, SamplerConfig, StalebufError, Status
 from stalebuf.errors import ConfigError, DuplicateTrajectoryError, WrongThreadError
 
 
@@ -316,3 +316,24 @@ def test_on_evict_may_retry_a_stale_group_under_new_uids_a_few_times() -> None:
     assert batch.uids == ["fresh"]
     assert buf.stats().total.evicted_stale_groups == 4  # "a" and its three retries
     assert resident(buf) == 0
+
+
+def test_put_group_status_accepts_a_str_subclass_by_its_value() -> None:
+    """Item 19: "accept Status members and their values" — numpy's ``str_`` (a status read from
+    an array) is a str subclass; its plain value counts, not its overrides."""
+    import numpy as np
+
+    class Shouting(str):
+        def __eq__(self, other: object) -> bool:
+            raise RuntimeError("evil eq")
+
+        __hash__ = str.__hash__
+
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0, status=np.str_("failure"))
+    buf.put_group_nowait("b", [1], global_steps=0, status=Shouting("finished"))
+    statuses = {group.uid: group.status for group in buf.sample_nowait(0, 2)[0]}
+    assert statuses == {"a": Status.FAILURE, "b": Status.FINISHED}
+    with pytest.raises(ValueError, match="status"):
+        buf.put_group_nowait("c", [1], global_steps=0, status=np.str_("running"))
+    assert "c" not in buf

@@ -90,6 +90,8 @@ class GroupWrites(Sampling):
             check_step(global_steps)
         check_partition(partition)
         group_tags = check_tags(tags)
+        if type(status) is not str and type(status) is not Status and isinstance(status, str):
+            status = str.__str__(status)  # a str subclass (numpy's str_): its plain value, no override
         terminal = _TERMINAL.get(status) if type(status) in (str, Status) else None
         if terminal is None:
             raise ValueError(
