@@ -206,3 +206,31 @@ async def test_a_codec_returning_an_empty_multidimensional_view_saves_and_restor
     batch, _ = restored.sample_nowait(0, 1)
     payloads = [t.payload for t in batch.groups[0].trajectories]
     assert [p.tolist() for p in payloads] == [[], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+
+
+# -- collections whose len() is checked --------------------------------------------------------------
+
+
+class Draining:
+    """A collection that empties as it is iterated (a queue-like view): len() was true when asked."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Any:
+        while self.items:
+            yield self.items.pop(0)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.items
+
+
+def test_a_collection_that_empties_as_it_is_read_is_not_called_a_liar() -> None:
+    buf = make()
+    keys = buf.put_group_nowait("g", Draining(["a", "b"]), global_steps=0)
+    assert len(keys) == 2
+    batch, _ = buf.sample_nowait(0, 1)
+    assert [t.payload for t in batch.groups[0].trajectories] == ["a", "b"]
