@@ -41,6 +41,7 @@ __all__ = [
     "make",
     "map_payloads",
     "oldest_in_flight",
+    "producer_ledger",
     "ready_order",
     "ready_steps",
     "ready_uids",
@@ -374,6 +375,18 @@ def trajectories_built(group: Group) -> bool:
     """Whether ``group``'s trajectory records exist (a put_group fast-path group builds them
     on first read). Reads ``LazyGroup._built``."""
     return not isinstance(group, LazyGroup) or group._built is not None
+
+
+def producer_ledger(buf: ReplayBuffer, partition: str = "train") -> tuple[int, int, float, float]:
+    """``(counted, queued, starts, expected)``: the producers the wait ledger counts and those in
+    the admission queue, the ledger's sum of wait starts and the sum the queue implies. Reads
+    ``PartitionState.producers`` and ``producer_waits``."""
+    part = _indexes(buf).get(partition)
+    if part is None:  # not created yet: nobody waits there
+        return 0, 0, 0.0, 0.0
+    waits = part.producer_waits
+    expected = sum(max(waiter.started, waits.reported_at) for waiter in part.producers)
+    return waits.parked, len(part.producers), waits.starts, expected
 
 
 def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:

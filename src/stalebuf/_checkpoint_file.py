@@ -62,8 +62,8 @@ class _Body:
         if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous):
             # A length prefix counts bytes: a view of 8-byte items (``ndarray.data``) has 8x
             # more bytes than len() says, and a prefix of len() would tear the file; a strided
-            # view cannot be written at all.
-            data = data.cast("B") if data.c_contiguous else memoryview(data.tobytes())
+            # view cannot be written at all; an empty one of several dimensions cannot be cast.
+            data = data.cast("B") if data.c_contiguous and data.nbytes else memoryview(data.tobytes())
         for piece in (_FRAME.pack(len(data)), data):
             self.file.write(piece)
             self.digest.update(piece)
@@ -89,7 +89,10 @@ def write_checkpoint(
     handle, temporary = tempfile.mkstemp(prefix=".stalebuf-", suffix=".tmp", dir=directory)
     try:
         if hasattr(os, "fchmod"):  # POSIX: mkstemp's 0o600 would hide the file from other users
-            os.fchmod(handle, mode)
+            # Best effort: a file system without Unix permissions (vfat, some CIFS mounts) refuses
+            # chmod with EPERM, and a plain open there would not have failed either.
+            with contextlib.suppress(OSError):
+                os.fchmod(handle, mode)
         with os.fdopen(handle, "wb") as file:
             file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
             body = _Body(file)

@@ -30,7 +30,7 @@ __all__ = ["EVICTED_UIDS_REMEMBERED", "MAX_READMITTED_ROUNDS", "Sampling"]
 EVICTED_UIDS_REMEMBERED = 65_536
 
 #: How many eviction rounds in a row one ``sample`` runs when each evicts only groups that
-#: ``on_evict`` added in the round before, before it raises: re-admitting a stale group under a
+#: ``on_evict`` added during that sample, before it raises: re-admitting a stale group under a
 #: new uid would otherwise loop forever.
 MAX_READMITTED_ROUNDS = 1_000
 
@@ -73,7 +73,8 @@ class Sampling(Admission):
                 return None
             metrics.oldest_first = True
             return self._take_batch(part, None, global_steps, batch_size)
-        readmitted_from, evicted_before, readmitted_rounds = -1, frozenset[str](), 0  # see _readmitted_rounds
+        # Groups from seq readmitted_from on were added by on_evict during this sample (_readmitted_rounds).
+        readmitted_from, evicted_before, readmitted_rounds = self._next_seq, frozenset[str](), 0
         left = False  # whether any group left: admission slots to hand out
         while True:
             stale = self._stale_steps(part, global_steps)
@@ -91,7 +92,6 @@ class Sampling(Admission):
             left = True
             if part.producers:  # slots freed: wake before on_evict runs, which may raise
                 self._wake_producer(part)
-            readmitted_from = self._next_seq
             evicted_before = frozenset(group.uid for event in events for group in event.groups)
             self._emit(events)
             self._check_open()  # on_evict may have closed the buffer
@@ -190,7 +190,11 @@ class Sampling(Admission):
         rounds: int,
     ) -> int:
         """Return how many rounds in a row, this one included, evict only groups ``on_evict``
-        added in the round before; refuse the round that reaches the bound (they stay)."""
+        added during this sample; refuse the round that reaches the bound (they stay).
+
+        Counting from the sample's first round, not the round before: a group ``on_evict``
+        added two rounds back would otherwise reset the count each round, and the loop run on.
+        A round that evicts a group older than the sample resets it: those are finite."""
         if not cls._check_not_readmitted(part, stale, stale_in_flight, readmitted_from, evicted_before):
             return 0
         if rounds + 1 >= MAX_READMITTED_ROUNDS:
@@ -210,9 +214,9 @@ class Sampling(Admission):
         readmitted_from: int,
         evicted_before: frozenset[str],
     ) -> bool:
-        """Return whether this round would evict only groups ``on_evict`` added in the round
-        before; refuse it if they are exactly what that round evicted (same uids): it would loop
-        forever. They stay in the buffer."""
+        """Return whether this round would evict only groups ``on_evict`` added during this
+        sample (from ``readmitted_from`` on); refuse it if they are exactly what the round before
+        evicted (same uids): it would loop forever. They stay in the buffer."""
         buckets, in_flight = part.ready.buckets, part.in_flight.groups
         entries = [(seq, group.uid) for step in stale for seq, group in buckets[step].live_entries()]
         entries += [(group.seq, uid) for step in stale_in_flight for uid, group in in_flight[step].items()]

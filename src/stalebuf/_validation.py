@@ -323,10 +323,11 @@ def _materialise(name: str, values: object) -> tuple[Any, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(type(values), "__iter__"):
         raise TypeError(f"{name} must be a collection with one item per trajectory, got {describe(values)}")
     try:
+        # len() before iterating: a collection that empties as it is read said the truth then.
+        claimed = len(values) if hasattr(type(values), "__len__") else None  # type: ignore[arg-type]
         items: tuple[Any, ...] = tuple(values)  # type: ignore[arg-type]
-        claimed = len(values) if hasattr(type(values), "__len__") else len(items)  # type: ignore[arg-type]
     except Exception as exc:
         raise TypeError(f"{name} could not be iterated: {type(exc).__name__}") from exc
-    if claimed != len(items):
+    if claimed is not None and claimed != len(items):
         raise ValueError(f"{name} says len() is {claimed} but yielded {len(items)} items")
     return items
