@@ -246,3 +246,20 @@ async def test_a_waiting_producer_whose_tag_a_sample_closes_raises_and_frees_the
     assert "late" not in buf
     assert "next" in buf
     assert_conserved(buf)
+
+
+async def test_a_closed_tag_says_so_even_while_producers_wait() -> None:
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    for g in range(3):
+        buf.put_group_nowait(f"x{g}", [1])
+        buf.sample_nowait(g, 1)  # last_sampled 2: tag 0 is closed for good, the clock's tag is 2
+    buf.put_group_nowait("full", [1])  # tag 2 full (b=1)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            await start_call(tg, lambda: buf.add_prompt("waiting"))
+            assert buf.stats().total.waiting_producers == 1
+            with pytest.raises(BufferFullError, match="closed for good"):
+                buf.add_prompt_nowait("old", global_steps=0)
+            with pytest.raises(BufferFullError, match="producers are waiting"):
+                buf.add_prompt_nowait("new")
+            tg.cancel_scope.cancel()

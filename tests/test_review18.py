@@ -130,44 +130,27 @@ def test_the_readmission_bound_is_not_reset_by_groups_on_evict_added_two_rounds_
 # -- tags closed for good --------------------------------------------------------------------------
 
 
-class ThresholdSchedule(StalenessPolicy):
-    """T = 1 before step 3, T = 8 from there: monotone in the dispatch step, as the policy docs
-    require, but not in ``global_steps`` (a tag stale at sample 2 is fresh again at sample 3)."""
+class StalePastOne(StalenessPolicy):
+    """A custom ``is_stale``, monotone in both steps as the policy contract requires: stale once
+    more than one step old."""
 
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
-        return global_steps - dispatch_step > (1 if global_steps < 3 else 8)
+        return global_steps - dispatch_step > 1
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="_closed_for_good assumes is_stale is monotone in global_steps, which the policy contract "
-    "(monotone in the dispatch step) does not require: tag 0 reopens at sample 2, yet add_prompt "
-    "raises 'closed for good' at once. Decide: require that monotonicity in StalenessPolicy's docs "
-    "(then assert the error here), or treat a tag as closed for good only under the default is_stale.",
-)
-async def test_a_tag_a_custom_is_stale_reopens_is_not_refused_as_closed_for_good() -> None:
+async def test_a_tag_the_policy_calls_stale_at_the_next_sample_is_refused_for_good() -> None:
+    """The policy contract: ``is_stale`` is monotone in ``global_steps`` too (a stale group stays
+    stale), so a tag stale at the next sample never reopens and an explicit ``add_prompt`` there
+    raises at once, with a custom ``is_stale`` as with the default one."""
     config = SamplerConfig(admission_batch_size=1, max_off_policy_threshold=1)
-    buf = ReplayBuffer(policy=ThresholdSchedule(config), status_log_interval=None)
+    buf = ReplayBuffer(policy=StalePastOne(config), status_log_interval=None)
     add_group(buf, "a", 1)
     buf.sample_nowait(1, 1)  # last_sampled 1: tag 0 is stale at the next sample (2 - 0 > 1)
-    refused: list[BufferFullError] = []
-
-    async def produce() -> None:
-        try:
-            await buf.add_prompt("late", global_steps=0)  # waits: tag 0 is not open now
-        except BufferFullError as exc:
-            refused.append(exc)
-
-    with anyio.fail_after(LIMIT):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(produce)
-            await settle()
-            add_group(buf, "b", 2)
-            buf.sample_nowait(2, 1)  # last_sampled 2: tag 0 is fresh at sample 3 (3 - 0 <= 8)
-    assert not refused, f"refused though the tag reopened: {refused[0]}"
-    assert "late" in buf
+    with anyio.fail_after(LIMIT), pytest.raises(BufferFullError, match="closed for good"):
+        await buf.add_prompt("late", global_steps=0)
+    assert "late" not in buf
+    assert buf.stats().total.waiting_producers == 0
 
 
 # -- checkpoint files --------------------------------------------------------------------------------

@@ -33,6 +33,14 @@ class _Admitted(Generic[_T]):
         self.value = value
 
 
+def _closed_error(name: str, tag: int, last_sampled: int) -> BufferFullError:
+    return BufferFullError(
+        f"dispatch step {tag} of partition {describe(name)} is closed for good: a group tagged {tag} "
+        f"would be stale at the next sample ({last_sampled + 1}); dispatch at the clock "
+        "(global_steps=None) or a later step"
+    )
+
+
 class Admission(BufferCore):
     """The admission half of ``ReplayBuffer``'s state (documented there)."""
 
@@ -64,20 +72,18 @@ class Admission(BufferCore):
             cap = part.cap
             if cap is None:
                 return tag
+            resident, last_sampled = part.resident_at_step(tag), part.last_sampled
             if not head and part.producers:
                 part.drop_abandoned()
                 if part.producers:
+                    if requested is not None and self._closed_for_good(name, tag, last_sampled):
+                        raise _closed_error(name, tag, last_sampled)  # waiting would not help it
                     raise BufferFullError(
                         f"producers are waiting for admission to partition {describe(name)}"
                     )
-            resident, last_sampled = part.resident_at_step(tag), part.last_sampled
         if not self._rules.admits(tag, resident, last_sampled, cap, name):
             if requested is not None and self._closed_for_good(name, tag, last_sampled):
-                raise BufferFullError(
-                    f"dispatch step {tag} of partition {describe(name)} is closed for good: a group "
-                    f"tagged {tag} would be stale at the next sample ({last_sampled + 1}); dispatch "
-                    "at the clock (global_steps=None) or a later step"
-                )
+                raise _closed_error(name, tag, last_sampled)
             raise BufferFullError(
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"

@@ -8,7 +8,10 @@ or (as verl plugins do) subclass ``ReplayBuffer`` and override ``_is_stale``,
 Cost model. The buffer asks :meth:`~StalenessPolicy.is_stale` and
 :meth:`~StalenessPolicy.must_wait_for` about the oldest groups only, so both must be
 *monotone* in the dispatch step (if a group is stale, every group dispatched earlier is
-stale too). :meth:`~StalenessPolicy.select` reads its candidates lazily, oldest first:
+stale too). ``is_stale`` must also be monotone in ``global_steps`` (a group stale at one step
+is stale at every later one): sample steps only grow, so the buffer evicts in-flight groups
+no later sample could return, and refuses an explicit admission tag that can never reopen.
+:meth:`~StalenessPolicy.select` reads its candidates lazily, oldest first:
 taking the first ``batch_size`` of them (the default) costs O(batch_size); returning any
 other groups makes the buffer remove them from anywhere in its index, which costs O(N) for
 N ready groups in the partition.
@@ -97,8 +100,9 @@ class StalenessPolicy:
 
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
         """Whether a terminal group dispatched at ``dispatch_step`` is dropped by a sample at
-        ``global_steps`` (asked only under "drop", never for exempt partitions). Must be
-        monotone (see the module docs). Default: ``s > threshold``."""
+        ``global_steps`` (asked under "drop", and by the default ``admits``; never for exempt
+        partitions). Must be monotone in both steps (see the module docs). Default:
+        ``s > threshold``."""
         return staleness.exceeds_drop(global_steps, dispatch_step, self.threshold, self.sync_step)
 
     def must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
