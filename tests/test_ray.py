@@ -30,6 +30,7 @@ pytest.importorskip("ray")
 import ray
 import ray.cloudpickle
 
+from _helpers import LyingLen
 from scenarios import SCENARIOS, Harness, LocalHarness, Scenario, expect
 from stalebuf import Batch, BufferStats, EvictionEvent, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
@@ -453,6 +454,45 @@ async def test_put_group_is_atomic(remote: RemoteReplayBuffer) -> None:
         assert batch.groups[0].status.value == "failure"
         assert (await resolve(batch)).payloads == [1, "a", "b"]
         assert [dict(t) for t in batch.tags] == [{}, {"r": 1}, {}]
+
+
+class RaisingIter:
+    """A collection whose iteration raises (a user's broken container)."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[Any]:
+        raise RuntimeError("iteration raised")
+
+    def __contains__(self, item: object) -> bool:
+        return False
+
+
+@pytest.mark.asyncio
+async def test_put_group_refuses_lying_collections_like_the_local_buffer(remote: RemoteReplayBuffer) -> None:
+    """Issue 10 item 4 on the client: a collection whose ``len()`` disagrees with what it yields
+    is a ValueError, one whose iteration raises a TypeError, and nothing is added (the client
+    used to copy it with ``list()`` and send whatever it yielded)."""
+    local = ReplayBuffer(status_log_interval=None)
+    with anyio.fail_after(STEP_TIMEOUT):
+        before = await remote.stats()
+        calls: list[tuple[type[BaseException], dict[str, Any]]] = [
+            (ValueError, {"payloads": LyingLen(5, [1, 2])}),
+            (ValueError, {"payloads": [1, 2], "session_ids": LyingLen(2, [0, 1, 2])}),
+            (ValueError, {"payloads": [1], "indices": LyingLen(1, [])}),
+            (ValueError, {"payloads": [1], "trajectory_tags": LyingLen(1, [None, None])}),
+            (TypeError, {"payloads": RaisingIter()}),
+            (TypeError, {"payloads": [1], "trajectory_tags": RaisingIter()}),
+        ]
+        for error, kwargs in calls:
+            with pytest.raises(error) as local_error:
+                await local.put_group("lying", global_steps=0, **kwargs)
+            remote_error = await expect(error, remote.put_group("lying", global_steps=0, **kwargs))
+            assert str(remote_error) == str(local_error.value)
+            await expect(error, remote.put_group_nowait("lying", global_steps=0, **kwargs))
+        assert await remote.stats() == before
+        assert local.stats().total.admitted_groups == 0
 
 
 @pytest.mark.asyncio
@@ -1059,6 +1099,86 @@ async def test_dead_actor_is_one_clear_error_never_a_hang() -> None:
         await expect(BufferUnavailableError, buffer.aclose())
     with pytest.raises(BufferUnavailableError):
         RemoteReplayBuffer.connect(_name())
+
+
+@pytest.mark.asyncio
+async def test_bad_sample_arguments_fail_on_the_client_like_the_local_buffer() -> None:
+    """A sample with bad arguments raises the local buffer's TypeError or ValueError on the client,
+    even when the actor is gone or has not started (not BufferUnavailableError, nor a TimeoutError
+    saying the actor has not started)."""
+    dead = RemoteReplayBuffer(status_log_interval=None)
+    waiting = RemoteReplayBuffer(
+        actor_options={"resources": {"no_such_resource": 1}}, status_log_interval=None
+    )
+    local = ReplayBuffer(status_log_interval=None)
+    bad: list[tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]] = [
+        (ValueError, (0, 0), {}),
+        (TypeError, ("0", 1), {}),
+        (ValueError, (-1, 1), {}),
+        (ValueError, (0, 10**5000), {}),
+        (TypeError, (0, 1), {"partition": 5}),
+        (ValueError, (0, 1), {"partition": ""}),
+        (ValueError, (0, 1), {"timeout": -1}),
+        (ValueError, (0, 1), {"timeout": float("nan")}),
+    ]
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await dead.info()
+            dead.kill()
+            for error, args, kwargs in bad:
+                with pytest.raises(error) as local_error:
+                    await local.sample(*args, **{"timeout": 0, **kwargs})
+                for buffer in (dead, waiting):
+                    started = time.monotonic()
+                    remote_error = await expect(error, buffer.sample(*args, **{"timeout": 0, **kwargs}))
+                    assert str(remote_error) == str(local_error.value)
+                    assert time.monotonic() - started < 0.5  # no wait for an actor that has not started
+    finally:
+        waiting.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_huge_start_timeout_is_a_long_wait_not_an_overflow(tmp_path: Any) -> None:
+    """``start_timeout`` accepts any finite number > 0; the blocking waits of ``connect`` and
+    ``restore`` used to raise OverflowError for a huge one, even for a live actor."""
+    name = _name()
+    buffer = RemoteReplayBuffer(name=name, status_log_interval=None)
+    restored: RemoteReplayBuffer | None = None
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.put_group("a", [1], global_steps=0)
+            await buffer.save(tmp_path / "ckpt")
+            other = RemoteReplayBuffer.connect(name, start_timeout=1e300)
+            assert await other.sampleable_count(0) == 1
+            restored, reissue = RemoteReplayBuffer.restore(tmp_path / "ckpt", start_timeout=1e300)
+            assert reissue == ()
+            assert await restored.sampleable_count(0) == 1
+    finally:
+        buffer.kill()
+        if restored is not None:
+            restored.kill()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a relative save/restore path resolves against the actor's working directory (where Ray "
+    "started its workers), not the caller's; fix: os.path.abspath(path) on the client before sending, "
+    "or refuse relative paths with a ValueError (a judgement call: the path is on the actor's node)",
+)
+@pytest.mark.asyncio
+async def test_a_relative_save_path_is_the_callers(remote: RemoteReplayBuffer, tmp_path: Any) -> None:
+    """``await remote.save("ckpt")`` on the caller's node writes ``./ckpt`` as ``ReplayBuffer.save`` does."""
+    before = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await remote.put_group("a", [1], global_steps=0)
+            await remote.save("relative.ckpt")
+            assert (tmp_path / "relative.ckpt").exists()
+    finally:
+        os.chdir(before)
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(before, "relative.ckpt"))
 
 
 @pytest.mark.asyncio

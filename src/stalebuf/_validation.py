@@ -38,6 +38,7 @@ __all__ = [
     "finite_in",
     "int_at_least",
     "is_finite_number",
+    "materialise",
     "one_of",
 ]
 
@@ -285,11 +286,11 @@ def check_group_payloads(
     """
     if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
         raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
-    items = _materialise("payloads", payloads)
+    items = materialise("payloads", payloads)
     n = len(items)
-    sessions = tuple(range(n)) if session_ids is None else _materialise("session_ids", session_ids)
-    positions = (0,) * n if indices is None else _materialise("indices", indices)
-    tags = (EMPTY_TAGS,) * n if trajectory_tags is None else _materialise("trajectory_tags", trajectory_tags)
+    sessions = tuple(range(n)) if session_ids is None else materialise("session_ids", session_ids)
+    positions = (0,) * n if indices is None else materialise("indices", indices)
+    tags = (EMPTY_TAGS,) * n if trajectory_tags is None else materialise("trajectory_tags", trajectory_tags)
     for name, values in (("session_ids", sessions), ("indices", positions), ("trajectory_tags", tags)):
         if len(values) != n:
             raise ValueError(f"{name} has {len(values)} items for {n} payloads")
@@ -311,7 +312,7 @@ def check_group_payloads(
     return keys, tuple(zip(keys, sessions, positions, tags, items, strict=True))
 
 
-def _materialise(name: str, values: object) -> tuple[Any, ...]:
+def materialise(name: str, values: object) -> tuple[Any, ...]:
     """Copy a collection into a tuple, turning any error of its iteration into a TypeError.
 
     Raises:

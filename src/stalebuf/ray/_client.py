@@ -392,8 +392,9 @@ class RemoteReplayBuffer(ClientBase):
         the buffer is closed, cannot go back and is logged by the actor).
 
         Raises:
-            The same errors as ReplayBuffer.sample; BufferUnavailableError when the actor is
-            gone (also while waiting) or did not start within ``start_timeout``.
+            The same errors as ReplayBuffer.sample (TypeError and ValueError for bad arguments
+            are raised by the client, before it contacts the actor); BufferUnavailableError when
+            the actor is gone (also while waiting) or did not start within ``start_timeout``.
         """
         return await self._connection.sample(global_steps, batch_size, partition, timeout)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from .._checkpoint_file import PayloadCodec
+from .._validation import materialise
 from ..buffer import GroupStatus
 from ..stats import BufferStats
 from ._events import EvictionStream
@@ -54,20 +55,28 @@ def put_group_op(
     """The ``put_group`` operation (with a token a new group may wait for admission).
 
     Raises:
-        TypeError: ``payloads`` is not a collection of per-trajectory items.
+        TypeError: ``payloads`` is not a collection of per-trajectory items, or a per-trajectory
+            collection cannot be iterated.
+        ValueError: a per-trajectory collection's ``len()`` disagrees with what it yields.
     """
     if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
         raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
+    # Copied as the local buffer copies them, so a collection that lies about its length or whose
+    # iteration raises fails here with the local error, not with whatever it yielded in the actor.
+    items = materialise("payloads", payloads)
+    sessions = None if session_ids is None else list(materialise("session_ids", session_ids))
+    positions = None if indices is None else list(materialise("indices", indices))
+    per_tags = None if trajectory_tags is None else materialise("trajectory_tags", trajectory_tags)
     return PutGroup(
         token,
         uid,
-        list(payloads),
+        list(items),
         global_steps,
         partition,
         plain_tags(tags),
-        None if trajectory_tags is None else [plain_tags(t) for t in trajectory_tags],
-        None if session_ids is None else list(session_ids),
-        None if indices is None else list(indices),
+        None if per_tags is None else [plain_tags(t) for t in per_tags],
+        sessions,
+        positions,
         status,
     )
 

@@ -19,7 +19,7 @@ from typing import Any, cast
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .._validation import check_timeout
+from .._validation import check_batch_size, check_partition, check_step, check_timeout
 from ..checkpoint import NOT_GIVEN
 from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError
@@ -36,7 +36,7 @@ from ._options import (
 )
 from ._pipeline import ProducerPipeline
 from ._protocol import Op, Parked, SampleRequest, WaitingOp, encode
-from ._start import MIN_SAMPLE_START_WAIT, StartGate
+from ._start import MIN_SAMPLE_START_WAIT, StartGate, blocking_seconds
 
 __all__ = ["ActorConnection", "connect_actor", "start_actor"]
 
@@ -89,7 +89,9 @@ class ActorConnection:
         error: BaseException
         try:
             self.gate.wait_blocking()
-            reissue: tuple[Group, ...] = ray.get(self.handle.reissued.remote(), timeout=self.start_timeout)
+            reissue: tuple[Group, ...] = ray.get(
+                self.handle.reissued.remote(), timeout=blocking_seconds(self.start_timeout)
+            )
             return reissue
         except (RayActorError, RayTaskError) as exc:
             error = translate(exc, self.where())
@@ -162,6 +164,13 @@ class ActorConnection:
         takes nothing, or puts back what it took (see ``_ledger``).
         """
         running_loop()
+        # Checked here, in the local buffer's order, so that bad arguments raise its errors at once
+        # even when the actor is gone or has not started (the actor checks them again).
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        check_step(global_steps)
+        check_batch_size(batch_size)
+        check_partition(partition)
         if not self.gate.started:
             timeout = await self._wait_to_sample(timeout)
         request_id = self.new_token()
@@ -181,9 +190,8 @@ class ActorConnection:
             return result
         raise error  # outside the except block: no "during handling" context
 
-    async def _wait_to_sample(self, timeout: object) -> float | None:
-        """Wait for a not-yet-answering actor within ``timeout``; return what is left of it."""
-        limit = check_timeout(timeout)
+    async def _wait_to_sample(self, limit: float | None) -> float | None:
+        """Wait for a not-yet-answering actor within ``limit`` seconds; return what is left of it."""
         started = time.monotonic()
         await self.gate.wait(None if limit is None else max(limit, MIN_SAMPLE_START_WAIT))
         return None if limit is None else max(0.0, limit - (time.monotonic() - started))

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -25,11 +26,18 @@ from ..errors import BufferUnavailableError
 from ._errors import translate
 from ._protocol import PROTOCOL_VERSION, ProtocolError
 
-__all__ = ["MIN_SAMPLE_START_WAIT", "StartGate"]
+__all__ = ["MIN_SAMPLE_START_WAIT", "StartGate", "blocking_seconds"]
 
 #: A ``sample(timeout=t)`` waits at least this long (seconds) for an actor that has not
 #: answered yet, even for a smaller ``t``: a live actor needs a round trip to say so.
 MIN_SAMPLE_START_WAIT = 1.0
+
+
+def blocking_seconds(seconds: float) -> float:
+    """Return ``seconds`` (at least 0) as a timeout a blocking wait accepts: a thread's wait
+    raises OverflowError beyond ``threading.TIMEOUT_MAX`` (about 292 years), which any finite
+    ``start_timeout`` may exceed."""
+    return min(max(0.0, seconds), threading.TIMEOUT_MAX)
 
 
 class StartGate:
@@ -110,7 +118,7 @@ class StartGate:
             return
         answer = self.ping().future()
         try:
-            answer.result(timeout=max(0.0, self._deadline - time.monotonic()))
+            answer.result(timeout=blocking_seconds(self._deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             raise self.unavailable() from None
         except RayActorError:
