@@ -1159,23 +1159,23 @@ async def test_a_huge_start_timeout_is_a_long_wait_not_an_overflow(tmp_path: Any
             restored.kill()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a relative save/restore path resolves against the actor's working directory (where Ray "
-    "started its workers), not the caller's; fix: os.path.abspath(path) on the client before sending, "
-    "or refuse relative paths with a ValueError (a judgement call: the path is on the actor's node)",
-)
 @pytest.mark.asyncio
 async def test_a_relative_save_path_is_the_callers(remote: RemoteReplayBuffer, tmp_path: Any) -> None:
-    """``await remote.save("ckpt")`` on the caller's node writes ``./ckpt`` as ``ReplayBuffer.save`` does."""
+    """``await remote.save("ckpt")`` on the caller's node writes ``./ckpt`` as ``ReplayBuffer.save``
+    does, and ``RemoteReplayBuffer.restore("ckpt")`` reads it from there."""
     before = os.getcwd()
     os.chdir(tmp_path)
+    restored: RemoteReplayBuffer | None = None
     try:
         with anyio.fail_after(STEP_TIMEOUT):
             await remote.put_group("a", [1], global_steps=0)
             await remote.save("relative.ckpt")
             assert (tmp_path / "relative.ckpt").exists()
+            restored = RemoteReplayBuffer.restore("relative.ckpt").buffer
+            assert (await restored.stats()).total.groups == 1
     finally:
+        if restored is not None:
+            restored.kill()
         os.chdir(before)
         with contextlib.suppress(OSError):
             os.remove(os.path.join(before, "relative.ckpt"))

@@ -223,7 +223,8 @@ class RemoteReplayBuffer(ClientBase):
         """Start a new actor whose buffer is ``ReplayBuffer.restore(path, ...)`` and return its
         client and the groups to reissue; blocks until the actor has restored (like :meth:`connect`).
 
-        The actor reads ``path`` (on its node). Unless ``payloads="inline"``, it stores each
+        The actor reads ``path`` (on its node; a relative one is made absolute here, against the
+        caller's working directory). Unless ``payloads="inline"``, it stores each
         restored group's payloads in the object store (one object per group, owned by the
         actor), so sampled batches carry PayloadRefs as usual. Under ``in_flight="evict"`` the
         "restart" evictions are the first events of ``evictions(from_oldest=True)``. The other
@@ -238,7 +239,9 @@ class RemoteReplayBuffer(ClientBase):
             BufferUnavailableError: the actor did not start within ``start_timeout``.
         """
         codec = check_payload_codec(payload_codec)
-        request = RestoreRequest(os.fspath(path), check_in_flight(in_flight), codec, payloads != "inline")
+        request = RestoreRequest(
+            os.path.abspath(os.fspath(path)), check_in_flight(in_flight), codec, payloads != "inline"
+        )
         self = cls.__new__(cls)
         self._connection = start_actor(
             None,

@@ -273,7 +273,8 @@ class ClientBase:
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Checkpoint the hosted buffer at once and write it to ``path``, as :meth:`ReplayBuffer.save`,
-        from the actor: ``path`` is on the actor's node.
+        from the actor: ``path`` is on the actor's node (a relative one is made absolute here,
+        against the caller's working directory, as a local ``save`` would read it).
 
         Payloads held as object references (PayloadRefs, ObjectRefs) are fetched into the actor
         and stored by value: while it saves, the actor holds every resident payload in memory at
@@ -285,4 +286,5 @@ class ClientBase:
                 value JSON cannot hold; nothing is written.
             OSError: the file could not be written; BufferUnavailableError.
         """
-        await self._connection.call("save", os.fspath(path), payload_codec)
+        target = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - one getcwd(), no file I/O
+        await self._connection.call("save", target, payload_codec)
