@@ -1222,6 +1222,13 @@ def test_configuration_errors() -> None:
         RemoteReplayBuffer(start_timeout=float("inf"))
     with pytest.raises(ConfigError, match="start_timeout"):
         RemoteReplayBuffer.connect("anything", start_timeout=-1)
+    with pytest.raises(ConfigError, match="name must be a str, got 123"):
+        RemoteReplayBuffer.connect(123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="namespace must be None or a str"):
+        RemoteReplayBuffer.connect("anything", namespace=b"ns")  # type: ignore[arg-type]
+    with pytest.raises(BufferUnavailableError) as unknown:
+        RemoteReplayBuffer.connect("x" * 100_000)
+    assert len(str(unknown.value)) < 2_000  # the name is shortened in the message
     with pytest.raises(ConfigError, match="eviction_queue_size"):
         RemoteReplayBuffer(eviction_queue_size=0)
     with pytest.raises(ConfigError, match="name="):

@@ -19,7 +19,7 @@ from typing import Any, cast
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .._validation import check_batch_size, check_partition, check_step, check_timeout
+from .._validation import check_batch_size, check_partition, check_step, check_timeout, describe
 from ..checkpoint import NOT_GIVEN
 from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError
@@ -211,16 +211,25 @@ def connect_actor(
     """Return a connection to the live actor called ``name``, once it answered a ping (blocking).
 
     Raises:
-        ConfigError: ``payloads`` or ``start_timeout`` is invalid.
+        ConfigError: ``name`` is not a str, ``namespace`` not None or a str, or ``payloads`` or
+            ``start_timeout`` is invalid.
         BufferUnavailableError: no actor has that name, it is dead, or it did not answer within
             ``start_timeout`` seconds.
     """
+    if type(name) is not str:
+        raise ConfigError(f"name must be a str, got {describe(name)}")
+    if namespace is not None and type(namespace) is not str:
+        raise ConfigError(f"namespace must be None or a str, got {describe(namespace)}")
     check_payload_mode(payloads)
     timeout = check_start_timeout(start_timeout)
     try:
         handle = ray.get_actor(name, namespace=namespace)
     except ValueError as exc:
-        raise BufferUnavailableError(f"no buffer actor named {name!r}: {exc}") from exc
+        where = "" if namespace is None else f" in namespace {describe(namespace)}"
+        raise BufferUnavailableError(
+            f"no buffer actor named {describe(name)}{where}: none was started under that name there, "
+            "or it died"
+        ) from exc  # (Ray's own message repeats the whole name)
     connection = ActorConnection(handle, name, namespace, cast(str, payloads), timeout, None)
     connection.gate.wait_blocking()
     return connection
