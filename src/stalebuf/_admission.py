@@ -145,7 +145,7 @@ class Admission(BufferCore):
             return _Admitted(admit(tag))
 
         if requested is not None and self._closed_for_good(part.name, requested, part.last_sampled):
-            self._admission_tag(part.name, part, requested, head=True)  # raises, saying why
+            raise _closed_error(part.name, requested, part.last_sampled)  # waiting would be forever
         part.producer_waits.park(waiter, waiter.now())
         part.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
         try:
