@@ -18,8 +18,9 @@ from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, StalenessPolicy,
 from stalebuf._lazy_group import LazyGroup
 
 # The index data structure itself, for the tests that model it directly (tests/test_index.py).
-from stalebuf._partition import OpenGroup, PartitionState
-from stalebuf._sampling import EVICTED_UIDS_REMEMBERED
+from stalebuf._open_group import OpenGroup
+from stalebuf._partition import PartitionState
+from stalebuf._store import EVICTED_UIDS_REMEMBERED
 from stalebuf._stored import map_payloads
 
 __all__ = [
@@ -245,19 +246,19 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
             [g.uid for g in part.ready.iter_groups()],
             sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
             {step: len(at) for step, at in part.in_flight.groups.items()},
-            len(part.waiters),
+            len(_consumer(buf).waiting.get(name, ())),
             part.exempt,
             part.evict_failures,
             part.evict_in_flight,
             part.cap,
             admission_counts(buf, name),
-            len(part.producers),
-            part.last_sampled,
+            _admission(buf).waiting(name),
+            _admission(buf).last_sampled(name),
         )
         for name, part in _indexes(buf).items()
     }
-    admission = (dict(buf._clocks), list(buf._evicted_in_flight))
-    return buf.stats(), buf.closed, groups, indexes, admission, buf._next_seq
+    admission = (dict(_admission(buf).clocks), list(_store(buf).evicted_in_flight))
+    return buf.stats(), buf.closed, groups, indexes, admission, _store(buf).next_seq
 
 
 # -- reading the buffer's internals (the only code that does) -----------------------------------
@@ -277,11 +278,11 @@ class GroupView:
 
 
 def resident_groups(buf: ReplayBuffer) -> dict[str, GroupView]:
-    """Every resident group by uid, in admission order. Reads ``buf._groups``."""
+    """Every resident group by uid, in admission order. Reads the group store's ``groups``."""
     views = {}
     for uid, group in _groups(buf).items():
         if isinstance(group, OpenGroup):
-            partition, trajectories = group.partition.name, tuple(group.trajectories.values())
+            partition, trajectories = group.partition, tuple(group.trajectories.values())
         else:
             partition, trajectories = group.partition, group.trajectories
         views[uid] = GroupView(
@@ -297,25 +298,25 @@ def resident_groups(buf: ReplayBuffer) -> dict[str, GroupView]:
 
 
 def resident_uids(buf: ReplayBuffer) -> list[str]:
-    """The uids of every resident group, in admission order. Reads ``buf._groups``."""
+    """The uids of every resident group, in admission order. Reads the group store's ``groups``."""
     return list(_groups(buf))
 
 
 def resident_keys(buf: ReplayBuffer) -> list[str]:
-    """The keys of every trajectory held by a resident group. Reads ``buf._groups``."""
+    """The keys of every trajectory held by a resident group. Reads the group store's ``groups``."""
     return [t.key for group in resident_groups(buf).values() for t in group.trajectories]
 
 
 def ready_uids(buf: ReplayBuffer, partition: str = "train") -> list[str]:
     """The sampleable groups of ``partition`` in selection order (oldest first, FIFO ties).
 
-    Reads the partition's index (``buf._partitions``): its ready buckets and step heap.
+    Reads the partition's index (the group store's ``partitions``): its ready buckets and step heap.
     """
     return [g.uid for g in _indexes(buf)[partition].ready.iter_groups()]
 
 
 def ready_order(buf: ReplayBuffer) -> dict[str, list[str]]:
-    """:func:`ready_uids` of every partition the buffer knows. Reads ``buf._partitions``."""
+    """:func:`ready_uids` of every partition the buffer knows. Reads the group store's ``partitions``."""
     return {name: [g.uid for g in part.ready.iter_groups()] for name, part in _indexes(buf).items()}
 
 
@@ -356,18 +357,19 @@ def admission_counts(buf: ReplayBuffer, partition: str = "train") -> dict[int, i
 
 
 def evaluations(buf: ReplayBuffer) -> int:
-    """How many times a sample evaluated a partition (evicted/selected). Reads ``buf._evaluations``."""
-    return buf._evaluations
+    """How many times a sample evaluated a partition (evicted/selected). Reads the consumer's ``evaluations``."""
+    return _consumer(buf).evaluations
 
 
 def status_timer_running(buf: ReplayBuffer) -> bool:
-    """Whether the asyncio status-line timer is scheduled. Reads ``buf._status_log.timer``."""
-    return buf._status_log is not None and buf._status_log.timer is not None
+    """Whether the asyncio status-line timer is scheduled. Reads the consumer's status timer."""
+    status_log = _consumer(buf).status_log
+    return status_log is not None and status_log.timer is not None
 
 
 def stored_groups(buf: ReplayBuffer) -> dict[str, Group]:
     """The resident terminal group records by uid, as stored (reading them builds nothing).
-    Reads ``buf._groups``."""
+    Reads the group store's ``groups``."""
     return {uid: group for uid, group in _groups(buf).items() if isinstance(group, Group)}
 
 
@@ -380,18 +382,36 @@ def trajectories_built(group: Group) -> bool:
 def producer_ledger(buf: ReplayBuffer, partition: str = "train") -> tuple[int, int, float, float]:
     """``(counted, queued, starts, expected)``: the producers the wait ledger counts and those in
     the admission queue, the ledger's sum of wait starts and the sum the queue implies. Reads
-    ``PartitionState.producers`` and ``producer_waits``."""
-    part = _indexes(buf).get(partition)
-    if part is None:  # not created yet: nobody waits there
+    admission's ``ProducerQueue`` of the partition."""
+    queue = _admission(buf).queues.get(partition)
+    if queue is None:  # not created yet: nobody waits there
         return 0, 0, 0.0, 0.0
-    waits = part.producer_waits
-    expected = sum(max(waiter.started, waits.reported_at) for waiter in part.producers)
-    return waits.parked, len(part.producers), waits.starts, expected
+    waits = queue.waits
+    expected = sum(max(waiter.started, waits.reported_at) for waiter in queue.producers)
+    return waits.parked, len(queue.producers), waits.starts, expected
+
+
+# The facade's parts are name-mangled private attributes (a subclass cannot clobber them); these
+# white-box helpers are the only code outside the facade that reads them.
+
+
+def _store(buf: ReplayBuffer) -> Any:
+    return buf._ReplayBuffer__store  # type: ignore[attr-defined]
+
+
+def _admission(buf: ReplayBuffer) -> Any:
+    return buf._ReplayBuffer__admission  # type: ignore[attr-defined]
+
+
+def _consumer(buf: ReplayBuffer) -> Any:
+    return buf._ReplayBuffer__consumer  # type: ignore[attr-defined]
 
 
 def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:
-    return buf._groups
+    groups: Mapping[str, Any] = _store(buf).groups
+    return groups
 
 
 def _indexes(buf: ReplayBuffer) -> Mapping[str, PartitionState]:
-    return buf._partitions
+    partitions: Mapping[str, PartitionState] = _store(buf).partitions
+    return partitions

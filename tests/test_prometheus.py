@@ -475,34 +475,41 @@ def test_a_real_remote_buffer_is_exported_and_a_killed_actor_gives_up_0(ray_runn
 # -- installing and removing ------------------------------------------------------------------
 
 
-def test_unregister_removes_the_collector_and_restores_the_methods() -> None:
+def test_unregister_removes_the_collector_and_stops_observing() -> None:
+    """The collector subscribes through ``observe_samples``: it replaces no method on the
+    buffer, and unregistering stops its histograms from counting (architecture, round 2)."""
     buffer = make()
     registry = CollectorRegistry()
     collector = register(buffer, registry)
-    assert "sample" in vars(buffer)
-    assert "sample_nowait" in vars(buffer)
-    collector.unregister()
-    collector.unregister()  # idempotent
     assert "sample" not in vars(buffer)
     assert "sample_nowait" not in vars(buffer)
+    buffer.put_group_nowait("g", [1], global_steps=0)
+    buffer.sample_nowait(0, 1)
+    assert scrape(registry)[("stalebuf_sample_staleness_count", frozenset({("partition", "train")}))] == 1
+    collector.unregister()
+    collector.unregister()  # idempotent
     assert scrape(registry) == {}
+    buffer.put_group_nowait("h", [1], global_steps=0)
+    buffer.sample_nowait(0, 1)  # no observer left to feed
+    assert "sample_nowait" not in vars(buffer)
 
 
 def test_two_collectors_on_one_buffer_both_observe_and_unwind_in_any_order() -> None:
     buffer = make()
     registry = CollectorRegistry()
     first = register(buffer, registry, namespace="a")
-    first_tap = vars(buffer)["sample_nowait"]
     second = register(buffer, registry, namespace="b")
     buffer.put_group_nowait("g", [1], global_steps=0)
     buffer.sample_nowait(0, 1)
     samples = scrape(registry)
     for namespace in ("a", "b"):
         assert samples[(f"{namespace}_sample_staleness_count", frozenset({("partition", "train")}))] == 1
+    first.unregister()  # the first one out: the second still observes
+    buffer.put_group_nowait("h", [1], global_steps=0)
+    buffer.sample_nowait(0, 1)
+    assert scrape(registry)[("b_sample_staleness_count", frozenset({("partition", "train")}))] == 2
     second.unregister()
-    assert vars(buffer)["sample_nowait"] is first_tap
-    first.unregister()
-    assert "sample_nowait" not in vars(buffer)
+    assert scrape(registry) == {}
 
 
 @pytest.mark.parametrize(

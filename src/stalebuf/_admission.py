@@ -1,25 +1,27 @@
-"""Admission control: the dispatch clock, admission slots, and producers waiting for one.
+"""Admission control: the dispatch clocks, the producers waiting for a slot, and their waits.
 
-The rule (how many groups per dispatch step, and which steps are still open) is the policy's
-``admits``; this module keeps the clock, asks the rule, and parks producers in arrival order
-until a slot opens. Slots are never counted separately from the groups: a slot frees the
-moment its group leaves the buffer (see ``PartitionState._release``), so nothing can drift.
+The rule (how many groups per dispatch step, and which steps are still open) is the rule
+book's ``admits``; :class:`Admission` keeps the clocks, asks the rule and parks producers in
+arrival order until a slot opens. Slots are never counted apart from the groups: the store
+counts resident groups per dispatch step, and a slot frees the moment its group leaves.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ._core import BufferCore
 from ._partition import PartitionState
+from ._rules import Rules
 from ._status_log import logger
-from ._validation import check_partition, describe
-from ._waiting import Waiter, park
-from .errors import BufferFullError
+from ._store import GroupStore
+from ._validation import describe
+from ._waiting import LoopBinding, ProducerWaits, Waiter, park
+from .errors import BufferClosedError, BufferFullError
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "ProducerQueue"]
 
 _T = TypeVar("_T")
 
@@ -33,6 +35,34 @@ class _Admitted(Generic[_T]):
         self.value = value
 
 
+class ProducerQueue:
+    """One partition's admission state: producers waiting for a slot (arrival order; only
+    the head may be admitted), the ledger of their waits, and the last step sampled."""
+
+    __slots__ = ("last_sampled", "producers", "waits")
+
+    def __init__(self) -> None:
+        self.producers: deque[Waiter] = deque()
+        self.waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
+        self.last_sampled = -1  # the largest step a sample returned a batch at
+
+    def drop_abandoned(self, everywhere: bool = False) -> None:
+        """Forget producers whose event loop was closed under them (the head only, O(1), unless
+        ``everywhere``): they will never run, and their wait ends with their loop."""
+        producers = self.producers
+        if everywhere:
+            if any(waiter.abandoned() for waiter in producers):
+                for waiter in producers:
+                    if waiter.abandoned():
+                        self.waits.leave(waiter, None)
+                live = [waiter for waiter in producers if not waiter.abandoned()]
+                producers.clear()
+                producers.extend(live)
+            return
+        while producers and producers[0].abandoned():
+            self.waits.leave(producers.popleft(), None)
+
+
 def _closed_error(name: str, tag: int, last_sampled: int) -> BufferFullError:
     return BufferFullError(
         f"dispatch step {tag} of partition {describe(name)} is closed for good: a group tagged {tag} "
@@ -41,18 +71,58 @@ def _closed_error(name: str, tag: int, last_sampled: int) -> BufferFullError:
     )
 
 
-class Admission(BufferCore):
-    """The admission half of ``ReplayBuffer``'s state (documented there)."""
+class Admission:
+    """The admission control of one buffer (its rules are documented on ``ReplayBuffer``).
 
-    def _advance_clock(self, name: str, global_steps: int) -> None:
+    Attributes (read them; change them only through the methods):
+        clocks: each partition's dispatch clock, the largest step a sample was called with.
+    """
+
+    __slots__ = ("binding", "clocks", "queues", "rules", "store")
+
+    def __init__(self, store: GroupStore, rules: Rules, binding: LoopBinding) -> None:
+        self.store = store
+        self.rules = rules
+        self.binding = binding
+        self.clocks: dict[str, int] = {}
+        self.queues: dict[str, ProducerQueue] = {}
+
+    def queue(self, name: str) -> ProducerQueue:
+        """Return partition ``name``'s admission state, creating it the first time."""
+        queue = self.queues.get(name)
+        if queue is None:
+            queue = self.queues[name] = ProducerQueue()
+        return queue
+
+    def last_sampled(self, name: str) -> int:
+        """The largest step a sample on ``name`` returned a batch at (-1 before any)."""
+        queue = self.queues.get(name)
+        return -1 if queue is None else queue.last_sampled
+
+    def waiting(self, name: str) -> int:
+        """How many producers wait for a slot in partition ``name``."""
+        queue = self.queues.get(name)
+        return 0 if queue is None else len(queue.producers)
+
+    # -- the clock and the samples that move it -------------------------------------------
+
+    def advance(self, name: str, global_steps: int) -> None:
         """Move partition ``name``'s dispatch clock to ``global_steps`` if that is later."""
-        if global_steps > self._clocks.get(name, 0):
-            self._clocks[name] = global_steps
-            part = self._partitions.get(name)
-            if part is not None and part.producers:
-                self._wake_producer(part)  # a new step: fresh slots
+        if global_steps > self.clocks.get(name, 0):
+            self.clocks[name] = global_steps
+            self.wake(name)  # a new step: fresh slots
 
-    def _admission_tag(
+    def batch_taken(self, name: str, global_steps: int) -> None:
+        """Record that a sample at ``global_steps`` returned a batch (its slots are free)."""
+        queue = self.queue(name)
+        if global_steps > queue.last_sampled:
+            queue.last_sampled = global_steps
+        if queue.producers:
+            self.wake(name)
+
+    # -- the rule ---------------------------------------------------------------------
+
+    def tag_for(
         self, name: str, part: PartitionState | None, requested: int | None, *, head: bool = False
     ) -> int:
         """Return the dispatch step a group added now gets (``requested``, or the clock).
@@ -62,9 +132,9 @@ class Admission(BufferCore):
                 producers wait first and ``head`` is False).
             Exception: whatever the policy's ``admits`` raised.
         """
-        tag = self._clocks.get(name, 0) if requested is None else requested
-        if part is None:  # not created yet: nothing is resident there
-            cap = self._rules.admission_batch_size(name)
+        tag = self.clocks.get(name, 0) if requested is None else requested
+        if part is None:  # not created yet: nothing is resident there, nobody waits
+            cap = self.rules.admission_cap(name)
             if cap is None:
                 return tag
             resident, last_sampled = 0, -1
@@ -72,17 +142,18 @@ class Admission(BufferCore):
             cap = part.cap
             if cap is None:
                 return tag
-            resident, last_sampled = part.resident_at_step(tag), part.last_sampled
-            if not head and part.producers:
-                part.drop_abandoned()
-                if part.producers:
-                    if requested is not None and self._closed_for_good(name, tag, last_sampled):
+            resident, last_sampled = part.resident_at_step(tag), self.last_sampled(name)
+            queue = self.queues.get(name)
+            if not head and queue is not None and queue.producers:
+                queue.drop_abandoned()
+                if queue.producers:
+                    if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
                         raise _closed_error(name, tag, last_sampled)  # waiting would not help it
                     raise BufferFullError(
                         f"producers are waiting for admission to partition {describe(name)}"
                     )
-        if not self._rules.admits(tag, resident, last_sampled, cap, name):
-            if requested is not None and self._closed_for_good(name, tag, last_sampled):
+        if not self.rules.admits(tag, resident, last_sampled, cap, name):
+            if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
                 raise _closed_error(name, tag, last_sampled)
             raise BufferFullError(
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
@@ -90,34 +161,28 @@ class Admission(BufferCore):
             )
         return tag
 
-    def _closed_for_good(self, name: str, tag: int, last_sampled: int) -> bool:
-        """Whether no slot at ``tag`` can ever open: the default admission rule refuses a tag
-        that is stale at the next sample, and the drop rule is monotone while sample steps only
-        grow. (A custom ``admits`` may reopen anything: never closed for good then.)
+    def free_slots(self, part: PartitionState) -> int | None:
+        """How many groups ``add_prompt`` would admit at the clock's step without waiting.
 
         Raises:
-            Exception: whatever the policy's ``is_stale`` raised.
+            Exception: whatever the policy's ``admits`` raised.
         """
-        return self._admits_by_default and self._rules.is_stale(last_sampled + 1, tag, name)
-
-    def _free_slots(self, part: PartitionState) -> int | None:
-        """How many groups ``add_prompt`` would admit at the clock's step without waiting."""
         cap = part.cap
         if cap is None:
             return None
         try:
-            tag = self._admission_tag(part.name, part, None)
+            tag = self.tag_for(part.name, part, None)
         except BufferFullError:
             return 0
         return max(cap - part.resident_at_step(tag), 0)
 
-    def _capacity(self, part: PartitionState | None, name: str) -> int | None:
-        cap = self._rules.admission_batch_size(name) if part is None else part.cap
-        if cap is None:
-            return None
-        return cap * self._rules.threshold * self._rules.sync_step
+    def capacity(self, part: PartitionState | None, name: str) -> int | None:
+        """``T * S * b`` for partition ``name``; None without admission control."""
+        return self.rules.capacity(self.rules.admission_cap(name) if part is None else part.cap)
 
-    async def _wait_for_slot(
+    # -- waiting for a slot -------------------------------------------------------------
+
+    async def wait_for_slot(
         self, part: PartitionState, requested: int | None, admit: Callable[[int], _T]
     ) -> _T:
         """Park in ``part``'s producer queue until a slot at the requested step (or the clock's)
@@ -125,49 +190,53 @@ class Admission(BufferCore):
 
         Raises:
             BufferClosedError: the buffer was closed meanwhile.
+            BufferFullError: ``requested`` is a tag closed for good (at once, or once a sample
+                closes it while the producer waits).
             Exception: whatever ``admit`` raised (the producer leaves the queue either way).
         """
-        binding = self._binding
+        binding, name, rules = self.binding, part.name, self.rules
         binding.check_backend()
         binding.bind()
         waiter = binding.new_waiter(-1 if requested is None else requested, 0)
+        queue = self.queue(name)
 
         def attempt() -> _Admitted[_T] | None:
-            self._check_open()
-            if part.producers[0] is not waiter:
+            if self.store.closed:
+                raise BufferClosedError("the buffer is closed")
+            if queue.producers[0] is not waiter:
                 return None
             try:
-                tag = self._admission_tag(part.name, part, requested, head=True)
+                tag = self.tag_for(name, part, requested, head=True)
             except BufferFullError:
-                if requested is not None and self._closed_for_good(part.name, requested, part.last_sampled):
+                if requested is not None and rules.closed_for_good(name, requested, queue.last_sampled):
                     raise  # a sample closed its tag while it waited: it would wait forever
                 return None
             return _Admitted(admit(tag))
 
-        if requested is not None and self._closed_for_good(part.name, requested, part.last_sampled):
-            raise _closed_error(part.name, requested, part.last_sampled)  # waiting would be forever
-        part.producer_waits.park(waiter, waiter.now())
-        part.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
+        if requested is not None and rules.closed_for_good(name, requested, queue.last_sampled):
+            raise _closed_error(name, requested, queue.last_sampled)  # waiting would be forever
+        queue.waits.park(waiter, waiter.now())
+        queue.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
         try:
             admitted = await park(waiter, attempt)
         finally:
-            self._leave_producers(part, waiter)
+            self._leave(queue, name, waiter)
         return admitted.value
 
-    @staticmethod
-    def _take_producer_wait(part: PartitionState) -> float:
-        """Return the seconds producers spent blocked on ``part`` since the last call, counting
+    def take_producer_wait(self, name: str) -> float:
+        """Return the seconds producers spent blocked on ``name`` since the last call, counting
         those still blocked up to now, and start the next period (O(1))."""
+        queue = self.queue(name)
         now: float | None = None
-        if part.producers:
+        if queue.producers:
             with contextlib.suppress(RuntimeError):  # trio's clock, read outside its run: later
-                now = part.producers[0].now()
-        return part.producer_waits.report(now)
+                now = queue.producers[0].now()
+        return queue.waits.report(now)
 
-    def _leave_producers(self, part: PartitionState, waiter: Waiter) -> None:
-        """Take ``waiter`` out of the producer queue and count its wait; if it was the head,
-        pass the turn on."""
-        producers = part.producers
+    def _leave(self, queue: ProducerQueue, name: str, waiter: Waiter) -> None:
+        """Take ``waiter`` out of the queue and count its wait; if it was the head, pass the
+        turn on."""
+        producers = queue.producers
         head = bool(producers) and producers[0] is waiter
         if head:
             producers.popleft()
@@ -179,30 +248,31 @@ class Admission(BufferCore):
             now: float | None = waiter.now()
         except RuntimeError:  # trio's clock, once its run is over
             now = None
-        part.producer_waits.leave(waiter, now)
+        queue.waits.leave(waiter, now)
         if head:
-            self._wake_producer(part)
+            self.wake(name)
 
-    def _wake_producer(self, part: PartitionState) -> None:
-        """Wake the head waiting producer if a slot is open for it.
+    def wake(self, name: str) -> None:
+        """Wake the head waiting producer of ``name`` if a slot is open for it (or its tag
+        closed for good, so that it raises instead of holding the queue up forever).
 
         Runs after another call's state change: a policy hook that raises here is logged and
         the producer woken, to raise it from its own call.
         """
-        if self._closed:
+        queue = self.queues.get(name)
+        if queue is None or self.store.closed:
             return
-        part.drop_abandoned()
-        if not part.producers:
+        queue.drop_abandoned()
+        if not queue.producers:
             return
-        head = part.producers[0]
+        head = queue.producers[0]
         requested = None if head.global_steps < 0 else head.global_steps
         try:
-            self._admission_tag(part.name, part, requested, head=True)
+            self.tag_for(name, self.store.partitions.get(name), requested, head=True)
         except BufferFullError:
-            # Its tag closed for good: wake it to raise, or it would hold up the queue forever.
             try:
-                closed = requested is not None and self._closed_for_good(
-                    part.name, requested, part.last_sampled
+                closed = requested is not None and self.rules.closed_for_good(
+                    name, requested, queue.last_sampled
                 )
             except Exception:  # woken, it asks again and raises it from its own call
                 logger.exception("a staleness policy hook raised while checking a waiting producer")
@@ -213,55 +283,22 @@ class Admission(BufferCore):
             logger.exception("a staleness policy hook raised while checking a waiting producer")
         head.wake()
 
-    # -- public queries (documented on ReplayBuffer) -------------------------------------
+    def close(self) -> None:
+        """Wake every waiting producer (each raises BufferClosedError from its own call)."""
+        for queue in self.queues.values():
+            queue.drop_abandoned(everywhere=True)
+            for waiter in queue.producers:
+                waiter.wake()
 
-    def dispatch_step(self, partition: str = "train") -> int:
-        """Return the step a group dispatched now is tagged with: the largest ``global_steps``
-        any ``sample`` on ``partition`` has been called with (0 before the first).
+    def drop_abandoned(self) -> None:
+        """Forget every producer whose event loop was closed under it (``stats()`` counts them)."""
+        for queue in self.queues.values():
+            queue.drop_abandoned(everywhere=True)
 
-        It reads one int, so unlike every other call it may be made from any thread (the
-        example server's ``def`` handlers do).
+    # -- checkpoints ------------------------------------------------------------------------
 
-        Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-        """
-        check_partition(partition)
-        return self._clocks.get(partition, 0)
-
-    def capacity(self, partition: str = "train") -> int | None:
-        """Return the bound on ``partition``'s resident groups under admission control,
-        ``T * S * admission_batch_size``; None without admission or for an exempt partition.
-
-        Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            WrongThreadError: called from another thread than the bound loop's.
-        """
-        self._binding.check_thread()
-        check_partition(partition)
-        return self._capacity(self._partitions.get(partition), partition)
-
-    def free_slots(self, partition: str = "train") -> int | None:
-        """Return how many groups ``add_prompt`` would admit now at the clock's step without
-        waiting; None without admission control or for an exempt partition.
-
-        Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            WrongThreadError: called from another thread than the bound loop's.
-            Exception: whatever the policy's ``admits`` raised.
-        """
-        self._binding.check_thread()
-        check_partition(partition)
-        part = self._partitions.get(partition)
-        if part is None:
-            cap = self._rules.admission_batch_size(partition)
-            return None if cap is None else cap  # an unused partition: every slot at its clock step
-        return self._free_slots(part)
-
-    def full(self, partition: str = "train") -> bool:
-        """Return whether ``free_slots(partition) == 0`` (never True without admission control).
-
-        Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            WrongThreadError: called from another thread than the bound loop's.
-        """
-        return self.free_slots(partition) == 0
+    def restore(self, clocks: dict[str, int], last_sampled: dict[str, int]) -> None:
+        """Set the clocks and last sampled steps a restore read (before anyone waits)."""
+        self.clocks.update(clocks)
+        for name, step in last_sampled.items():
+            self.queue(name).last_sampled = step

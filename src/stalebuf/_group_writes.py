@@ -1,27 +1,31 @@
 """Writing a whole group at once: the two bodies behind ``put_group``.
 
-``_put_new_finished_group`` is the common case (a new FINISHED group of default keys, every
-argument already checked by the caller): the group goes straight to the ready index as a
-:class:`~stalebuf._lazy_group.LazyGroup`, never in flight. ``_put_group`` is everything else:
-it checks every argument, then adds, fills and ends the group, all or nothing.
+:meth:`GroupWriter.put_new_finished` is the common case (a new FINISHED group of default keys,
+every argument already checked by the caller): the group goes straight to the ready index as
+a :class:`~stalebuf._lazy_group.LazyGroup`, never in flight. :meth:`GroupWriter.put` is
+everything else: it checks every argument, then adds, fills and ends the group, all or nothing.
+The writer owns no state: it asks admission for a tag and the store to change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from ._lazy_group import LazyGroup
-from ._partition import OpenGroup, PartitionState
-from ._sampling import Sampling
+from ._admission import Admission
+from ._consumer import Consumer
+from ._open_group import OpenGroup
+from ._partition import PartitionState
+from ._store import GroupStore
 from ._validation import check_group_payloads, check_partition, check_step, check_tags, check_uid, describe
 from .errors import DuplicateGroupError, DuplicateTrajectoryError
-from .records import EMPTY_TAGS, Group, Status, default_keys, new_trajectory
+from .records import EMPTY_TAGS, Group, Status
 
-__all__ = ["GroupWrites"]
+__all__ = ["GroupStatus", "GroupWriter"]
 
+#: What ``put_group(status=...)`` accepts: a terminal Status, its value, or "failed".
+GroupStatus = Status | Literal["finished", "failure", "failed"]
 _FINISHED, _FAILURE = Status.FINISHED, Status.FAILURE
-_tuple_new = tuple.__new__
 # What ``put_group(status=...)`` accepts: a terminal Status or its value ("failed" too).
 _TERMINAL: dict[object, Status] = {
     _FINISHED: _FINISHED,
@@ -32,10 +36,17 @@ _TERMINAL: dict[object, Status] = {
 }
 
 
-class GroupWrites(Sampling):
-    """The whole-group writes of ``ReplayBuffer`` (``put_group_nowait``/``put_group`` call them)."""
+class GroupWriter:
+    """The whole-group writes of one buffer (``put_group_nowait``/``put_group`` call them)."""
 
-    def _put_new_finished_group(
+    __slots__ = ("admission", "consumer", "store")
+
+    def __init__(self, store: GroupStore, admission: Admission, consumer: Consumer) -> None:
+        self.store = store
+        self.admission = admission
+        self.consumer = consumer
+
+    def put_new_finished(
         self,
         part: PartitionState,
         uid: str,
@@ -43,32 +54,24 @@ class GroupWrites(Sampling):
         global_steps: int | None,
         tags: Mapping[str, Any] | None,
     ) -> list[str]:
-        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked: it
-        goes straight to the ready index (never in flight). What can raise runs before any change."""
-        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
-        clock = self._clocks.get(part.name, 0)
-        step = clock if global_steps is None else global_steps
-        if part.cap is not None and not (  # the default admission rule inline, else the general check
-            self._plain_admission
-            and not part.producers
-            and part.resident_at is not None
-            and part.resident_at.get(step, 0) < part.cap
-            and step >= part.last_sampled + 2 - self._stale_span  # not is_stale(last_sampled + 1, step)
-        ):
-            step = self._admission_tag(part.name, part, global_steps)  # may raise BufferFullError
-        stored = payloads if type(payloads) is tuple else tuple(payloads)
-        record = _tuple_new(  # _lazy_group.new_lazy_group: its records are built when first read
-            LazyGroup, (uid, part.name, step, _FINISHED, frozen_tags, stored, max(clock, step), 0.0)
-        )
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        self._groups[uid] = record
-        part.add_terminal(record, seq)
-        if part.waiters:
-            self._wake_head(part)
-        return default_keys(uid, len(stored))
+        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked.
+        What can raise runs before any change.
 
-    def _put_group(
+        Raises:
+            TypeError, ValueError: ``tags`` is invalid.
+            BufferFullError: admission control has no slot for it now.
+        """
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        clock = self.admission.clocks.get(part.name, 0)
+        step = clock if global_steps is None else global_steps
+        if part.cap is not None:
+            step = self.admission.tag_for(part.name, part, global_steps)
+        stored = payloads if type(payloads) is tuple else tuple(payloads)
+        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags)
+        self.consumer.notify(part)
+        return keys
+
+    def put(
         self,
         uid: str,
         payloads: Collection[Any],
@@ -84,47 +87,70 @@ class GroupWrites(Sampling):
         """``put_group_nowait`` after the open/thread check: check everything, then change.
 
         ``granted`` is the admission slot a waiting producer was given (its dispatch step).
+
+        Raises:
+            The errors of ``ReplayBuffer.put_group_nowait``.
         """
         check_uid(uid)
         if global_steps is not None:
             check_step(global_steps)
         check_partition(partition)
         group_tags = check_tags(tags)
-        if type(status) is not str and type(status) is not Status and isinstance(status, str):
-            status = str.__str__(status)  # a str subclass (numpy's str_): its plain value, no override
-        terminal = _TERMINAL.get(status) if type(status) in (str, Status) else None
-        if terminal is None:
-            raise ValueError(
-                f"status must be Status.FINISHED or Status.FAILURE (or its value), got {describe(status)}"
-            )
+        terminal = _terminal_status(status)
         keys, rows = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
-        group: OpenGroup | Group | None = self._groups.get(uid)
+        store = self.store
+        group: OpenGroup | Group | None = store.groups.get(uid)
         if group is not None:
-            group = self._open_group(uid, "put a group into")
-            step = group.dispatch_step
-            if (global_steps is not None and step != global_steps) or group.partition.name != partition:
-                raise DuplicateGroupError(
-                    f"group {describe(uid)} is already in the buffer with "
-                    f"global_steps={group.dispatch_step}, "
-                    f"partition={describe(group.partition.name)}; put_group got global_steps={global_steps}, "
-                    f"partition={describe(partition)}"
-                )
-            for key in keys:
-                if key in group.trajectories:
-                    raise DuplicateTrajectoryError(
-                        f"group {describe(uid)} already holds trajectory {describe(key)}"
-                    )
-        elif uid in self._evicted_in_flight:  # only add_prompt may start such a uid afresh
-            self._open_group(uid, "put a group into")  # raises GroupEvictedError
+            group = store.open_group(uid, "put a group into")
+            _check_same_group(group, global_steps, partition, keys)
+        elif uid in store.evicted_in_flight:  # only add_prompt may start such a uid afresh
+            store.open_group(uid, "put a group into")  # raises GroupEvictedError
             raise AssertionError("unreachable")
-        elif granted is not None:
-            step = granted
         else:
-            step = self._admission_tag(partition, self._partitions.get(partition), global_steps)
-        # Everything is valid: from here on nothing raises, so the group lands whole.
-        if group is None:
-            group = self._admit(uid, step, self._partition(partition), group_tags)
-        group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
-        group.partition.add_trajectories(len(rows))
-        self._terminate(group, terminal)
+            step = (
+                granted
+                if granted is not None
+                else self.admission.tag_for(partition, store.partitions.get(partition), global_steps)
+            )
+            # Everything is valid: from here on nothing raises, so the group lands whole.
+            group = store.admit(uid, step, store.partition(partition), group_tags)
+        store.fill(group, rows)
+        part = store.end(group, terminal, self.admission.clocks.get(partition, 0))
+        self.consumer.notify(part)
         return keys
+
+
+def _terminal_status(status: object) -> Status:
+    """Return the terminal Status ``status`` names.
+
+    Raises:
+        ValueError: it names none.
+    """
+    if type(status) is not str and type(status) is not Status and isinstance(status, str):
+        status = str.__str__(status)  # a str subclass (numpy's str_): its plain value, no override
+    terminal = _TERMINAL.get(status) if type(status) in (str, Status) else None
+    if terminal is None:
+        raise ValueError(
+            f"status must be Status.FINISHED or Status.FAILURE (or its value), got {describe(status)}"
+        )
+    return terminal
+
+
+def _check_same_group(group: OpenGroup, global_steps: int | None, partition: str, keys: list[str]) -> None:
+    """Refuse a ``put_group`` into the in-flight ``group`` under another step or partition, or
+    with keys it holds.
+
+    Raises:
+        DuplicateGroupError, DuplicateTrajectoryError: as said.
+    """
+    if (global_steps is not None and group.dispatch_step != global_steps) or group.partition != partition:
+        raise DuplicateGroupError(
+            f"group {describe(group.uid)} is already in the buffer with global_steps={group.dispatch_step}, "
+            f"partition={describe(group.partition)}; put_group got global_steps={global_steps}, "
+            f"partition={describe(partition)}"
+        )
+    for key in keys:
+        if key in group.trajectories:
+            raise DuplicateTrajectoryError(
+                f"group {describe(group.uid)} already holds trajectory {describe(key)}"
+            )

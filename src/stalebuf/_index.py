@@ -21,12 +21,10 @@ from array import array
 from collections.abc import Callable, Iterator, MutableSequence
 from itertools import chain
 from operator import is_, itemgetter
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TypeVar, cast
 
+from ._open_group import OpenGroup
 from .records import Group
-
-if TYPE_CHECKING:
-    from ._partition import OpenGroup
 
 __all__ = ["Bucket", "InFlightIndex", "ReadyIndex"]
 

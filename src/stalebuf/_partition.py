@@ -1,79 +1,33 @@
-"""What the buffer keeps for one partition: its indexes, its failed groups and its counters.
+"""What the group store keeps for one partition: its indexes, its failed groups, its counters.
 
 A :class:`PartitionState` only records what happened; it never decides what should happen
-(that is the policy's job) and never waits (that is the waiting room's).
+(that is the rule book's job), never waits (the consumer and admission own the queues), and
+is written only by the group store that owns it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Mapping
 from operator import attrgetter
-from typing import Any
 
 from ._index import InFlightIndex, ReadyIndex
+from ._open_group import OpenGroup
 from ._stored import count_trajectories, stored_trajectories
-from ._waiting import ProducerWaits, Waiter
-from .records import Group, Status, Trajectory
+from .records import Group, Status
 from .stats import PartitionStats
 
-__all__ = ["OpenGroup", "PartitionState"]
+__all__ = ["PartitionState"]
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 _status_of = attrgetter("status")
 
 
-class OpenGroup:
-    """A PENDING or RUNNING group: the only mutable group state the buffer keeps."""
-
-    __slots__ = (
-        "admitted_at",
-        "dispatch_step",
-        "partition",
-        "seq",
-        "status",
-        "tags",
-        "trajectories",
-        "uid",
-        "watchers",
-    )
-
-    def __init__(
-        self,
-        uid: str,
-        partition: PartitionState,
-        dispatch_step: int,
-        seq: int,
-        tags: Mapping[str, Any],
-        admitted_at: float,
-    ) -> None:
-        self.uid = uid
-        self.partition = partition
-        self.dispatch_step = dispatch_step
-        self.seq = seq
-        self.status = _PENDING
-        self.tags = tags
-        self.admitted_at = admitted_at
-        # Called once if the group is evicted in flight or the buffer closes (rollout() cancels
-        # its body this way); None for the common group nobody watches.
-        self.watchers: list[Callable[[], object]] | None = None
-        # Keyed by trajectory key: keeps put order and detects duplicates in one structure.
-        self.trajectories: dict[str, Trajectory] = {}
-
-    @property
-    def global_steps(self) -> int:
-        """The dispatch step, under the name :class:`~stalebuf.Group` also answers to."""
-        return self.dispatch_step
-
-
 class PartitionState:
-    """Everything the buffer tracks for one partition.
+    """Everything the group store tracks for one partition.
 
-    ``exempt``, ``evict_failures``, ``evict_in_flight`` and ``cap`` (the admission control's
-    per-dispatch-step bound ``b``, None without it) are the policy's answers for this
-    partition, asked once when the partition is created. ``waiters`` are the blocked
-    ``sample`` calls and ``producers`` the producer calls blocked on admission, each in
-    arrival order; only a head may proceed.
+    ``exempt``, ``evict_failures``, ``evict_in_flight`` and ``cap`` (admission control's
+    per-dispatch-step bound ``b``, None without it) are the rule book's answers for this
+    partition, asked once when it is created. Under admission control it keeps
+    ``resident_at``, the resident groups per dispatch step, which admission reads.
     """
 
     __slots__ = (
@@ -94,11 +48,8 @@ class PartitionState:
         "failure",
         "finished",
         "in_flight",
-        "last_sampled",
         "name",
         "pending",
-        "producer_waits",
-        "producers",
         "ready",
         "reissued_groups",
         "reissued_trajectories",
@@ -107,7 +58,6 @@ class PartitionState:
         "sampled_groups",
         "sampled_trajectories",
         "trajectories",
-        "waiters",
     )
 
     def __init__(
@@ -127,13 +77,9 @@ class PartitionState:
         self.ready = ReadyIndex()
         self.in_flight = InFlightIndex()
         self.failed: list[tuple[int, int, Group]] = []  # (step, seq, group): failed, to evict
-        self.waiters: deque[Waiter] = deque()
-        self.producers: deque[Waiter] = deque()
         # Resident groups per dispatch step, kept only under admission control. Every group
-        # leaves through _forget, which decrements it: the count cannot drift from the truth.
+        # leaves through _forget or _release, which decrement it: it cannot drift from the truth.
         self.resident_at: dict[int, int] | None = None if self.cap is None else {}
-        self.last_sampled = -1  # the largest step a sample returned a batch at
-        self.producer_waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
         self.pending = self.running = self.finished = self.failure = 0
         self.trajectories = 0
         self.admitted_groups = self.admitted_trajectories = 0
@@ -275,54 +221,22 @@ class PartitionState:
         self.sampled_groups += len(chosen)
         return chosen
 
-    # -- waiting ------------------------------------------------------------------------
-
-    def drop_abandoned(self, everywhere: bool = False) -> None:
-        """Forget waiters whose event loop was closed under them: they will never run.
-
-        Only the heads are checked (a waiter behind a live head does not matter until it is
-        at the head), so this is O(1) on the hot paths; ``everywhere`` checks every waiter
-        (``stats()`` and ``close()`` do: they count or wake them all).
-        """
-        # A dropped producer's wait ends with its loop: nothing more of it is counted.
-        for queue in (self.waiters, self.producers):
-            if everywhere:
-                if any(waiter.abandoned() for waiter in queue):
-                    live = [waiter for waiter in queue if not waiter.abandoned()]
-                    if queue is self.producers:
-                        for waiter in queue:
-                            if waiter.abandoned():
-                                self.producer_waits.leave(waiter, None)
-                    queue.clear()
-                    queue.extend(live)
-            else:
-                while queue and queue[0].abandoned():
-                    waiter = queue.popleft()
-                    if queue is self.producers:
-                        self.producer_waits.leave(waiter, None)
-
-    def has_live_waiter(self) -> bool:
-        """Whether a ``sample`` that can still run waits on this partition."""
-        if not self.waiters:
-            return False
-        self.drop_abandoned()
-        return bool(self.waiters)
-
     # -- admission ----------------------------------------------------------------------
 
     def resident_at_step(self, step: int) -> int:
         """How many resident groups are tagged ``step`` (only under admission control)."""
         return self.resident_at.get(step, 0) if self.resident_at is not None else 0
 
-    def stats(self, capacity: int | None) -> PartitionStats:
-        """Return a snapshot of this partition's counts."""
+    def stats(self, waiting_samplers: int, waiting_producers: int, capacity: int | None) -> PartitionStats:
+        """Return a snapshot of this partition's counts, with the queue lengths and capacity
+        that the consumer and admission own."""
         return PartitionStats(
             pending=self.pending,
             running=self.running,
             finished=self.finished,
             failure=self.failure,
             trajectories=self.trajectories,
-            waiting_samplers=len(self.waiters),
+            waiting_samplers=waiting_samplers,
             admitted_groups=self.admitted_groups,
             admitted_trajectories=self.admitted_trajectories,
             sampled_groups=self.sampled_groups,
@@ -336,6 +250,6 @@ class PartitionState:
             evicted_restart_trajectories=self.evicted_restart_trajectories,
             reissued_groups=self.reissued_groups,
             reissued_trajectories=self.reissued_trajectories,
-            waiting_producers=len(self.producers),
+            waiting_producers=waiting_producers,
             capacity=capacity,
         )

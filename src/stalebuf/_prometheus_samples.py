@@ -7,15 +7,16 @@ thread may drain it concurrently) and the values are binned with numpy when a sc
 every ``FOLD_AT`` samples so that an unscraped process holds at most that many dicts per
 partition.
 
-The buffer has no observer API, so the tap wraps ``sample`` (and ``sample_nowait`` where it
-exists) on the instance; a core ``on_sample(batch, metrics)`` hook would make this unnecessary.
+The tap subscribes through the buffer's ``observe_samples``: nothing is replaced on the
+instance (only a buffer of another library, which has no ``observe_samples``, gets its
+``sample`` wrapped).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
 from functools import wraps
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -29,10 +30,10 @@ __all__ = ["FOLD_AT", "HistogramSnapshot", "SampleHistograms", "tap_samples"]
 #: Samples after which the tap bins what it holds itself, without waiting for a scrape.
 FOLD_AT = 512
 
+_MISSING: Any = object()
+
 #: ``(cumulative counts per bound, then +Inf)``, sum: one partition's histogram at a scrape.
 HistogramSnapshot = tuple[list[int], float]
-
-_MISSING: Any = object()
 
 
 class _Bins:
@@ -121,8 +122,37 @@ class SampleHistograms:
 
 
 def tap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], None]:
+    """Subscribe ``histograms`` to every batch ``buffer`` returns (its ``observe_samples``);
+    return the function that unsubscribes.
+
+    The observer only appends the metrics dict to its partition's list (the scrape bins it).
+    A buffer without ``observe_samples`` (another implementation of the protocol) has its
+    ``sample`` wrapped on the instance instead.
+    """
+    observe = getattr(buffer, "observe_samples", None)
+    if observe is None:
+        return _wrap_samples(buffer, histograms)
+    pending = histograms.pending
+    rows_for = histograms.rows_for
+    fold = histograms.fold
+
+    def observed(batch: Any, metrics: Mapping[str, float]) -> None:
+        partition = batch.partition
+        rows = pending.get(partition)
+        if rows is None:
+            rows = rows_for(partition)
+        rows.append(metrics)
+        if len(rows) >= FOLD_AT:
+            fold(False)
+
+    stop: Callable[[], None] = observe(observed)
+    return stop
+
+
+def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], None]:
     """Wrap ``buffer.sample`` (and ``sample_nowait`` if it has one) on the instance so that each
-    returned batch is recorded in ``histograms``; return a function that undoes it.
+    returned batch is recorded in ``histograms``; return a function that undoes it. Only for a
+    buffer of another library that has no ``observe_samples``.
 
     The wrappers spell out the signatures the buffers share (see
     :class:`stalebuf.protocol.AsyncReplayBuffer`): forwarding ``*args, **kwargs`` would cost a

@@ -9,19 +9,34 @@ group nobody can train.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 
-from ._partition import OpenGroup
+from ._open_group import GroupWatch
 from .errors import BufferClosedError, GroupEvictedError
 
-if TYPE_CHECKING:
-    from ._producers import Producers
+__all__ = ["RolloutBuffer", "RolloutGroup", "rollout"]
 
-__all__ = ["RolloutGroup", "rollout"]
+
+class RolloutBuffer(Protocol):
+    """What ``rollout()`` asks of a buffer (``ReplayBuffer`` has it)."""
+
+    async def add_prompt(
+        self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
+    ) -> None: ...
+
+    def mark_running_nowait(self, uid: str) -> None: ...
+
+    def put_nowait(
+        self, uid: str, payload: Any = None, *, session_id: int, index: int, tags: Mapping[str, Any] | None
+    ) -> str: ...
+
+    def watch(self, uid: str, callback: Callable[[], object]) -> GroupWatch: ...
+
+    def end_watched(self, watch: GroupWatch, *, finished: bool) -> bool: ...
 
 
 class RolloutGroup:
@@ -36,7 +51,7 @@ class RolloutGroup:
 
     __slots__ = ("_buffer", "evicted", "global_steps", "partition", "uid")
 
-    def __init__(self, buffer: Producers, uid: str, partition: str, global_steps: int) -> None:
+    def __init__(self, buffer: RolloutBuffer, uid: str, partition: str, global_steps: int) -> None:
         self._buffer = buffer
         self.uid = uid
         self.partition = partition
@@ -77,7 +92,7 @@ class RolloutGroup:
 
 @asynccontextmanager
 async def rollout(
-    buffer: Producers,
+    buffer: RolloutBuffer,
     uid: str,
     *,
     global_steps: int | None,
@@ -87,23 +102,23 @@ async def rollout(
     """Admit, run and end one group (see ``ReplayBuffer.rollout``)."""
     await buffer.add_prompt(uid, global_steps=global_steps, partition=partition, tags=tags)
     buffer.mark_running_nowait(uid)
-    state = buffer._groups[uid]
-    assert type(state) is OpenGroup  # just admitted and marked running, nothing ran since
-    group = RolloutGroup(buffer, uid, partition, state.dispatch_step)
     with anyio.CancelScope() as scope:
+        group: RolloutGroup | None = None
 
         def evicted() -> None:
+            assert group is not None  # watched below, before anything can evict it
             group.evicted = True
             scope.cancel()
 
-        if state.watchers is None:
-            state.watchers = []
-        state.watchers.append(evicted)
+        # Just admitted and marked running, nothing ran since: the watch is on this very group,
+        # and the block ends only it (never a later group that reuses the uid).
+        watch = buffer.watch(uid, evicted)
+        group = RolloutGroup(buffer, uid, partition, watch.dispatch_step)
         try:
             yield group
         except BaseException as exc:
             if not group.evicted:
-                _end(buffer, uid, finished=False)
+                buffer.end_watched(watch, finished=False)
                 raise
             # It wrote after the eviction, before its cancellation arrived (perhaps from tasks
             # of its own, whose task group wraps the refusals): the same outcome as cancelled.
@@ -113,7 +128,7 @@ async def rollout(
             if rest is not None:
                 raise rest from None  # what is left (cancellations, other errors) goes on
         if not group.evicted:
-            _end(buffer, uid, finished=True)
+            buffer.end_watched(watch, finished=True)
 
 
 _REFUSALS = (GroupEvictedError, BufferClosedError)
@@ -129,13 +144,3 @@ def _without_refusals(exc: BaseException) -> BaseException | None:
         return exc
     refused, rest = split(_REFUSALS)
     return exc if refused is None else rest
-
-
-def _end(buffer: Producers, uid: str, *, finished: bool) -> None:
-    """Finish or fail ``uid`` if it is still in flight (the body may have ended it itself)."""
-    if buffer._closed or type(buffer._groups.get(uid)) is not OpenGroup:
-        return
-    if finished:
-        buffer.mark_finished_nowait(uid)
-    else:
-        buffer.mark_failed_nowait(uid)

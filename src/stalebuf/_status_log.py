@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Mapping
 
 from ._partition import PartitionState
 from ._waiting import Waiter
@@ -51,11 +52,15 @@ def log_waiting(part: PartitionState, waiter: Waiter, waited: float) -> None:
 class StatusLog:
     """The asyncio status timer of one buffer."""
 
-    __slots__ = ("interval", "loop", "partitions", "timer")
+    __slots__ = ("interval", "loop", "partitions", "timer", "waiting")
 
-    def __init__(self, interval: float, partitions: Iterable[PartitionState]) -> None:
+    def __init__(
+        self, interval: float, waiting: Mapping[str, deque[Waiter]], partitions: Mapping[str, PartitionState]
+    ) -> None:
         self.interval = interval
-        self.partitions = partitions  # a live view: partitions created later are seen
+        # Live views: partitions and queues created later are seen.
+        self.waiting = waiting
+        self.partitions = partitions
         self.timer: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -75,12 +80,12 @@ class StatusLog:
             return
         now = loop.time()
         earliest = math.inf
-        for part in self.partitions:
-            for waiter in part.waiters:
+        for name, waiters in self.waiting.items():
+            for waiter in waiters:
                 if waiter.abandoned():  # its loop was closed under it: nobody waits there
                     continue
                 if waiter.log_due <= now:
-                    log_waiting(part, waiter, waiter.log_due - waiter.started)
+                    log_waiting(self.partitions[name], waiter, waiter.log_due - waiter.started)
                     waiter.log_due = next_due(waiter.log_due, now, interval)
                 earliest = min(earliest, waiter.log_due)
         self.timer = None if earliest == math.inf else loop.call_at(earliest, self.tick)

@@ -13,16 +13,48 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from ._group_writes import GroupStatus
 from .errors import BufferClosedError
-
-if TYPE_CHECKING:
-    from ._producers import GroupStatus, Producers
 
 __all__ = ["ThreadsafeProducer"]
 
 _T = TypeVar("_T")
+
+
+class NowaitProducer(Protocol):
+    """The ``*_nowait`` producer methods a handle runs on the loop (``ReplayBuffer`` has them)."""
+
+    def add_prompt_nowait(
+        self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
+    ) -> None: ...
+
+    def mark_running_nowait(self, uid: str) -> None: ...
+
+    def put_nowait(
+        self, uid: str, payload: Any = None, *, session_id: int, index: int, tags: Mapping[str, Any] | None
+    ) -> str: ...
+
+    def mark_finished_nowait(self, uid: str) -> None: ...
+
+    def mark_failed_nowait(self, uid: str) -> None: ...
+
+    def put_group_nowait(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None,
+        partition: str,
+        tags: Mapping[str, Any] | None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
+        session_ids: Sequence[int] | None,
+        indices: Sequence[int] | None,
+        status: GroupStatus,
+    ) -> list[str]: ...
+
+
 # How often a thread blocked on a call checks that the loop still runs (only while blocked,
 # and only matters if the loop stops before running the call).
 _LIVENESS_SECONDS = 0.25
@@ -38,7 +70,9 @@ class ThreadsafeProducer:
 
     __slots__ = ("_buffer", "_loop_running", "_loop_thread", "_submit")
 
-    def __init__(self, buffer: Producers, native_token: object, loop_running: Callable[[], bool]) -> None:
+    def __init__(
+        self, buffer: NowaitProducer, native_token: object, loop_running: Callable[[], bool]
+    ) -> None:
         self._buffer = buffer
         self._loop_thread = threading.get_ident()
         self._loop_running = loop_running

@@ -1,51 +1,93 @@
-"""The replay buffer: producers move groups through their lifecycle, the trainer samples.
+"""The replay buffer's public facade: producers move groups through their lifecycle, the
+trainer samples.
+
+:class:`ReplayBuffer` holds its parts and delegates to them; it owns no rule and no state of
+its own (TorchRL's buffer composes storage, sampler and writer the same way):
+
+- the group store (``_store.py``): every group, partition, counter and remembered eviction;
+- admission (``_admission.py``): dispatch clocks and producers waiting for a slot;
+- the consumer (``_consumer.py``, ``_eviction.py``): evaluation, eviction, parked samples;
+- the group writer (``_group_writes.py``): ``put_group``;
+- the rule book (``policy.py``, asked through ``_rules.py``).
 
 Everything that changes state is synchronous (the ``*_nowait`` methods and the evaluation
 inside ``sample``), so on one event loop each call is atomic. ``sample`` is the only call
 that waits: validate, try :meth:`ReplayBuffer.sample_nowait`'s path, park on a per-call
-signal, re-check. The rules live in :mod:`stalebuf.policy`, the indexes in ``_index.py`` and
-``_partition.py``, the waiting in ``_waiting.py`` and ``_status_log.py``.
+signal, re-check. Its private attributes are name-mangled, so a subclass's own attributes
+and helpers (verl plugins define ``_config``, ``_groups``, ``_evict``...) never replace its
+machinery.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from threading import get_ident
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._checkpoint_file import PayloadCodec, write_checkpoint
-from ._core import EvictCallback
+from ._admission import Admission
+from ._checkpoint_file import PayloadCodec, read_checkpoint, write_checkpoint
+from ._consumer import Consumer, EvictCallback, SampleObserver
 from ._custom_sampler import build_from_config
-from ._producers import GroupStatus, Producers
+from ._group_writes import GroupStatus, GroupWriter
+from ._open_group import GroupWatch, OpenGroup
+from ._restore import capture, rebuild
 from ._rollout import RolloutGroup, rollout
+from ._rules import Rules
+from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
 from ._validation import (
+    check_batch_size,
+    check_index,
     check_partition,
     check_payload_codec,
+    check_status_log_interval,
     check_step,
+    check_tags,
     check_timeout,
+    check_uid,
     describe,
+    describe_typed,
 )
-from .checkpoint import NOT_GIVEN, BufferCheckpoint, InFlightMode, RestoreResult, capture, restore_buffer
+from ._waiting import LoopBinding
+from .checkpoint import (
+    NOT_GIVEN,
+    BufferCheckpoint,
+    InFlightMode,
+    RestoreResult,
+    check_in_flight,
+    checked_checkpoint,
+    policy_from_name,
+)
 from .config import SamplerConfig
-from .errors import BatchNotReadyError, ConfigError, WrongThreadError
+from .errors import (
+    BatchNotReadyError,
+    BufferClosedError,
+    BufferFullError,
+    ConfigError,
+    DuplicateGroupError,
+    WrongThreadError,
+)
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
-from .records import Batch
+from .records import EMPTY_TAGS, Batch, Group, Status
 from .stats import BufferStats, PartitionStats
 
 __all__ = ["GroupStatus", "ReplayBuffer"]
 
 _Self = TypeVar("_Self", bound="ReplayBuffer")
 _UNSET: Any = NOT_GIVEN  # an argument not given (restore_buffer knows it too)
+_FINISHED, _FAILURE = Status.FINISHED, Status.FAILURE
+_HOOKS = ("_is_stale", "_must_wait_for", "_select")
 
 
-class ReplayBuffer(Producers):
+class ReplayBuffer:
     """A staleness-aware buffer of trajectory groups for asynchronous RL.
 
     Construction is synchronous and needs no running event loop. The first ``sample`` that
@@ -79,6 +121,7 @@ class ReplayBuffer(Producers):
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = 60.0,
     ) -> None:
+        """Check the arguments (see the class docs) and build the parts, empty."""
         if (
             policy is None
             and type(self) is ReplayBuffer
@@ -89,7 +132,27 @@ class ReplayBuffer(Producers):
                 f"config names custom_sampler {describe(config.custom_sampler)}: build the buffer with "
                 "ReplayBuffer.from_config(config), which loads it"
             )
-        super().__init__(config, policy, on_evict, status_log_interval)
+        # Types first: a policy of the wrong type must not be asked for its config.
+        if policy is not None and not isinstance(policy, StalenessPolicy):
+            raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
+        if config is None:
+            config = SamplerConfig() if policy is None else policy.config
+        elif not isinstance(config, SamplerConfig):
+            raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
+        if on_evict is not None and not callable(on_evict):
+            raise ConfigError(f"on_evict must be callable or None, got {describe_typed(on_evict)}")
+        if inspect.iscoroutinefunction(on_evict):
+            raise ConfigError("on_evict must be a plain (synchronous) callable; it is called inside sample")
+        interval = check_status_log_interval(status_log_interval)
+        overridden = any(getattr(type(self), hook) is not getattr(ReplayBuffer, hook) for hook in _HOOKS)
+        rules = Rules(
+            StalenessPolicy(config) if policy is None else policy, self if overridden else None, config
+        )
+        self.__binding = binding = LoopBinding()
+        self.__store = store = GroupStore(rules)
+        self.__admission = admission = Admission(store, rules, binding)
+        self.__consumer = consumer = Consumer(store, admission, rules, binding, on_evict, interval)
+        self.__writer = GroupWriter(store, admission, consumer)
 
     @classmethod
     def from_config(
@@ -125,7 +188,7 @@ class ReplayBuffer(Producers):
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = _UNSET,
         payload_codec: PayloadCodec | None = None,
-    ) -> RestoreResult:
+    ) -> RestoreResult[ReplayBuffer]:
         """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous.
 
         The class built is what :meth:`from_config` builds from the saved config (``cls``
@@ -145,7 +208,33 @@ class ReplayBuffer(Producers):
             OSError: the file cannot be read.
             Exception: whatever ``on_evict`` raised (under "evict").
         """
-        return restore_buffer(cls, source, in_flight, on_evict, status_log_interval, payload_codec)
+        mode = check_in_flight(in_flight)
+        codec = check_payload_codec(payload_codec)
+        if isinstance(source, BufferCheckpoint):
+            checkpoint = source
+        elif isinstance(source, (str, os.PathLike)):
+            checkpoint = read_checkpoint(source, codec)
+        else:
+            raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
+        checkpoint = checked_checkpoint(checkpoint)
+        # Passed only when given: a custom sampler's constructor need not take it.
+        options: dict[str, Any] = (
+            {} if status_log_interval is _UNSET else {"status_log_interval": status_log_interval}
+        )
+        if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
+            options["on_evict"] = on_evict
+        config = checkpoint.config
+        if checkpoint.policy is not None:
+            buffer: ReplayBuffer = cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
+        elif cls is ReplayBuffer and config.custom_sampler is None:
+            # Only ReplayBuffer(config) built such a buffer: its constructor takes no sampler_kwargs
+            # (from_config would pass them, and fail, when the config carries some).
+            buffer = cls(config, **options)
+        else:
+            buffer = build_from_config(cls, ReplayBuffer, config, options)
+        consumer = buffer.__consumer
+        reissue = rebuild(buffer.__store, buffer.__admission, consumer.eviction, checkpoint, mode)
+        return RestoreResult(buffer, reissue)
 
     def checkpoint(self) -> BufferCheckpoint:
         """Return the buffer's whole state as a frozen, picklable value; synchronous, so it is
@@ -156,8 +245,8 @@ class ReplayBuffer(Producers):
             CheckpointError: the buffer's policy was built from another config than the buffer's
                 (``restore`` rebuilds it from the buffer's, so its rules would change).
         """
-        self._binding.check_thread()
-        return capture(self)
+        self.__binding.check_thread()
+        return capture(self.__store, self.__admission)
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Take :meth:`checkpoint` at once, then write it to ``path`` in a worker thread,
@@ -181,17 +270,17 @@ class ReplayBuffer(Producers):
     @property
     def config(self) -> SamplerConfig:
         """The sampler config this buffer was built with."""
-        return self._config
+        return self.__store.rules.config
 
     @property
     def policy(self) -> StalenessPolicy:
         """The rule book this buffer asks (without a subclass's hook overrides)."""
-        return self._policy
+        return self.__store.rules.base
 
     @property
     def closed(self) -> bool:
         """Whether ``close()`` was called."""
-        return self._closed
+        return self.__store.closed
 
     def threadsafe(self) -> ThreadsafeProducer:
         """Return a handle whose producer methods may be called from any thread.
@@ -207,7 +296,7 @@ class ReplayBuffer(Producers):
                 the loop of another thread.
             BackendMismatchError: the buffer is bound to another async backend.
         """
-        binding = self._binding
+        binding = self.__binding
         binding.check_thread()
         binding.check_backend()
         try:
@@ -225,8 +314,462 @@ class ReplayBuffer(Producers):
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self._binding.check_thread()
-        return type(uid) is str and uid in self._groups
+        self.__binding.check_thread()
+        return type(uid) is str and uid in self.__store.groups
+
+    # -- checks -----------------------------------------------------------------------
+
+    def __check_usable(self) -> None:
+        """Raise unless a producer may change the buffer now: on the right thread, and open.
+
+        Producers inline the cheap test (closed, or bound to another thread) and call this
+        only when it holds: the common case costs one ``get_ident()`` comparison.
+        """
+        self.__binding.check_thread()
+        if self.__store.closed:
+            raise BufferClosedError("the buffer is closed")
+
+    # -- producers --------------------------------------------------------------------
+
+    def add_prompt_nowait(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new group ``uid`` as PENDING, tagged ``global_steps`` (its dispatch step;
+        None: the partition's dispatch clock, :meth:`dispatch_step`, at this moment).
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
+            DuplicateGroupError: a group with this uid is in the buffer.
+            BufferFullError: admission control has no slot for it now; nothing changed.
+        """
+        store = self.__store
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
+        # The hot path: each check is inlined, the slow helpers only build the error.
+        if type(uid) is not str or not uid or "_" in uid:
+            check_uid(uid)
+        if global_steps is not None and (type(global_steps) is not int or not 0 <= global_steps < 1 << 63):
+            check_step(global_steps)
+        part = store.partitions.get(partition) if type(partition) is str else None
+        if part is None:
+            check_partition(partition)
+        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        if uid in store.groups:
+            raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
+        if part is None or part.cap is not None or global_steps is None:
+            global_steps = self.__admission.tag_for(partition, part, global_steps)
+        store.admit(uid, global_steps, part or store.partition(partition), frozen_tags)
+
+    def mark_running_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING to RUNNING.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is not PENDING.
+        """
+        store = self.__store
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
+        store.start(uid)
+
+    def put_nowait(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory to the PENDING or RUNNING group ``uid``; return its key,
+        ``f"{uid}_{session_id}_{index}"``.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, or ``tags`` is
+                not a mapping.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is terminal (a late write).
+            DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
+        """
+        store = self.__store
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
+        if type(session_id) is not int or not 0 <= session_id < 1 << 63:
+            check_index(session_id, "session_id")
+        if type(index) is not int or not 0 <= index < 1 << 63:
+            check_index(index, "index")
+        return store.put(uid, payload, session_id, index, EMPTY_TAGS if tags is None else check_tags(tags))
+
+    def mark_finished_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is already terminal.
+        """
+        store = self.__store
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
+        group = store.groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
+            group = store.open_group(uid, "mark finished")
+        self.__consumer.notify(store.end(group, _FINISHED, self.__admission.clocks.get(group.partition, 0)))
+
+    def mark_failed_nowait(self, uid: str) -> None:
+        """Move group ``uid`` from PENDING or RUNNING to FAILURE.
+
+        Under ``failure_strategy="sample"`` (or in an exempt partition) it becomes
+        sampleable; under "evict" the next ``sample`` of its partition evicts it.
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError: ``uid`` is not a str.
+            UnknownGroupError: no such group (never added, or already sampled or evicted).
+            InvalidTransitionError: the group is already terminal.
+        """
+        store = self.__store
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
+        group = store.open_group(uid, "mark failed")
+        self.__consumer.notify(store.end(group, _FAILURE, self.__admission.clocks.get(group.partition, 0)))
+
+    def put_group_nowait(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
+
+        Does what ``add_prompt`` + one ``put`` per payload + ``mark_finished`` (or
+        ``mark_failed``) would, all or nothing: everything is checked before anything changes.
+        Trajectory ``i`` gets ``session_ids[i]`` (default ``i``), ``indices[i]`` (default 0)
+        and ``trajectory_tags[i]``. If the group is already in flight, it must have the same
+        ``global_steps`` and ``partition``, the payloads are added to what it holds, and
+        ``tags`` is ignored (group tags are set when a group is added); ``global_steps=None``
+        means the group's own step, or the dispatch clock for a new group. ``status`` is
+        ``Status.FINISHED`` or ``Status.FAILURE`` or their values ("failed" also works).
+
+        Raises:
+            BufferClosedError: the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: an argument is invalid, ``payloads`` is not a collection, a
+                per-trajectory collection has another length than ``payloads``, or ``status``
+                is not a terminal status.
+            InvalidTransitionError: the group is already terminal (a late write).
+            DuplicateGroupError: the group is in flight with another step or partition.
+            DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
+            BufferFullError: the group is new and admission control has no slot for it now.
+        """
+        store = self.__store
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
+        part = store.partitions.get(partition) if type(partition) is str else None
+        if (  # the common case gets a path of its own: a new, finished group of default keys
+            part is not None
+            and trajectory_tags is None
+            and session_ids is None
+            and indices is None
+            and (type(payloads) is list or type(payloads) is tuple)
+            and (status is _FINISHED or (type(status) is str and status == "finished"))
+            and (global_steps is None or (type(global_steps) is int and 0 <= global_steps < 1 << 63))
+            and type(uid) is str
+            and uid
+            and "_" not in uid
+            and uid not in store.groups
+            and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
+        ):
+            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags)
+        return self.__writer.put(
+            uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
+        )
+
+    async def add_prompt(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new PENDING group; like :meth:`add_prompt_nowait`, but under admission
+        control it waits (FIFO per partition, cancellable) for a slot instead of raising
+        BufferFullError; with ``global_steps=None`` the group is tagged when it is admitted.
+
+        Raises:
+            The errors of :meth:`add_prompt_nowait` except BufferFullError, which it raises only
+                for an explicit ``global_steps`` whose tag is closed for good (stale at the next
+                ``sample``: no slot there can ever open), at once or when a sample closes it.
+            BufferClosedError: the buffer was closed while it waited.
+        """
+        try:
+            self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
+            return
+        except BufferFullError:
+            pass
+        store = self.__store
+
+        def admit(tag: int) -> None:
+            self.__check_usable()
+            if uid in store.groups:
+                raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
+            store.admit(uid, tag, store.partition(partition), check_tags(tags))
+
+        await self.__admission.wait_for_slot(store.partition(partition), global_steps, admit)
+
+    async def mark_running(self, uid: str) -> None:
+        """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
+        self.mark_running_nowait(uid)
+
+    async def put(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same errors)."""
+        return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
+
+    async def mark_finished(self, uid: str) -> None:
+        """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait` (same errors)."""
+        self.mark_finished_nowait(uid)
+
+    async def mark_failed(self, uid: str) -> None:
+        """Mark a group FAILURE; the async twin of :meth:`mark_failed_nowait` (same errors)."""
+        self.mark_failed_nowait(uid)
+
+    async def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and end a whole group; like :meth:`put_group_nowait`, but a
+        group that must be added waits under admission control (FIFO, cancellable) for a slot
+        instead of raising BufferFullError. A group already in the buffer never waits.
+
+        Raises:
+            The errors of :meth:`put_group_nowait` except BufferFullError, which it raises only
+                for an explicit ``global_steps`` whose tag is closed for good (stale at the next
+                ``sample``: no slot there can ever open), at once or when a sample closes it.
+            BufferClosedError: the buffer was closed while it waited.
+        """
+        try:
+            return self.put_group_nowait(
+                uid,
+                payloads,
+                global_steps=global_steps,
+                partition=partition,
+                tags=tags,
+                trajectory_tags=trajectory_tags,
+                session_ids=session_ids,
+                indices=indices,
+                status=status,
+            )
+        except BufferFullError:
+            pass
+        arguments = (
+            uid,
+            payloads,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
+        )
+        writer = self.__writer
+
+        def admit(tag: int) -> list[str]:
+            self.__check_usable()
+            return writer.put(*arguments, granted=tag)
+
+        return await self.__admission.wait_for_slot(self.__store.partition(partition), global_steps, admit)
+
+    def rollout(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> AbstractAsyncContextManager[RolloutGroup]:
+        """Return an ``async with`` block that generates one group: the recommended producer.
+
+        Entering waits for admission (like :meth:`add_prompt`), then the group is PENDING and
+        marked RUNNING; ``group.put(...)`` adds trajectories. When the body returns the group
+        is FINISHED; when it raises, FAILED, and the error propagates. If the group is evicted
+        while the body runs (in-flight eviction, or ``close()``), the body is cancelled, the
+        block exits without raising and ``group.evicted`` is True. Works under asyncio and trio.
+
+        Raises:
+            The errors of :meth:`add_prompt` (on entering).
+        """
+        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags)
+
+    def watch(self, uid: str, callback: Callable[[], object]) -> GroupWatch:
+        """Watch the in-flight group ``uid``: ``callback()`` runs once if that group is evicted
+        while in flight or the buffer closes (inside the ``sample`` or ``close`` that does it:
+        it must not raise). Returns a handle to that very group, for :meth:`end_watched`.
+
+        For integrations that run producers elsewhere (``rollout()`` and ``stalebuf.ray`` use it).
+
+        Raises:
+            The errors a write to ``uid`` raises (UnknownGroupError, InvalidTransitionError...).
+            WrongThreadError, BufferClosedError: as for the producer calls.
+        """
+        self.__check_usable()
+        group = self.__store.open_group(uid, "watch")
+        if group.watchers is None:
+            group.watchers = []
+        group.watchers.append(callback)
+        return GroupWatch(group)
+
+    def end_watched(self, watch: GroupWatch, *, finished: bool) -> bool:
+        """Finish (or fail) the group ``watch`` was taken on if that very group is still in
+        flight; return whether it did. A group that ended, was evicted, or whose uid another
+        group reuses now is left alone: a producer ends only what it started.
+
+        Raises:
+            TypeError: ``watch`` is not a GroupWatch.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        if not isinstance(watch, GroupWatch):
+            raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
+        self.__binding.check_thread()
+        store = self.__store
+        group = watch.group
+        if store.closed or store.groups.get(group.uid) is not group:
+            return False
+        clock = self.__admission.clocks.get(group.partition, 0)
+        self.__consumer.notify(store.end(group, _FINISHED if finished else _FAILURE, clock))
+        return True
+
+    def put_back(self, group: Group) -> bool:
+        """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status and
+        trajectories), without a new admission (its slot was granted when it was first
+        admitted); return False, changing nothing, if its uid is in use or the buffer closed.
+
+        For a consumer that took a batch it cannot use (``stalebuf.ray`` puts back the batch
+        of a cancelled remote ``sample``). It is counted as admitted again.
+
+        Raises:
+            TypeError: ``group`` is not a Group record.
+            WrongThreadError: called from another thread than the bound loop's.
+            The errors of :meth:`put_group_nowait` for values it would refuse.
+        """
+        if not isinstance(group, Group):
+            raise TypeError(f"group must be a Group, got {type(group).__name__}")
+        self.__binding.check_thread()
+        store = self.__store
+        if store.closed or group.uid in store.groups:
+            return False
+        trajectories = group.trajectories
+        self.__writer.put(
+            group.uid,
+            [t.payload for t in trajectories],
+            group.global_steps,
+            group.partition,
+            group.tags,
+            [t.tags for t in trajectories],
+            [t.session_id for t in trajectories],
+            [t.index for t in trajectories],
+            _FINISHED if group.status is _FINISHED else _FAILURE,
+            granted=group.global_steps,
+        )
+        return True
+
+    # -- admission --------------------------------------------------------------------
+
+    def dispatch_step(self, partition: str = "train") -> int:
+        """Return the step a group dispatched now is tagged with: the largest ``global_steps``
+        any ``sample`` on ``partition`` has been called with (0 before the first).
+
+        It reads one int, so unlike every other call it may be made from any thread (the
+        example server's ``def`` handlers do).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        check_partition(partition)
+        return self.__admission.clocks.get(partition, 0)
+
+    def capacity(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident groups under admission control,
+        ``T * S * admission_batch_size``; None without admission or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self.__binding.check_thread()
+        check_partition(partition)
+        return self.__admission.capacity(self.__store.partitions.get(partition), partition)
+
+    def free_slots(self, partition: str = "train") -> int | None:
+        """Return how many groups ``add_prompt`` would admit now at the clock's step without
+        waiting; None without admission control or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+            Exception: whatever the policy's ``admits`` raised.
+        """
+        self.__binding.check_thread()
+        check_partition(partition)
+        part = self.__store.partitions.get(partition)
+        if part is None:  # an unused partition: every slot at its clock step
+            return self.__store.rules.admission_cap(partition)
+        return self.__admission.free_slots(part)
+
+    def full(self, partition: str = "train") -> bool:
+        """Return whether ``free_slots(partition) == 0`` (never True without admission control).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        return self.free_slots(partition) == 0
 
     # -- consumer ---------------------------------------------------------------------
 
@@ -247,15 +790,16 @@ class ReplayBuffer(Producers):
             StalebufError: the policy's ``select`` returned an invalid choice; nothing changed.
             Exception: whatever a policy hook or ``on_evict`` raised, with the buffer consistent.
         """
-        part = self._check_sample(global_steps, batch_size, partition)
-        if part is not None and not part.has_live_waiter():
+        part = self.__check_sample(global_steps, batch_size, partition)
+        consumer = self.__consumer
+        if part is not None and not consumer.has_live_waiter(partition):
             metrics = SampleMetrics()
-            groups = self._evaluate(part, global_steps, batch_size, metrics)
+            groups = consumer.evaluate(part, global_steps, batch_size, metrics)
             # The clock moves once the call went through: a hook that raised changed nothing.
-            self._advance_clock(partition, global_steps)
+            self.__admission.advance(partition, global_steps)
             if groups is not None:
-                return self._result(part, global_steps, groups, metrics, 0.0)
-        self._advance_clock(partition, global_steps)
+                return consumer.result(part, global_steps, groups, metrics, 0.0)
+        self.__admission.advance(partition, global_steps)
         raise BatchNotReadyError(
             f"no batch of {batch_size} may be returned from partition {describe(partition)} now"
         )
@@ -294,48 +838,45 @@ class ReplayBuffer(Producers):
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
-        binding = self._binding
         if timeout != 0:
             # A call that may wait needs the bound backend: refuse another one before anything
             # changes. (One with timeout=0 never touches the backend, so any caller may check.)
-            binding.check_backend()
-        part = self._check_sample(global_steps, batch_size, partition)
+            self.__binding.check_backend()
+        part = self.__check_sample(global_steps, batch_size, partition)
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
-            part = self._partition(partition)
+            part = self.__store.partition(partition)
+        consumer, admission = self.__consumer, self.__admission
         metrics = SampleMetrics()
-        if part is not None and (not part.waiters or not part.has_live_waiter()):
-            groups = self._evaluate(part, global_steps, batch_size, metrics)
-            self._advance_clock(partition, global_steps)  # once the call went through (not if a hook raised)
+        if part is not None and not consumer.has_live_waiter(partition):
+            groups = consumer.evaluate(part, global_steps, batch_size, metrics)
+            admission.advance(partition, global_steps)  # once the call went through (not if a hook raised)
             if groups is not None:
-                return self._result(part, global_steps, groups, metrics, 0.0)
+                return consumer.result(part, global_steps, groups, metrics, 0.0)
         else:
-            self._advance_clock(partition, global_steps)
+            admission.advance(partition, global_steps)
         if timeout == 0:
             raise TimeoutError(f"no batch of {batch_size} ready in partition {describe(partition)}")
         assert part is not None  # created above for a call that may wait
-        groups, waited = await self._wait_for_batch(part, global_steps, batch_size, timeout, metrics)
-        return self._result(part, global_steps, groups, metrics, waited)
+        groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)
+        return consumer.result(part, global_steps, groups, metrics, waited)
 
-    def rollout(
-        self,
-        uid: str,
-        *,
-        global_steps: int | None = None,
-        partition: str = "train",
-        tags: Mapping[str, Any] | None = None,
-    ) -> AbstractAsyncContextManager[RolloutGroup]:
-        """Return an ``async with`` block that generates one group: the recommended producer.
-
-        Entering waits for admission (like :meth:`add_prompt`), then the group is PENDING and
-        marked RUNNING; ``group.put(...)`` adds trajectories. When the body returns the group
-        is FINISHED; when it raises, FAILED, and the error propagates. If the group is evicted
-        while the body runs (in-flight eviction, or ``close()``), the body is cancelled, the
-        block exits without raising and ``group.evicted`` is True. Works under asyncio and trio.
-
-        Raises:
-            The errors of :meth:`add_prompt` (on entering).
-        """
-        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags)
+    def __check_sample(self, global_steps: object, batch_size: object, partition: object) -> Any:
+        """Validate a sample's arguments; return its partition (None if it does not exist yet)."""
+        # Inlined fast checks; the helpers run (and raise) only when a value looks wrong.
+        if type(global_steps) is not int or not 0 <= global_steps < 1 << 63:
+            check_step(global_steps)
+        if type(batch_size) is not int or not 1 <= batch_size < 1 << 63:
+            check_batch_size(batch_size)
+        part = self.__store.partitions.get(partition) if type(partition) is str else None
+        if part is None:
+            check_partition(partition)
+        binding = self.__binding
+        thread = binding.thread
+        if thread is not None and thread != get_ident():
+            binding.check_thread()
+        if self.__store.closed:
+            raise BufferClosedError("the buffer is closed")
+        return part
 
     def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
         """Return how many groups ``sample`` could select from right now; changes nothing.
@@ -349,17 +890,34 @@ class ReplayBuffer(Producers):
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``is_stale`` raised.
         """
-        self._binding.check_thread()
+        self.__binding.check_thread()
         check_step(global_steps)
         check_partition(partition)
-        part = self._partitions.get(partition)
-        if part is None:
-            return 0
-        rules = self._rules
-        if not rules.drops or part.exempt:
-            return part.ready.count
-        name = part.name
-        return part.ready.count_fresh(lambda step: rules.is_stale(global_steps, step, name))
+        part = self.__store.partitions.get(partition)
+        return 0 if part is None else self.__store.rules.count_fresh(part, global_steps)
+
+    def observe_samples(self, observer: SampleObserver) -> Callable[[], None]:
+        """Call ``observer(batch, metrics)`` with every batch a ``sample`` (or ``sample_nowait``)
+        returns, before it is returned; return a function that stops it (idempotent).
+
+        The Prometheus collector feeds its histograms this way. An observer that raises is
+        logged; the batch is returned all the same.
+
+        Raises:
+            TypeError: ``observer`` is not callable.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {describe_typed(observer)}")
+        self.__binding.check_thread()
+        observers = self.__consumer.observers
+        observers.append(observer)
+
+        def stop() -> None:
+            if observer in observers:
+                observers.remove(observer)
+
+        return stop
 
     def stats(self) -> BufferStats:
         """Return an immutable snapshot of per-partition and total counts (works after close).
@@ -367,16 +925,19 @@ class ReplayBuffer(Producers):
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self._binding.check_thread()
-        for part in self._partitions.values():
-            part.drop_abandoned(everywhere=True)
+        self.__binding.check_thread()
+        admission, consumer = self.__admission, self.__consumer
+        admission.drop_abandoned()
         partitions = {
-            name: part.stats(self._capacity(part, name)) for name, part in sorted(self._partitions.items())
+            name: part.stats(
+                consumer.count_waiting(name), admission.waiting(name), admission.capacity(part, name)
+            )
+            for name, part in sorted(self.__store.partitions.items())
         }
         total = PartitionStats()
         for item in partitions.values():
             total = total + item
-        return BufferStats(closed=self._closed, partitions=MappingProxyType(partitions), total=total)
+        return BufferStats(closed=self.__store.closed, partitions=MappingProxyType(partitions), total=total)
 
     # -- closing ----------------------------------------------------------------------
 
@@ -387,19 +948,13 @@ class ReplayBuffer(Producers):
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self._binding.check_thread()
-        if self._closed:
+        self.__binding.check_thread()
+        store = self.__store
+        if store.closed:
             return
-        self._closed = True
-        for part in self._partitions.values():
-            part.drop_abandoned(everywhere=True)
-            for waiter in (*part.waiters, *part.producers):
-                waiter.wake()
-        for group in list(self._groups.values()):
-            watchers = getattr(group, "watchers", None)  # in-flight groups only
-            if watchers:
-                for watcher in watchers:
-                    watcher()
+        store.close()
+        self.__consumer.close()
+        self.__admission.close()
 
     async def aclose(self) -> None:
         """Close the buffer (see :meth:`close`) and yield once to the scheduler."""
@@ -418,3 +973,21 @@ class ReplayBuffer(Producers):
     ) -> None:
         """Close the buffer."""
         await self.aclose()
+
+    # -- hooks for verl-style subclasses (see stalebuf.policy for the cost model) ------
+
+    def _is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Whether a terminal group is dropped; defaults to ``policy.is_stale``. Must be monotone."""
+        return self.__store.rules.base.is_stale(global_steps, dispatch_step, partition)
+
+    def _must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        """Whether an in-flight group blocks the sample; defaults to ``policy.must_wait_for``."""
+        return self.__store.rules.base.must_wait_for(global_steps, dispatch_step, partition)
+
+    def _select(
+        self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
+    ) -> Sequence[Group]:
+        """Choose the batch from ``candidates`` (oldest first, lazily); defaults to
+        ``policy.select``, which takes the first ``batch_size`` in O(batch_size); any other
+        choice costs O(N)."""
+        return self.__store.rules.base.select(candidates, batch_size, global_steps, partition)

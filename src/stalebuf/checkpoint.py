@@ -1,34 +1,24 @@
-"""Checkpoint and resume: a buffer's whole state as one frozen value, and back.
+"""Checkpoint and resume: the value types of a buffer's saved state.
 
-:func:`capture` copies references only (records are immutable; an in-flight group is
-snapshotted into a record with its PENDING/RUNNING status), so it is synchronous and consistent
-with respect to every coroutine on the loop. :func:`rebuild` puts the groups back in admission
-order, so FIFO ties, the clocks, admission state and every cumulative counter come out
-identical; what happens to groups that were in flight is the caller's choice (``in_flight``).
-The file format lives in ``_checkpoint_file.py``.
+A :class:`BufferCheckpoint` is a buffer's whole state as one frozen value; ``_restore.py``
+captures and rebuilds it through the buffer's parts, ``_checkpoint_file.py`` writes and reads
+the file.
 """
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
+import importlib
 from collections.abc import Iterable, Iterator, Mapping
-from time import monotonic
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import attrs
 
-from ._partition import OpenGroup, PartitionState
-from ._sampling import EVICTED_UIDS_REMEMBERED
-from ._stored import count_trajectories
-from ._validation import check_payload_codec, describe, describe_error
+from ._validation import describe, describe_error
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
-from .records import EvictionEvent, Group, Status, new_group
-
-if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
+from .policy import StalenessPolicy
+from .records import Group
 
 __all__ = [
     "COUNTERS",
@@ -37,7 +27,9 @@ __all__ = [
     "InFlightMode",
     "PartitionCheckpoint",
     "RestoreResult",
-    "restore_buffer",
+    "check_in_flight",
+    "checked_checkpoint",
+    "policy_from_name",
 ]
 
 #: The version of the checkpoint format (the value and the file); a newer one is refused, an
@@ -64,7 +56,7 @@ COUNTERS: tuple[str, ...] = (
 )
 InFlightMode = Literal["reissue", "keep", "evict"]
 _IN_FLIGHT_MODES = ("reissue", "keep", "evict")
-_PENDING, _RUNNING = Status.PENDING, Status.RUNNING
+_Buffer = TypeVar("_Buffer")
 
 
 def _frozen_map(value: Mapping[str, int]) -> Mapping[str, int]:
@@ -137,7 +129,7 @@ class BufferCheckpoint:
 
 
 @attrs.frozen(eq=False)
-class RestoreResult:
+class RestoreResult(Generic[_Buffer]):
     """What ``ReplayBuffer.restore`` returns.
 
     Attributes:
@@ -147,61 +139,12 @@ class RestoreResult:
             are in the buffer as PENDING, to be generated again under the same uid.
     """
 
-    buffer: ReplayBuffer
+    buffer: _Buffer
     reissue: tuple[Group, ...]
 
     def __iter__(self) -> Iterator[Any]:
         """Unpack as ``buffer, reissue = ...``, in that order."""
         return iter((self.buffer, self.reissue))
-
-
-def capture(buffer: ReplayBuffer) -> BufferCheckpoint:
-    """Return ``buffer``'s state; copies references, never payloads."""
-    now = monotonic()
-    clocks = buffer._clocks
-    groups = tuple(
-        group if isinstance(group, Group) else _snapshot(group, clocks.get(group.partition.name, 0), now)
-        for group in buffer._groups.values()
-    )
-    partitions = tuple(
-        PartitionCheckpoint(name, part.last_sampled, {key: getattr(part, key) for key in COUNTERS})
-        for name, part in buffer._partitions.items()
-    )
-    policy = buffer._policy
-    rules_config = getattr(policy, "config", buffer.config)
-    if rules_config is not buffer.config and rules_config != buffer.config:
-        # restore rebuilds the policy from the one config a checkpoint keeps: refuse now rather
-        # than let the restored buffer follow other rules than this one.
-        raise CheckpointError(
-            "this buffer's policy was built from another config than the buffer's, and restore "
-            "rebuilds the policy from the buffer's config, so its rules would change; build the "
-            "buffer with the policy's config (ReplayBuffer(policy=...) without config takes it)"
-        )
-    policy_name = None
-    if type(policy).__module__ != "stalebuf.policy" and buffer.config.custom_sampler is None:
-        policy_name = f"{type(policy).__module__}:{type(policy).__qualname__}"
-    return BufferCheckpoint(
-        FORMAT_VERSION,
-        buffer.config,
-        policy_name,
-        groups,
-        partitions,
-        dict(clocks),
-        tuple(buffer._evicted_in_flight),
-    )
-
-
-def _snapshot(group: OpenGroup, clock: int, now: float) -> Group:
-    return new_group(
-        group.uid,
-        group.partition.name,
-        group.dispatch_step,
-        group.status,
-        group.tags,
-        tuple(group.trajectories.values()),
-        max(clock, group.dispatch_step),
-        now - group.admitted_at,
-    )
 
 
 def check_in_flight(in_flight: object) -> InFlightMode:
@@ -211,94 +154,12 @@ def check_in_flight(in_flight: object) -> InFlightMode:
     return in_flight  # type: ignore[return-value]
 
 
-def rebuild(buffer: ReplayBuffer, checkpoint: BufferCheckpoint, in_flight: InFlightMode) -> tuple[Group, ...]:
-    """Fill the empty ``buffer`` with ``checkpoint``'s state; return the groups to reissue.
-
-    Raises:
-        CheckpointError: the checkpoint is inconsistent (a group of an unknown partition, a
-            duplicate uid).
-    """
-    buffer._clocks.update(checkpoint.clocks)
-    for saved in checkpoint.partitions:
-        buffer._partition(saved.name).last_sampled = saved.last_sampled
-    reissue: list[Group] = []
-    discarded: dict[str, int] = {}  # partition -> trajectories dropped from reissued groups
-    restarted: dict[str, list[Group]] = {}
-    now = monotonic()
-    for seq, group in enumerate(checkpoint.groups):
-        part = buffer._partitions.get(group.partition)
-        if part is None or group.uid in buffer._groups:
-            raise CheckpointError(f"the checkpoint is inconsistent at group {describe(group.uid)}")
-        if group.status is not _PENDING and group.status is not _RUNNING:
-            _put_back_terminal(buffer, part, group, seq)
-        elif in_flight == "evict":
-            restarted.setdefault(part.name, []).append(group)
-        elif in_flight == "keep":
-            _put_back_in_flight(buffer, part, group, seq, now, keep=True)
-        else:
-            _put_back_in_flight(buffer, part, group, seq, now, keep=False)
-            reissue.append(group.replace(status=_PENDING, trajectories=()))
-            discarded[part.name] = discarded.get(part.name, 0) + count_trajectories(group)
-    for saved in checkpoint.partitions:
-        part = buffer._partitions[saved.name]
-        for key in COUNTERS:  # cumulative counts are the saved ones, not what re-adding counted
-            setattr(part, key, saved.counters.get(key, 0))
-    for group in reissue:
-        buffer._partitions[group.partition].reissued_groups += 1
-    for name, count in discarded.items():
-        buffer._partitions[name].reissued_trajectories += count
-    buffer._next_seq = len(checkpoint.groups)
-    buffer._evicted_in_flight = OrderedDict.fromkeys(checkpoint.evicted_in_flight)
-    _evict_restarted(buffer, restarted)
-    return tuple(reissue)
-
-
-def _put_back_in_flight(
-    buffer: ReplayBuffer, part: PartitionState, group: Group, seq: int, now: float, keep: bool
-) -> None:
-    state = OpenGroup(group.uid, part, group.dispatch_step, seq, group.tags, now - group.generation_seconds)
-    buffer._groups[group.uid] = state
-    part.admit(state)
-    if keep:
-        if group.status is _RUNNING:
-            state.status = _RUNNING
-            part.start()
-        state.trajectories = {trajectory.key: trajectory for trajectory in group.trajectories}
-        part.add_trajectories(len(group.trajectories))
-
-
-def _put_back_terminal(buffer: ReplayBuffer, part: PartitionState, group: Group, seq: int) -> None:
-    buffer._groups[group.uid] = group
-    part.add_terminal(group, seq)
-
-
-def _evict_restarted(buffer: ReplayBuffer, restarted: dict[str, list[Group]]) -> None:
-    """Count and report in-flight groups evicted by ``in_flight="evict"`` (one event each)."""
-    events = []
-    for name, groups in restarted.items():
-        part = buffer._partitions[name]
-        part.evicted_restart_groups += len(groups)
-        part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
-        events.append(EvictionEvent(name, "restart", tuple(groups), buffer._clocks.get(name, 0)))
-        for group in groups:  # a producer that survived the restart learns why on its next write
-            buffer._evicted_in_flight[group.uid] = "restart"
-    remembered = buffer._evicted_in_flight
-    while len(remembered) > EVICTED_UIDS_REMEMBERED:  # the bound stale in-flight evictions keep
-        remembered.popitem(last=False)
-    if events:
-        buffer._emit(events)
-
-
 def policy_from_name(name: str, config: SamplerConfig) -> Any:
     """Build the policy a checkpoint names (``"module:QualName"``) as ``Cls(config, **kwargs)``.
 
     Raises:
         CheckpointError: it cannot be imported or built.
     """
-    import importlib
-
-    from .policy import StalenessPolicy
-
     module_name, _, qualname = name.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
@@ -322,43 +183,12 @@ def policy_from_name(name: str, config: SamplerConfig) -> Any:
 NOT_GIVEN: Any = object()
 
 
-def restore_buffer(
-    cls: type[ReplayBuffer],
-    source: object,
-    in_flight: object,
-    on_evict: object,
-    status_log_interval: object,
-    payload_codec: object,
-) -> RestoreResult:
-    """Build what ``ReplayBuffer.restore`` promises (see its docs)."""
-    from ._checkpoint_file import read_checkpoint  # it imports this module
-    from ._custom_sampler import build_from_config
-    from .buffer import ReplayBuffer
+def checked_checkpoint(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
+    """Return ``checkpoint`` if this release can restore it.
 
-    mode = check_in_flight(in_flight)
-    codec = check_payload_codec(payload_codec)
-    if isinstance(source, BufferCheckpoint):
-        checkpoint = source
-    elif isinstance(source, (str, os.PathLike)):
-        checkpoint = read_checkpoint(source, codec)
-    else:
-        raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
+    Raises:
+        CheckpointError: it is of a newer format.
+    """
     if checkpoint.format_version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint format {checkpoint.format_version} is newer than {FORMAT_VERSION}")
-    # Passed only when given: a custom sampler's constructor need not take it (issue 10, item 12).
-    options: dict[str, Any] = (
-        {} if status_log_interval is NOT_GIVEN else {"status_log_interval": status_log_interval}
-    )
-    if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
-        options["on_evict"] = on_evict
-    config = checkpoint.config
-    if checkpoint.policy is not None:
-        buffer: ReplayBuffer = cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
-    elif cls is ReplayBuffer and config.custom_sampler is None:
-        # Only ReplayBuffer(config) built such a buffer: its constructor takes no sampler_kwargs
-        # (from_config would pass them, and fail, when the config carries some).
-        buffer = cls(config, **options)
-    else:
-        buffer = build_from_config(cls, ReplayBuffer, config, options)
-    reissue = rebuild(buffer, checkpoint, mode)
-    return RestoreResult(buffer, reissue)
+    return checkpoint

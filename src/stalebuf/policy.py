@@ -16,10 +16,10 @@ taking the first ``batch_size`` of them (the default) costs O(batch_size); retur
 other groups makes the buffer remove them from anywhere in its index, which costs O(N) for
 N ready groups in the partition.
 
-The methods below are the rules as written; the buffer's wake-up path, checked once when a
-buffer is built, applies ``is_stale``/``must_wait_for``/``select``/``admits`` inline when a
-policy leaves them as they are (``_evaluation.asks_defaults``): the same answers, without a
-Python call per question. Override any of them and the buffer asks your method instead.
+The methods below are the rules as written; the buffer asks them through ``_rules.Rules``,
+which answers ``is_stale``/``must_wait_for``/``select``/``admits`` inline when a policy leaves
+them as they are (checked once, when a buffer is built): the same answers, without a Python
+call per question. Override any of them and the buffer asks your method instead.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .config import SamplerConfig
 from .errors import ConfigError
 from .records import Group
 
-__all__ = ["StalenessPolicy"]
+__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "select_label"]
 
 
 class StalenessPolicy:
@@ -125,7 +125,7 @@ class StalenessPolicy:
         return list(islice(candidates, batch_size))
 
 
-class _Hooks(Protocol):
+class RuleHooks(Protocol):
     """The protected hooks a ``ReplayBuffer`` subclass may override (verl-style plugins)."""
 
     def _is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool: ...
@@ -144,7 +144,7 @@ class SubclassHooks(StalenessPolicy):
     (The buffer's default hooks call ``base``, so a hook calling ``super()`` reaches it.)
     """
 
-    def __init__(self, base: StalenessPolicy, owner: _Hooks) -> None:
+    def __init__(self, base: StalenessPolicy, owner: RuleHooks) -> None:
         # Not StalenessPolicy.__init__: ``base`` may be a subclass with state of its own.
         self.config, self.threshold, self.sync_step, self.drops = (
             base.config,

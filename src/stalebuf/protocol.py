@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 from ._checkpoint_file import PayloadCodec
-from ._producers import GroupStatus
+from ._group_writes import GroupStatus
 from .records import Batch
 
 __all__ = ["AsyncReplayBuffer", "RolloutHandle"]

@@ -28,7 +28,7 @@ from .._validation import describe, int_at_least
 from ..buffer import ReplayBuffer
 from ..config import SamplerConfig
 from ..errors import BufferFullError, ConfigError
-from ..records import Batch, EvictionEvent, Group, Status
+from ..records import Batch, EvictionEvent, Group
 from ..stats import BufferStats
 from ._admission import AdmissionAbandonedError, AdmissionLedger
 from ._checkpoint import RestoreRequest, by_value, restore_buffer
@@ -361,25 +361,9 @@ class BufferHost:
             logger.info("a cancelled sample had taken %d group(s); put them back", len(batch))
 
     def _readmit(self, group: Group) -> bool:
-        buffer = self._buffer
-        if buffer.closed or group.uid in buffer:
-            return False
-        trajectories = group.trajectories
         # A put-back refunds a group admission control had admitted, not a new admission: it
-        # skips the per-step cap (the buffer's ``granted`` path, what a woken producer uses).
-        buffer._put_group(
-            group.uid,
-            [t.payload for t in trajectories],
-            group.global_steps,
-            group.partition,
-            group.tags,
-            [t.tags for t in trajectories],
-            [t.session_id for t in trajectories],
-            [t.index for t in trajectories],
-            Status.FINISHED if group.status is Status.FINISHED else Status.FAILURE,
-            granted=group.global_steps,
-        )
-        return True
+        # skips the per-step cap.
+        return self._buffer.put_back(group)
 
     @_method(CONTROL_GROUP)
     async def info(self) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from .._partition import OpenGroup
 from ..buffer import ReplayBuffer
 from ._protocol import EndRollout
 
@@ -57,15 +56,12 @@ class RolloutWatches:
 
     def open(self, token: str, uid: str) -> int:
         """Watch the in-flight group ``uid`` just entered under ``token``; return its dispatch step."""
-        state = self._buffer._groups[uid]
-        assert type(state) is OpenGroup  # just added and marked running, nothing ran since
         watch = _Watch(token, uid, asyncio.get_running_loop().create_future())
-        if state.watchers is None:
-            state.watchers = []
-        state.watchers.append(functools.partial(self._fired, watch))
+        # Just added and marked running, nothing ran since: this watches that very group.
+        handle = self._buffer.watch(uid, functools.partial(self._fired, watch))
         self._by_token[token] = watch
         self._by_uid[uid] = watch
-        return state.dispatch_step
+        return handle.dispatch_step
 
     def ended(self, uid: str) -> None:
         """The group ``uid`` was finished or failed through this actor: release its watch."""

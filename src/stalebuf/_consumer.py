@@ -1,0 +1,294 @@
+"""The consumer: what ``sample`` does. Evict by the rules until nothing more goes, select, or park.
+
+:class:`Consumer` owns the parked ``sample`` calls (one arrival-ordered queue per partition),
+the status reporter, ``on_evict`` and the sample observers. Each evaluation asks the rules
+first (``_rules.py``) and changes the store after, so a hook that raises leaves the buffer as
+it was. A parked call re-checks everything when woken; when it leaves the head of its
+partition's queue, for any reason, it passes the wake-up on (as CPython's asyncio queues do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from ._admission import Admission
+from ._eviction import Eviction
+from ._partition import PartitionState
+from ._rules import NEEDS_RULES, NO_BATCH, Rules
+from ._status_log import StatusLog, log_waiting, logger, next_due
+from ._store import GroupStore
+from ._validation import describe
+from ._waiting import LoopBinding, Waiter, park, park_with_deadline
+from .errors import BufferClosedError
+from .metrics import SampleMetrics
+from .records import Batch, EvictionEvent, Group, new_batch
+
+__all__ = ["Consumer", "EvictCallback", "SampleObserver"]
+
+EvictCallback = Callable[[EvictionEvent], object]
+#: Called with every batch a sample returns and its metrics (see ``observe_samples``).
+SampleObserver = Callable[[Batch, Mapping[str, float]], object]
+
+
+class Consumer:
+    """The consumer side of one buffer: evaluation, eviction, waiting and wake-up.
+
+    Attributes (read them; change them only through the methods):
+        waiting: the parked ``sample`` calls of each partition, in arrival order.
+        evaluations: how often a sample evaluated a partition (tests and benchmarks read it
+            to prove an idle wait does no work).
+    """
+
+    __slots__ = (
+        "admission",
+        "binding",
+        "evaluations",
+        "eviction",
+        "observers",
+        "rules",
+        "status_interval",
+        "status_log",
+        "store",
+        "waiting",
+    )
+
+    def __init__(
+        self,
+        store: GroupStore,
+        admission: Admission,
+        rules: Rules,
+        binding: LoopBinding,
+        on_evict: EvictCallback | None,
+        status_interval: float | None,
+    ) -> None:
+        self.store = store
+        self.admission = admission
+        self.rules = rules
+        self.binding = binding
+        self.eviction = Eviction(store, admission, rules, on_evict)
+        self.status_interval = status_interval
+        self.status_log: StatusLog | None = None
+        self.waiting: dict[str, deque[Waiter]] = {}
+        self.observers: list[SampleObserver] = []
+        self.evaluations = 0
+
+    # -- wake-ups ------------------------------------------------------------------------
+
+    def notify(self, part: PartitionState) -> None:
+        """A group of ``part`` became sampleable (or failed): wake the head waiting sample if
+        it may now get a batch or evict something.
+
+        Runs on a producer's path after its state change: a policy hook that raises here must
+        not turn the completed call into an error, so the error is logged and the waiter
+        woken, to raise it from its own ``sample``.
+        """
+        waiters = self.waiting.get(part.name)
+        if not waiters or self.store.closed:
+            return
+        head = waiters[0]
+        if head.abandoned():  # its loop was closed under it: the next live waiter is the head
+            _drop_abandoned(waiters)
+            if not waiters:
+                return
+            head = waiters[0]
+        try:
+            wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
+        except Exception:
+            logger.exception("a staleness policy hook raised while checking a waiting sample")
+            wake = True
+        if wake:
+            head.wake()
+
+    def has_live_waiter(self, name: str) -> bool:
+        """Whether a ``sample`` that can still run waits on partition ``name``."""
+        waiters = self.waiting.get(name)
+        if not waiters:
+            return False
+        _drop_abandoned(waiters)
+        return bool(waiters)
+
+    def close(self) -> None:
+        """Wake every parked sample (each raises BufferClosedError from its own call)."""
+        for waiters in self.waiting.values():
+            _drop_abandoned(waiters, everywhere=True)
+            for waiter in waiters:
+                waiter.wake()
+
+    def count_waiting(self, name: str) -> int:
+        """How many live ``sample`` calls wait on partition ``name``."""
+        waiters = self.waiting.get(name)
+        if not waiters:
+            return 0
+        _drop_abandoned(waiters, everywhere=True)
+        return len(waiters)
+
+    # -- evaluation ---------------------------------------------------------------------
+
+    def evaluate(
+        self, part: PartitionState, global_steps: int, batch_size: int, metrics: SampleMetrics
+    ) -> list[Group] | None:
+        """Evict what must go, then take a batch if one may be returned; else None.
+
+        Raises:
+            StalebufError: the policy's ``select`` returned an invalid choice, or ``on_evict``
+                re-admits groups that are evicted again at once.
+            Exception: whatever a policy hook or ``on_evict`` raised, the buffer consistent.
+        """
+        self.evaluations += 1
+        verdict = self.rules.quick_verdict(part, global_steps, batch_size)
+        if verdict != NEEDS_RULES:  # the common case: the default rules and nothing to evict
+            if verdict == NO_BATCH:
+                return None
+            metrics.oldest_first = True
+            return self._take_batch(part, None, global_steps, batch_size)
+        left = self.eviction.run(part, global_steps, metrics)
+        chosen, oldest = self.rules.choose_batch(part, global_steps, batch_size)
+        if chosen is None:
+            if left:
+                self.admission.wake(part.name)
+            return None
+        metrics.oldest_first = oldest
+        return self._take_batch(part, None if oldest else chosen, global_steps, batch_size)
+
+    def _take_batch(
+        self, part: PartitionState, chosen: list[Group] | None, global_steps: int, batch_size: int
+    ) -> list[Group]:
+        """Remove and return the batch: ``chosen``, or the ``batch_size`` oldest groups if None."""
+        groups = self.store.take_batch(part, chosen, batch_size)
+        self.admission.batch_taken(part.name, global_steps)
+        return groups
+
+    def result(
+        self,
+        part: PartitionState,
+        global_steps: int,
+        groups: list[Group],
+        metrics: SampleMetrics,
+        wait_seconds: float,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Build what ``sample`` returns for ``groups`` and tell the observers.
+
+        An observer that raises is logged, never turned into an error: the batch is taken.
+        """
+        sync_step = self.rules.sync_step
+        batch = new_batch(part.name, global_steps, tuple(groups), sync_step)
+        admission = None
+        if part.cap is not None:
+            # The batch is already taken: a policy hook that raises here must not lose it, so
+            # the error is logged and the metric reports NaN (unknown).
+            try:
+                free: float = self.admission.free_slots(part) or 0
+            except Exception:
+                logger.exception("a staleness policy hook raised while counting free admission slots")
+                free = math.nan
+            admission = (free, self.admission.take_producer_wait(part.name))
+        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission)
+        for observer in self.observers:
+            try:
+                observer(batch, rendered)
+            except Exception:
+                logger.exception("a sample observer raised; the batch is returned all the same")
+        return batch, rendered
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def _leave(self, waiters: deque[Waiter], part: PartitionState, waiter: Waiter) -> None:
+        """Take ``waiter`` out of its queue; if it was the head, pass the turn on."""
+        if waiters and waiters[0] is waiter:
+            waiters.popleft()
+            if waiters:
+                self.notify(part)  # whether we succeeded or not
+        elif waiter in waiters:  # not there if dropped as abandoned
+            waiters.remove(waiter)
+
+    async def wait_for_batch(
+        self,
+        part: PartitionState,
+        global_steps: int,
+        batch_size: int,
+        timeout: float | None,
+        metrics: SampleMetrics,
+    ) -> tuple[list[Group], float]:
+        """Park in ``part``'s queue until a batch may be taken; return it and the seconds waited.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            BufferClosedError: the buffer was closed meanwhile.
+            Exception: what :meth:`evaluate` raises.
+        """
+        binding = self.binding
+        binding.bind()
+        waiter = binding.new_waiter(global_steps, batch_size)
+        started = waiter.now()
+        interval = self.status_interval
+        timer_logs = interval is not None and binding.on_asyncio
+        if timer_logs:
+            if self.status_log is None:
+                self.status_log = StatusLog(interval, self.waiting, self.store.partitions)  # type: ignore[arg-type]
+            self.status_log.watch(waiter, started)
+        waiters = self.waiting.get(part.name)
+        if waiters is None:
+            waiters = self.waiting[part.name] = deque()
+        store = self.store
+
+        def attempt() -> list[Group] | None:
+            if store.closed:
+                raise BufferClosedError("the buffer is closed")
+            if waiters[0] is not waiter:
+                return None
+            return self.evaluate(part, global_steps, batch_size, metrics)
+
+        waiters.append(waiter)  # from here on, the finally below must remove it
+        try:
+            if timeout is None and (interval is None or timer_logs):
+                groups = await park(waiter, attempt)  # no deadline: no cancel scope
+            else:
+                groups = await self._park_with_deadlines(part, waiter, attempt, started, timeout, timer_logs)
+        finally:
+            self._leave(waiters, part, waiter)
+        return groups, waiter.now() - started
+
+    async def _park_with_deadlines(
+        self,
+        part: PartitionState,
+        waiter: Waiter,
+        attempt: Callable[[], list[Group] | None],
+        started: float,
+        timeout: float | None,
+        timer_logs: bool,
+    ) -> list[Group]:
+        """Park under a deadline: raise TimeoutError at ``timeout`` and, where no loop timer
+        does it, log a status line every interval."""
+        backend = self.binding.backend
+        assert backend is not None  # bound before any wait
+        interval = self.status_interval
+        deadline = math.inf if timeout is None else started + timeout
+        next_log = math.inf if timer_logs or interval is None else started + interval
+
+        def log_line(now: float) -> float:
+            nonlocal next_log
+            log_waiting(part, waiter, next_log - started)
+            next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
+            return next_log
+
+        groups = await park_with_deadline(waiter, attempt, backend, deadline, log_line, next_log)
+        if groups is None:
+            raise TimeoutError(
+                f"no batch of {waiter.batch_size} in partition {describe(part.name)} within {timeout} s"
+            )
+        return groups
+
+
+def _drop_abandoned(waiters: deque[Waiter], everywhere: bool = False) -> None:
+    """Forget waiters whose event loop was closed under them: they will never run. Only the
+    head is checked (O(1) on the hot paths) unless ``everywhere``."""
+    if everywhere:
+        if any(waiter.abandoned() for waiter in waiters):
+            live = [waiter for waiter in waiters if not waiter.abandoned()]
+            waiters.clear()
+            waiters.extend(live)
+        return
+    while waiters and waiters[0].abandoned():
+        waiters.popleft()

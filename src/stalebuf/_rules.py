@@ -1,0 +1,253 @@
+"""The rule book as a buffer asks it: the policy's answers, with one fast path for the default.
+
+:class:`Rules` is built once per buffer from its :class:`~stalebuf.policy.StalenessPolicy` (and
+a verl-style subclass's ``_is_stale``/``_must_wait_for``/``_select`` hooks). Every question
+the buffer asks about staleness, the wait gate, selection or admission goes through one of
+its methods. When the policy leaves a rule as written, the method answers it inline with the
+integer comparison of :mod:`stalebuf.staleness` (the same answer, without a Python call per
+question); this module is the only place that does. Every method only *reads*: it may raise
+(a policy hook's error), so the buffer asks first and changes state after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ._partition import PartitionState
+from .config import SamplerConfig
+from .errors import StalebufError
+from .policy import RuleHooks, StalenessPolicy, SubclassHooks, select_label
+from .records import Group
+from .staleness import drop_span
+
+__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules"]
+
+#: :meth:`Rules.quick_verdict`'s answers.
+NEEDS_RULES, NO_BATCH, OLDEST_BATCH = -1, 0, 1
+
+# The default selection takes the first batch_size candidates: its answer needs no check.
+_DEFAULT_SELECT = StalenessPolicy.select
+
+
+def asks_defaults(rules: StalenessPolicy, hooks: tuple[str, ...]) -> bool:
+    """Whether ``rules`` answers every one of ``hooks`` (names of StalenessPolicy methods) with
+    the default code, neither overridden nor replaced on the instance."""
+    kind, own = type(rules), vars(rules)
+    return all(getattr(kind, hook) is getattr(StalenessPolicy, hook) and hook not in own for hook in hooks)
+
+
+class Rules:
+    """One buffer's rule book: ``policy`` (the subclass's hooks in front of it, if any) plus
+    the flags that say which rules are the defaults, asked once when the buffer is built.
+
+    Attributes:
+        base: the policy the buffer was given (``ReplayBuffer.policy``).
+        policy: what the buffer asks: ``base``, or the subclass's hooks in front of it.
+        config: the buffer's config (a checkpoint keeps it; the policy's may differ).
+        threshold, sync_step, drops: the policy's (S is the policy's: the rules and the
+            staleness a batch reports must agree, even for a policy of another config).
+    """
+
+    __slots__ = (
+        "admits_by_default",
+        "base",
+        "config",
+        "drops",
+        "plain",
+        "plain_admission",
+        "policy",
+        "span",
+        "sync_step",
+        "threshold",
+    )
+
+    def __init__(self, base: StalenessPolicy, hooks: RuleHooks | None, config: SamplerConfig) -> None:
+        self.base = base
+        self.policy = base if hooks is None else SubclassHooks(base, hooks)
+        self.config = config
+        self.threshold = base.threshold
+        self.sync_step = base.sync_step
+        self.drops = base.drops
+        # The default is_stale as one comparison: p < g + 1 - span (see staleness.drop_span).
+        self.span = drop_span(base.threshold, base.sync_step)
+        self.plain = asks_defaults(self.policy, ("is_stale", "must_wait_for", "select"))
+        self.plain_admission = asks_defaults(self.policy, ("admits", "is_stale"))
+        # The default admits (asked with a subclass's _is_stale, if any): a tag the monotone
+        # drop rule closes at the next sample then never opens again.
+        self.admits_by_default = asks_defaults(base, ("admits",))
+
+    # -- per partition, asked once ------------------------------------------------------
+
+    def settings(self, name: str) -> tuple[bool, bool, bool, int | None]:
+        """Return ``(exempt, evicts_failures, evicts_in_flight, admission cap)`` for a new
+        partition ``name``.
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        policy = self.policy
+        return (
+            policy.is_exempt(name),
+            policy.evicts_failures(name),
+            policy.evicts_in_flight(name),
+            policy.admission_batch_size(name),
+        )
+
+    def admission_cap(self, name: str) -> int | None:
+        """The per-dispatch-step cap ``b`` of partition ``name``, or None (no admission control)."""
+        return self.policy.admission_batch_size(name)
+
+    # -- drop -------------------------------------------------------------------------
+
+    def is_stale(self, global_steps: int, dispatch_step: int, name: str) -> bool:
+        """Whether a terminal group dispatched at ``dispatch_step`` is dropped at ``global_steps``."""
+        if self.plain:
+            return dispatch_step < global_steps + 1 - self.span
+        return self.policy.is_stale(global_steps, dispatch_step, name)
+
+    def stale_steps(self, part: PartitionState, global_steps: int) -> list[int]:
+        """The dispatch steps, oldest first, whose ready groups the drop rule evicts now."""
+        if not self.drops or part.exempt or not part.ready.count:
+            return []
+        if self.plain:
+            return part.ready.steps_before(global_steps + 1 - self.span)
+        policy, name = self.policy, part.name
+        if not policy.is_stale(global_steps, part.ready.oldest_step(), name):
+            return []
+        return part.ready.stale_steps(lambda step: policy.is_stale(global_steps, step, name))
+
+    def stale_in_flight_steps(self, part: PartitionState, global_steps: int) -> list[int]:
+        """The dispatch steps, oldest first, whose in-flight groups no later sample could
+        return (only with in-flight eviction): the drop rule already holds for them."""
+        if not part.evict_in_flight:
+            return []
+        name = part.name
+        return part.in_flight.stale_steps(lambda step: self.is_stale(global_steps, step, name))
+
+    def count_fresh(self, part: PartitionState, global_steps: int) -> int:
+        """How many ready groups of ``part`` the drop rule keeps at ``global_steps``."""
+        if not self.drops or part.exempt:
+            return part.ready.count
+        name = part.name
+        return part.ready.count_fresh(lambda step: self.is_stale(global_steps, step, name))
+
+    # -- the wait gate and selection ------------------------------------------------------
+
+    def gate_open(self, part: PartitionState, global_steps: int) -> bool:
+        """The wait gate: no in-flight group the sample at ``global_steps`` must wait for."""
+        if self.drops or part.exempt:
+            return True
+        oldest = part.in_flight.oldest()
+        if oldest is None:
+            return True
+        if self.plain:  # staleness.blocks_wait: age >= T*S
+            return global_steps - oldest + 1 < self.span
+        return not self.policy.must_wait_for(global_steps, oldest, part.name)
+
+    def quick_verdict(self, part: PartitionState, global_steps: int, batch_size: int) -> int:
+        """The common case of an evaluation, answered inline: :data:`NO_BATCH` or
+        :data:`OLDEST_BATCH` when the default rules hold and nothing is to be evicted, else
+        :data:`NEEDS_RULES` (ask :meth:`stale_steps` and :meth:`choose_batch`)."""
+        if not self.plain or part.failed or part.evict_in_flight:
+            return NEEDS_RULES
+        ready = part.ready
+        if self.drops and not part.exempt and ready.count and ready.steps[0] < global_steps + 1 - self.span:
+            return NEEDS_RULES  # the oldest is stale: eviction to do
+        if ready.count < batch_size or not self.gate_open(part, global_steps):
+            return NO_BATCH
+        return OLDEST_BATCH
+
+    def has_work_for(self, part: PartitionState, global_steps: int, batch_size: int) -> bool:
+        """Whether evaluating a sample at ``global_steps`` could return a batch or evict
+        something. A necessary condition only (eviction can still leave too few groups), but
+        every wake-up it allows either returns a batch or evicts at least one group.
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        ready = part.ready
+        if self.plain and not part.failed and not part.evict_in_flight:
+            if ready.count >= batch_size and self.gate_open(part, global_steps):
+                return True
+            return bool(
+                ready.count
+                and self.drops
+                and not part.exempt
+                and ready.steps[0] < global_steps + 1 - self.span  # the oldest is stale
+            )
+        if part.failed or (
+            self.drops
+            and ready.count
+            and not part.exempt
+            and self.is_stale(global_steps, ready.oldest_step(), part.name)
+        ):
+            return True
+        if part.evict_in_flight:
+            oldest = part.in_flight.oldest()
+            if oldest is not None and self.is_stale(global_steps, oldest, part.name):
+                return True
+        return ready.count >= batch_size and self.gate_open(part, global_steps)
+
+    def choose_batch(
+        self, part: PartitionState, global_steps: int, batch_size: int
+    ) -> tuple[list[Group] | None, bool]:
+        """Ask the policy which groups to return; return ``(chosen, oldest)``.
+
+        ``chosen`` is None when no batch may be returned yet; ``oldest`` says the chosen groups
+        are the ``batch_size`` oldest in order (so they can be taken in O(batch_size)).
+
+        Raises:
+            StalebufError: the policy returned something other than ``batch_size`` distinct
+                groups from its candidates.
+            Exception: whatever a policy hook raised.
+        """
+        ready = part.ready
+        if ready.count < batch_size or not self.gate_open(part, global_steps):
+            return None, False
+        select = self.policy.select
+        chosen = list(select(ready.iter_groups(), batch_size, global_steps, part.name))
+        if (getattr(select, "__func__", None) is _DEFAULT_SELECT and len(chosen) == batch_size) or (
+            len(chosen) == batch_size and ready.is_oldest(chosen)
+        ):
+            return chosen, True
+        self._check_selection(chosen, ready.iter_groups(), batch_size)
+        return chosen, False
+
+    def _check_selection(self, chosen: list[Group], candidates: Iterable[Group], batch_size: int) -> None:
+        ready = {id(group) for group in candidates}
+        if (
+            len(chosen) != batch_size
+            or len({id(group) for group in chosen}) != batch_size
+            or not all(id(group) in ready for group in chosen)
+        ):
+            raise StalebufError(
+                f"{select_label(self.policy)} must return {batch_size} distinct groups "
+                f"taken from its candidates, got {len(chosen)}"
+            )
+
+    # -- admission --------------------------------------------------------------------
+
+    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, name: str) -> bool:
+        """Whether one more group may be admitted at dispatch step ``tag`` (the policy's
+        ``admits``; the default inline: below the cap, and not stale at the next sample).
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        if self.plain_admission:  # not is_stale(last_sampled + 1, tag)
+            return resident_at_tag < cap and tag >= last_sampled + 2 - self.span
+        return self.policy.admits(tag, resident_at_tag, last_sampled, cap, name)
+
+    def closed_for_good(self, name: str, tag: int, last_sampled: int) -> bool:
+        """Whether no slot at ``tag`` can ever open: the default admission rule refuses a tag
+        that is stale at the next sample, and the drop rule is monotone while sample steps only
+        grow. (A custom ``admits`` may reopen anything: never closed for good then.)
+
+        Raises:
+            Exception: whatever the policy's ``is_stale`` raised.
+        """
+        return self.admits_by_default and self.is_stale(last_sampled + 1, tag, name)
+
+    def capacity(self, cap: int | None) -> int | None:
+        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap``."""
+        return None if cap is None else cap * self.threshold * self.sync_step

@@ -1,0 +1,324 @@
+"""The group store: every resident group, every partition's indexes and counters, and the
+memory of groups evicted in flight. It is the only code that writes any of them.
+
+Admission, the consumer and the buffer's facade read the store (its attributes are public to
+read) and change it only through its methods. Each method that may fail checks first and
+changes after, so a refused call leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterator, Mapping
+from operator import attrgetter
+from time import monotonic
+from typing import Any
+
+from ._lazy_group import LazyGroup
+from ._open_group import OpenGroup
+from ._partition import PartitionState
+from ._rules import Rules
+from ._stored import count_trajectories
+from ._validation import describe
+from .errors import DuplicateTrajectoryError, GroupEvictedError, InvalidTransitionError, UnknownGroupError
+from .records import (
+    DEFAULT_KEY_SESSIONS,
+    DEFAULT_KEY_SUFFIXES,
+    Group,
+    Status,
+    Trajectory,
+    default_keys,
+    new_group,
+    new_trajectory,
+)
+
+__all__ = ["EVICTED_UIDS_REMEMBERED", "GroupStore"]
+
+#: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
+#: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
+EVICTED_UIDS_REMEMBERED = 65_536
+
+_PENDING, _RUNNING, _FINISHED = Status.PENDING, Status.RUNNING, Status.FINISHED
+_tuple_new = tuple.__new__
+_uid_of = attrgetter("uid")
+#: Runs an iterator to its end in C: unregistering a batch of 64 groups costs no Python loop.
+_consume = deque[object](maxlen=0).extend
+
+
+class GroupStore:
+    """Groups by uid (in admission order), partitions by name, and what was evicted in flight.
+
+    Attributes (read them; change them only through the methods):
+        groups: every resident group, in flight (:class:`OpenGroup`) or terminal (a record).
+        partitions: every partition used so far.
+        evicted_in_flight: uids of groups evicted in flight, most recent last: None for
+            "stale", else the eviction's reason ("restart").
+        next_seq: the admission sequence number of the next group (it orders FIFO ties).
+        closed: whether the buffer was closed.
+    """
+
+    __slots__ = ("closed", "evicted_in_flight", "groups", "next_seq", "partitions", "rules")
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.groups: dict[str, OpenGroup | Group] = {}
+        self.partitions: dict[str, PartitionState] = {}
+        self.evicted_in_flight: OrderedDict[str, str | None] = OrderedDict()
+        self.next_seq = 0
+        self.closed = False
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def partition(self, name: str) -> PartitionState:
+        """Return partition ``name``, creating it (asking the rules its settings) if new.
+
+        Raises:
+            Exception: whatever a policy hook raised (nothing is created then).
+        """
+        part = self.partitions.get(name)
+        if part is None:
+            exempt, evict_failures, evict_in_flight, cap = self.rules.settings(name)
+            part = PartitionState(
+                name,
+                exempt=exempt,
+                evict_failures=evict_failures,
+                evict_in_flight=evict_in_flight,
+                cap=cap,
+            )
+            self.partitions[name] = part
+        return part
+
+    def open_group(self, uid: object, action: str) -> OpenGroup:
+        """Return the in-flight group ``uid`` or raise the error a write to it deserves.
+
+        Raises:
+            TypeError: ``uid`` is not a str.
+            GroupEvictedError: it was evicted in flight (and not added again since).
+            UnknownGroupError: no such group.
+            InvalidTransitionError: it is terminal (a late write).
+        """
+        group = self.groups.get(uid) if type(uid) is str else None
+        if type(group) is OpenGroup:
+            return group
+        if type(uid) is not str:
+            raise TypeError(f"uid must be a str, got {type(uid).__name__}")
+        if group is None:
+            if uid in self.evicted_in_flight:
+                how = "as stale" if self.evicted_in_flight[uid] is None else "by a restart"
+                raise GroupEvictedError(
+                    f"group {describe(uid)} was evicted {how} while in flight: stop generating"
+                )
+            raise UnknownGroupError(
+                f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
+            )
+        raise InvalidTransitionError(
+            f"cannot {action} group {describe(uid)}: it is already {group.status.value} (a late write)"
+        )
+
+    def in_flight(self) -> Iterator[OpenGroup]:
+        """Every group still in flight, in admission order."""
+        return (group for group in self.groups.values() if type(group) is OpenGroup)
+
+    # -- producers ----------------------------------------------------------------------
+
+    def admit(self, uid: str, step: int, part: PartitionState, tags: Mapping[str, Any]) -> OpenGroup:
+        """Register a new PENDING group (its arguments were checked, its slot granted)."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        group = self.groups[uid] = OpenGroup(uid, part.name, step, seq, tags, monotonic())
+        part.admit(group)
+        if self.evicted_in_flight:
+            self.evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
+        return group
+
+    def start(self, uid: object) -> None:
+        """Move the group ``uid`` from PENDING to RUNNING.
+
+        Raises:
+            The errors of :meth:`open_group`; InvalidTransitionError if it is running already.
+        """
+        group = self.groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            group = self.open_group(uid, "mark running")
+        if group.status is not _PENDING:
+            raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
+        group.status = _RUNNING
+        self.partitions[group.partition].start()
+
+    def put(self, uid: object, payload: Any, session_id: int, index: int, tags: Mapping[str, Any]) -> str:
+        """Add one trajectory to the in-flight group ``uid`` (checked arguments); return its key.
+
+        Raises:
+            The errors of :meth:`open_group`; DuplicateTrajectoryError for a key it holds.
+        """
+        group = self.groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:
+            group = self.open_group(uid, "put into")
+        uid = group.uid
+        if index or session_id >= DEFAULT_KEY_SESSIONS:
+            key = f"{uid}_{session_id}_{index}"
+        else:  # the common key, without formatting two ints
+            key = uid + DEFAULT_KEY_SUFFIXES[session_id]
+        trajectories = group.trajectories
+        if key in trajectories:
+            raise DuplicateTrajectoryError(
+                f"group {describe(uid)} already holds session_id={session_id}, index={index} "
+                f"({describe(key)})"
+            )
+        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, tags, payload))
+        part = self.partitions[group.partition]
+        part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
+        part.admitted_trajectories += 1
+        return key
+
+    def end(self, group: OpenGroup, status: Status, clock: int) -> PartitionState:
+        """Make the in-flight ``group`` terminal with ``status``; return its partition.
+        ``clock`` is the partition's dispatch clock (the record's finish step, not before
+        its dispatch step)."""
+        part = self.partitions[group.partition]
+        step = group.dispatch_step
+        record = _tuple_new(  # records.new_group, without the call
+            Group,
+            (
+                group.uid,
+                part.name,
+                step,
+                status,
+                group.tags,
+                tuple(group.trajectories.values()),
+                clock if clock > step else step,
+                monotonic() - group.admitted_at,
+            ),
+        )
+        self.groups[group.uid] = record
+        part.terminate(group, record)
+        return part
+
+    def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
+        """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""
+        group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
+        self.partitions[group.partition].add_trajectories(len(rows))
+
+    def add_finished(
+        self,
+        part: PartitionState,
+        uid: str,
+        step: int,
+        clock: int,
+        payloads: tuple[Any, ...],
+        tags: Mapping[str, Any],
+    ) -> list[str]:
+        """Add a new FINISHED group of default keys, stored lazily (its records are built when
+        first read), straight to the ready index; return its keys."""
+        record = _tuple_new(  # _lazy_group.new_lazy_group, without the call
+            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, clock if clock > step else step, 0.0)
+        )
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        self.groups[uid] = record
+        part.add_terminal(record, seq)
+        return default_keys(uid, len(payloads))
+
+    # -- groups leaving -------------------------------------------------------------------
+
+    def take_batch(self, part: PartitionState, chosen: list[Group] | None, count: int) -> list[Group]:
+        """Remove and return a batch: ``chosen``, or the ``count`` oldest if None; counted sampled."""
+        groups = part.take_sampled(chosen, count)
+        _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
+        return groups
+
+    def evict_failed(self, part: PartitionState) -> list[Group]:
+        """Remove and return every failed group awaiting eviction, oldest first."""
+        groups = part.take_failed()
+        _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
+        return groups
+
+    def evict_stale(self, part: PartitionState, steps: list[int]) -> list[Group]:
+        """Remove and return the ready groups of the oldest ``steps`` (the rules chose them)."""
+        groups = part.take_stale(steps)
+        _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
+        return groups
+
+    def evict_stale_in_flight(self, part: PartitionState, steps: list[int], clock: int) -> list[Group]:
+        """Remove the in-flight groups of the oldest ``steps``, remember their uids, tell their
+        watchers; return their records (finish step ``clock``, the evicting sample's)."""
+        now = monotonic()
+        records = []
+        for group in part.take_stale_in_flight(steps):
+            records.append(self.snapshot(group, clock, now))
+            del self.groups[group.uid]
+            self.remember_evicted(group.uid, None)
+            group.notify_watchers()
+        return records
+
+    def remember_evicted(self, uid: str, reason: str | None) -> None:
+        """Remember that ``uid`` was evicted in flight (``reason`` None: as stale), boundedly."""
+        remembered = self.evicted_in_flight
+        remembered[uid] = reason
+        if len(remembered) > EVICTED_UIDS_REMEMBERED:
+            remembered.popitem(last=False)
+
+    def close(self) -> None:
+        """Mark the store closed and tell every in-flight group's watchers."""
+        self.closed = True
+        for group in list(self.in_flight()):
+            group.notify_watchers()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    @staticmethod
+    def snapshot(group: OpenGroup, clock: int, now: float) -> Group:
+        """Return the record of the in-flight ``group`` as it is at ``now`` (its status kept)."""
+        return new_group(
+            group.uid,
+            group.partition,
+            group.dispatch_step,
+            group.status,
+            group.tags,
+            tuple(group.trajectories.values()),
+            max(clock, group.dispatch_step),
+            now - group.admitted_at,
+        )
+
+    def restore_terminal(self, part: PartitionState, group: Group, seq: int) -> None:
+        """Put back a terminal ``group`` at admission position ``seq`` (a restore)."""
+        self.groups[group.uid] = group
+        part.add_terminal(group, seq)
+
+    def restore_in_flight(self, part: PartitionState, group: Group, seq: int, keep: bool) -> None:
+        """Put back an in-flight ``group`` at position ``seq``: exactly (``keep``), or as
+        PENDING with no trajectories (to be generated again)."""
+        now = monotonic()
+        state = OpenGroup(
+            group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds
+        )
+        self.groups[group.uid] = state
+        part.admit(state)
+        if keep:
+            if group.status is _RUNNING:
+                state.status = _RUNNING
+                part.start()
+            state.trajectories = {trajectory.key: trajectory for trajectory in group.trajectories}
+            part.add_trajectories(len(group.trajectories))
+
+    def restore_counters(
+        self, part: PartitionState, counters: Mapping[str, int], reissued: tuple[int, int]
+    ) -> None:
+        """Set ``part``'s cumulative counters to the saved ones, plus ``reissued`` (groups,
+        trajectories) that a restore reissued."""
+        for key, value in counters.items():
+            setattr(part, key, value)
+        part.reissued_groups += reissued[0]
+        part.reissued_trajectories += reissued[1]
+
+    def restore_sequence(self, next_seq: int, evicted_in_flight: tuple[str, ...]) -> None:
+        """Set the admission sequence and the remembered in-flight evictions of a restore."""
+        self.next_seq = next_seq
+        self.evicted_in_flight = OrderedDict.fromkeys(evicted_in_flight)
+
+    def count_restarted(self, part: PartitionState, groups: list[Group]) -> None:
+        """Count in-flight ``groups`` a restore evicted (never put back) and remember them."""
+        part.evicted_restart_groups += len(groups)
+        part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
+        for group in groups:  # a producer that survived the restart learns why on its next write
+            self.remember_evicted(group.uid, "restart")
