@@ -28,6 +28,7 @@ from typing import Any
 
 from p1_wakeup import p1_side_by_side
 from stalebuf import ReplayBuffer
+from stalebuf._consumer import Consumer
 from stalebuf.metrics import SampleMetrics
 
 
@@ -42,14 +43,14 @@ def _no_metrics(self: SampleMetrics, *args: Any, **kwargs: Any) -> dict[str, flo
     return {}
 
 
-def _groups_only(self: ReplayBuffer, part: Any, global_steps: int, groups: Any, *args: Any) -> Any:
+def _groups_only(self: Consumer, part: Any, global_steps: int, groups: Any, *args: Any) -> Any:
     return groups, {}
 
 
 _KEYS: dict[str, list[str]] = {}
 _SHIPPED_RENDER = SampleMetrics.render
-_SHIPPED_RESULT = ReplayBuffer._result
-#: version -> (SampleMetrics.render, ReplayBuffer._result) it runs with.
+_SHIPPED_RESULT = Consumer.result
+#: version -> (SampleMetrics.render, Consumer.result) it runs with.
 VERSIONS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "as shipped": (_SHIPPED_RENDER, _SHIPPED_RESULT),
     "metrics dict only": (_constant_metrics, _SHIPPED_RESULT),
@@ -77,12 +78,12 @@ def measure(batch_size: int, rounds: int, reps: int) -> dict[str, list[float]]:
             for name in names:
                 render, result = VERSIONS[name]
                 setattr(SampleMetrics, "render", render)  # noqa: B010 - replacing on purpose
-                setattr(ReplayBuffer, "_result", result)  # noqa: B010
+                setattr(Consumer, "result", result)  # noqa: B010
                 stalebuf_ns, bare_ns = asyncio.run(p1_side_by_side(asyncio.Event, reps, batch_size))
                 ratios[name].append(statistics.median(stalebuf_ns) / statistics.median(bare_ns))
     finally:
         setattr(SampleMetrics, "render", _SHIPPED_RENDER)  # noqa: B010
-        setattr(ReplayBuffer, "_result", _SHIPPED_RESULT)  # noqa: B010
+        setattr(Consumer, "result", _SHIPPED_RESULT)  # noqa: B010
     return ratios
 
 

@@ -3,7 +3,7 @@
 Times, per rep, (1) the completing ``mark_finished_nowait``, (2) from its return until the parked
 ``sample`` resumes, (3) the woken call's evaluation and take, (4) from there until ``sample``
 returns (leaving the queue, the batch and its metrics), next to a bare ``asyncio.Event`` round
-trip; prints the medians. It replaces ``stalebuf._sampling.park`` with a copy that takes two
+trip; prints the medians. It replaces ``stalebuf._consumer.park`` with a copy that takes two
 timestamps: a diagnostic of the internals, not a target (``compare.py`` measures P1).
 
     python benchmarks/p1_split.py [B] [reps]
@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from stalebuf import ReplayBuffer, _sampling
+from stalebuf import ReplayBuffer, _consumer
 from workloads import add_group_nowait, settle
 
 _now = time.perf_counter_ns
@@ -45,7 +45,7 @@ def _has_waiter(event: asyncio.Event) -> Callable[[], bool]:
 
 async def split(batch_size: int, reps: int) -> dict[str, float]:
     """Median µs of each part over ``reps`` wake-ups, and of the bare Event round trip."""
-    setattr(_sampling, "park", _timed_park)  # noqa: B010 - replacing an internal on purpose
+    setattr(_consumer, "park", _timed_park)  # noqa: B010 - replacing an internal on purpose
     buf = ReplayBuffer()
     names = ("call", "hand-over", "evaluate", "return", "total", "bare")
     parts: dict[str, list[int]] = {name: [] for name in names}

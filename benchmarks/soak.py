@@ -223,8 +223,9 @@ def _consistency_failures(soak: Soak, args: argparse.Namespace) -> list[str]:
     if total.waiting_samplers:
         failures.append(f"{total.waiting_samplers} waiters left behind after close")
     # No public count of the uid index exists: this internal read checks it against stats.
-    if len(soak.buf._groups) != total.groups:
-        failures.append(f"index holds {len(soak.buf._groups)} groups, stats say {total.groups}")
+    resident = len(soak.buf._ReplayBuffer__store.groups)  # type: ignore[attr-defined]
+    if resident != total.groups:
+        failures.append(f"index holds {resident} groups, stats say {total.groups}")
     return failures
 
 

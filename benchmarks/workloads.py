@@ -135,10 +135,11 @@ def add_group_nowait(
 def evaluations(buf: ReplayBuffer) -> int:
     """How many times ``sample`` calls on ``buf`` have evaluated a partition so far.
 
-    Reads ``ReplayBuffer._evaluations``, an internal counter kept for exactly this: proving
+    Reads the consumer's ``evaluations``, an internal counter kept for exactly this: proving
     that a parked ``sample`` does no work while nothing it waits for changes.
     """
-    return buf._evaluations
+    evaluations: int = buf._ReplayBuffer__consumer.evaluations  # type: ignore[attr-defined]
+    return evaluations
 
 
 class Resident:

@@ -357,7 +357,7 @@ def admission_counts(buf: ReplayBuffer, partition: str = "train") -> dict[int, i
 
 
 def evaluations(buf: ReplayBuffer) -> int:
-    """How many times a sample evaluated a partition (evicted/selected). Reads the consumer's ``evaluations``."""
+    """How many times a sample evaluated a partition (evicted/selected); the consumer's counter."""
     return _consumer(buf).evaluations
 
 

@@ -15,8 +15,8 @@ instance (only a buffer of another library, which has no ``observe_samples``, ge
 from __future__ import annotations
 
 import threading
-from functools import wraps
 from collections.abc import Callable, Mapping, Sequence
+from functools import wraps
 from operator import itemgetter
 from typing import Any
 
