@@ -17,26 +17,23 @@ import os
 import sys
 from collections.abc import Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 from ._validation import describe, describe_error
 from .config import SamplerConfig
 from .errors import ConfigError
 from .policy import StalenessPolicy
 
-if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
-
-_Buffer = TypeVar("_Buffer", bound="ReplayBuffer")
-
 
 def build_from_config(
-    cls: type[_Buffer],
-    base: type[ReplayBuffer],
+    cls: type[Any],
+    base: type[Any],
     config: SamplerConfig | Mapping[str, Any],
     options: Mapping[str, Any],
-) -> ReplayBuffer:
-    """Build what ``ReplayBuffer.from_config`` promises (see its docs); ``base`` is ReplayBuffer.
+) -> Any:
+    """Build what ``ReplayBuffer.from_config`` promises (see its docs): an instance of ``cls``
+    or of the ``base`` (``ReplayBuffer``) subclass the config names. (Typed loosely: this module
+    sits below the buffer and must not import it.)
 
     Raises:
         ConfigError: for an invalid config, a custom sampler that cannot be loaded or is
@@ -58,7 +55,7 @@ def build_from_config(
     try:
         if issubclass(target, StalenessPolicy):
             return cls(config, policy=target(config, **kwargs), **options)
-        built: ReplayBuffer = target(config, **kwargs, **options)
+        built = target(config, **kwargs, **options)
     except TypeError as exc:
         raise ConfigError(
             f"{target.__qualname__} rejected sampler_kwargs {describe(kwargs)}: {describe_error(exc)}"

@@ -177,7 +177,8 @@ class ReplayBuffer:
         options: dict[str, Any] = {} if on_evict is None else {"on_evict": on_evict}
         if status_log_interval is not _UNSET:
             options["status_log_interval"] = status_log_interval
-        return build_from_config(cls, ReplayBuffer, config, options)
+        built: ReplayBuffer = build_from_config(cls, ReplayBuffer, config, options)
+        return built
 
     @classmethod
     def restore(
