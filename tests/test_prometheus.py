@@ -475,6 +475,23 @@ def test_a_partition_name_utf8_cannot_encode_is_exported_escaped_and_the_scrape_
         assert count(samples, "sample_staleness", "\\udcff") == 1
 
 
+def test_a_local_buffer_refuses_the_name_so_it_never_reaches_a_scrape() -> None:
+    """Issue 21 item 5: ``put_group(partition="\\udcff")`` was admitted, then every scrape of the
+    buffer raised UnicodeEncodeError; the name is now refused at the source."""
+    buffer = make()
+    registry = CollectorRegistry()
+    register(buffer, registry)
+    for call in (
+        lambda: buffer.put_group_nowait("a", [1], partition=SURROGATE),
+        lambda: buffer.add_prompt_nowait("b", partition="x" + SURROGATE),
+        lambda: buffer.sample_nowait(0, 1, partition=SURROGATE),
+    ):
+        with pytest.raises(ValueError, match="UTF-8"):
+            call()
+    assert buffer.stats().partitions == {}
+    assert scrape(registry)[("stalebuf_up", frozenset())] == 1
+
+
 def test_an_escaped_name_that_another_partition_has_is_dropped_not_duplicated(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
