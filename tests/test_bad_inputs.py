@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from _helpers import LIMIT, LyingLen, assert_conserved, full_snapshot, resident_groups, resident_uids
@@ -88,6 +89,7 @@ class Case:
     match: str
     closed: bool = False  # close the buffer before the call (and before the snapshot)
     flow: bool = False  # run against populated_flow() instead of populated()
+    guarded: bool = False  # fails until a hot path's inline uid guard calls check_uid (NEEDS_GUARD)
 
 
 def write(ctx: Ctx, name: str, source: str) -> str:
@@ -105,6 +107,8 @@ def from_file(ctx: Ctx, name: str, source: str, cls: str) -> ReplayBuffer:
 MAX_MESSAGE = 1000  # characters: an error message must not grow with the value it rejects
 HUGE = 10**5000  # str() of it raises ValueError (Python's 4300-digit limit)
 HUGE_STR = "x" * 1_000_000
+SURROGATE = "\udcff"  # what json.loads('"\\udcff"') or os.fsdecode(b"\xff") gives: not UTF-8
+UTF8 = "encodable as UTF-8"
 
 
 class EvilRepr:
@@ -1215,6 +1219,91 @@ CASES: tuple[Case, ...] = (
     C("rollout-partition-int", lambda c: enter(c.buf.rollout("new", partition=2)), TypeError, "partition"),
     C("rollout-duplicate", lambda c: enter(c.buf.rollout("run")), DuplicateGroupError, "'run'"),
     C("rollout-closed", lambda c: enter(c.buf.rollout("new")), BufferClosedError, "closed", closed=True),
+    # -- names UTF-8 cannot encode (issue 21, item 5): a lone surrogate breaks every later JSON,
+    # log line or Prometheus scrape that shows the name, so it is refused at the source --------
+    C(
+        "uid-surrogate",
+        lambda c: c.buf.add_prompt_nowait(SURROGATE, global_steps=0),
+        ValueError,
+        UTF8,
+        guarded=True,
+    ),
+    C("uid-surrogate-inside", lambda c: c.buf.add_prompt_nowait("a\udcffb"), ValueError, UTF8, guarded=True),
+    C(
+        "uid-surrogate-async",
+        lambda c: c.buf.add_prompt(SURROGATE, global_steps=5),
+        ValueError,
+        UTF8,
+        guarded=True,
+    ),
+    C("group-uid-surrogate", lambda c: group(c, SURROGATE), ValueError, UTF8, guarded=True),
+    C(
+        "group-uid-surrogate-val",
+        lambda c: group(c, SURROGATE, partition="val"),
+        ValueError,
+        UTF8,
+        guarded=True,
+    ),
+    C("group-uid-surrogate-sessions", lambda c: group(c, SURROGATE, session_ids=[0, 1]), ValueError, UTF8),
+    C("group-uid-surrogate-failed", lambda c: group(c, SURROGATE, status="failure"), ValueError, UTF8),
+    C(
+        "group-uid-surrogate-async",
+        lambda c: c.buf.put_group(SURROGATE, ["x"], global_steps=5),
+        ValueError,
+        UTF8,
+        guarded=True,
+    ),
+    C("rollout-uid-surrogate", lambda c: enter(c.buf.rollout(SURROGATE)), ValueError, UTF8, guarded=True),
+    C(
+        "full-surrogate-uid-first",
+        lambda c: c.buf.add_prompt_nowait(SURROGATE),
+        ValueError,
+        UTF8,
+        flow=True,
+        guarded=True,
+    ),
+    C(
+        "partition-surrogate",
+        lambda c: c.buf.add_prompt_nowait("new", partition=SURROGATE),
+        ValueError,
+        "partition.*" + UTF8,
+    ),
+    C(
+        "partition-surrogate-huge",
+        lambda c: c.buf.add_prompt_nowait("new", partition=HUGE_STR + SURROGATE),
+        ValueError,
+        "partition.*" + UTF8,
+    ),
+    C("group-partition-surrogate", lambda c: group(c, partition=SURROGATE), ValueError, "partition.*" + UTF8),
+    C(
+        "group-partition-surrogate-async",
+        lambda c: c.buf.put_group("new", ["x"], partition="\ud800"),
+        ValueError,
+        "partition.*" + UTF8,
+    ),
+    C(
+        "sample-partition-surrogate",
+        lambda c: c.buf.sample(6, 1, partition=SURROGATE),
+        ValueError,
+        "partition.*" + UTF8,
+    ),
+    C(
+        "sample-nowait-partition-surrogate",
+        lambda c: c.buf.sample_nowait(6, 1, partition=SURROGATE),
+        ValueError,
+        "partition.*" + UTF8,
+    ),
+    C("count-partition-surrogate", lambda c: c.buf.sampleable_count(6, SURROGATE), ValueError, UTF8),
+    C("dispatch-step-partition-surrogate", lambda c: c.buf.dispatch_step(SURROGATE), ValueError, UTF8),
+    C("capacity-partition-surrogate", lambda c: c.buf.capacity(SURROGATE), ValueError, UTF8, flow=True),
+    C("free-slots-partition-surrogate", lambda c: c.buf.free_slots(SURROGATE), ValueError, UTF8, flow=True),
+    C("full-partition-surrogate", lambda c: c.buf.full(SURROGATE), ValueError, UTF8, flow=True),
+    C(
+        "rollout-partition-surrogate",
+        lambda c: enter(c.buf.rollout("new", partition=SURROGATE)),
+        ValueError,
+        "partition.*" + UTF8,
+    ),
 )
 
 
@@ -1283,7 +1372,20 @@ async def invoke(case: Case, ctx: Ctx) -> None:
         await result
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+# The rows marked ``guarded`` go through a hot path that tests a uid inline and calls
+# check_uid only when that test fails: they pass once those guards also send a non-ASCII uid to
+# check_uid (issue 21, item 5; the guards are listed in the branch's report).
+NEEDS_GUARD = pytest.mark.xfail(
+    strict=True, reason="needs the hot-path guard (`or not uid.isascii()`); see the fix-server report"
+)
+
+
+def rows(cases: tuple[Case, ...]) -> list[Any]:
+    """The table as parameters, the ``guarded`` rows marked as expected to fail for now."""
+    return [pytest.param(case, id=case.id, marks=[NEEDS_GUARD] if case.guarded else []) for case in cases]
+
+
+@pytest.mark.parametrize("case", rows(CASES))
 async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) -> None:
     with anyio.fail_after(LIMIT):
         buf = await (populated_flow() if case.flow else populated())
@@ -1427,3 +1529,20 @@ async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
         assert (train.sampled_groups, train.evicted_in_flight_groups) == (1, 1)
         assert (flow.dispatch_step(), flow.free_slots(), flow.full()) == (3, 0, True)
         assert set(resident_uids(flow)) == {"fa", "fb", "vfin"}
+
+
+@NEEDS_GUARD
+async def test_a_threadsafe_producer_refuses_a_uid_utf8_cannot_encode() -> None:
+    """Issue 21 item 5: a lone-surrogate uid from a worker thread (the example server's ``def``
+    handler) was admitted, and every later JSON answer naming it failed."""
+    with anyio.fail_after(LIMIT):
+        buf = await populated()
+        producer = buf.threadsafe()
+        before = full_snapshot(buf)
+        for call in (
+            lambda: producer.put_group(SURROGATE, ["x"]),
+            lambda: producer.add_prompt("a" + SURROGATE, partition="val"),
+        ):
+            with pytest.raises(ValueError, match=UTF8):
+                await anyio.to_thread.run_sync(call)
+        assert full_snapshot(buf) == before

@@ -1,13 +1,20 @@
-"""examples/inference_server.py as a real uvicorn process under 50 concurrent HTTP producers.
+"""examples/inference_server.py: as a real uvicorn process under load, and its refusals.
 
-The producers post groups to both endpoints (the async one and the threadpool one) while the
-server's trainer samples; some groups come in failed and some with an old dispatch step, so
-both eviction reasons happen. Then every accepted group must be accounted for exactly once,
-through ``/stats``, and ``/metrics`` must parse and agree with it.
+The load test starts the example as a uvicorn process; 50 concurrent producers post groups to
+both endpoints (the async one and the threadpool one) while the server's trainer samples; some
+groups come in failed and some with an old dispatch step, so both eviction reasons happen. Then
+every accepted group must be accounted for exactly once, through ``/stats``, and ``/metrics``
+must parse and agree with it.
+
+The refusal tests (issue 21, items 6 and 13) run the app in this process (its lifespan, then
+requests through ``httpx.ASGITransport``): every client error is a 4xx with a JSON body, a full
+buffer is 429 with ``Retry-After``, and only the configured partitions take groups.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import random
 import re
@@ -15,12 +22,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
 import pytest
+
+from _helpers import LIMIT
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -192,3 +203,231 @@ def test_the_example_server_accounts_for_every_group_under_fifty_concurrent_prod
     assert re.search(r"inference_server INFO step \d+: 8 groups, staleness mean", text), text[-2000:]
     assert "trainer: buffer closed after" in text, text[-2000:]
     assert "Traceback" not in text, text[-4000:]
+
+
+# -- refusals, in process (issue 21, items 6 and 13) ------------------------------------------
+
+SURROGATE = "\udcff"  # a lone surrogate: what json.loads makes of the 6 characters \\udcff
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    """The example module, imported from its file (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("inference_server_example", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[Any]:
+    """Run ``app``'s lifespan (its buffer and trainer) and yield an httpx client that calls it."""
+    async with app.router.lifespan_context(app) as state:
+
+        async def with_state(scope: Any, receive: Any, send: Any) -> None:
+            scope["state"] = dict(state)  # what uvicorn hands each request from the lifespan
+            await app(scope, receive, send)
+
+        # raise_app_exceptions=False: a handler that raises answers 500, as under uvicorn.
+        transport = httpx.ASGITransport(app=with_state, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://example") as client:
+            yield client
+
+
+async def post(client: Any, path: str, body: dict[str, Any]) -> Any:
+    """POST ``body`` as ASCII JSON (a lone surrogate travels as the escape \\udcff, as a
+    hostile client would send it; httpx's ``json=`` could not encode it)."""
+    return await client.post(path, content=json.dumps(body).encode("ascii"))
+
+
+def refused(response: Any, status: int, error: str) -> dict[str, Any]:
+    """Check ``response`` is a JSON refusal ``{"error": error, "detail": ...}``; return it."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json", response.headers
+    body: dict[str, Any] = response.json()
+    assert body["error"] == error, body
+    assert isinstance(body.get("detail"), str), body
+    return body
+
+
+async def still_answers(client: Any) -> tuple[dict[str, Any], str]:
+    """``/stats?uids=1`` and ``/metrics`` still answer 200; return the stats and the metrics text."""
+    stats, metrics = await client.get("/stats", params={"uids": "1"}), await client.get("/metrics")
+    assert stats.status_code == 200, stats.text
+    assert metrics.status_code == 200, metrics.text
+    return stats.json(), metrics.text
+
+
+ENDPOINTS = ("/groups", "/groups_sync")
+
+
+@pytest.mark.anyio
+async def test_a_lone_surrogate_uid_is_400_and_stats_keeps_answering(example: ModuleType) -> None:
+    """Item 6: a uid "\\udcff" was admitted, its answer was a 500, and /stats?uids=1 a 500 for good."""
+    async with serving(example.create_app()) as client:
+        for path in ENDPOINTS:
+            for uid in (SURROGATE, "a" + SURROGATE):
+                body = refused(await post(client, path, {"uid": uid, "payloads": [1]}), 400, "ValueError")
+                assert "UTF-8" in body["detail"]
+        stats, _ = await still_answers(client)
+    assert stats["uids"]["accepted"] == []
+    assert stats["total"]["admitted_groups"] == 0
+
+
+@pytest.mark.anyio
+async def test_a_lone_surrogate_partition_is_400_and_metrics_keeps_answering(example: ModuleType) -> None:
+    """Item 6: a partition "\\udcff" was admitted, then /metrics and /stats answered 500 for good."""
+    async with serving(example.create_app()) as client:
+        for path in ENDPOINTS:
+            body = {"uid": f"u{len(path)}", "payloads": [1], "partition": SURROGATE}
+            refused(await post(client, path, body), 400, "UnknownPartitionError")
+        stats, _ = await still_answers(client)
+    assert set(stats["partitions"]) <= {"train", "val"}
+
+
+def admission(example: ModuleType) -> Any:
+    """An app under admission control, T=1 and one group per step, that trains one group a step."""
+    config = example.SamplerConfig(max_off_policy_threshold=1, admission_batch_size=1)
+    return example.create_app(config, batch_size=1, step_seconds=0.0)
+
+
+@pytest.mark.anyio
+async def test_an_old_global_steps_under_admission_is_429_with_retry_after(example: ModuleType) -> None:
+    """Item 6: under admission, /groups with a global_steps closed for good raised
+    BufferFullError out of the handler: a 500 (and /groups_sync's 429 had no Retry-After)."""
+    async with serving(admission(example)) as client:
+        with anyio.fail_after(LIMIT):
+            step = number = 0
+            while step < 3:  # the trainer takes each group: the clock moves on
+                number += 1
+                response = await post(client, "/groups", {"uid": f"g{number}", "payloads": [1]})
+                assert response.status_code == 200, response.text
+                step = response.json()["dispatch_step"]
+        for path in ENDPOINTS:
+            response = await post(client, path, {"uid": "late", "payloads": [1], "global_steps": 0})
+            assert "closed for good" in refused(response, 429, "BufferFullError")["detail"]
+            assert response.headers["retry-after"] == example.RETRY_AFTER
+        await still_answers(client)
+
+
+@pytest.mark.anyio
+async def test_no_slot_now_on_the_sync_endpoint_is_429_with_retry_after(example: ModuleType) -> None:
+    """Item 6: a full buffer must say when to retry (the sync endpoint's 429 had no Retry-After)."""
+    config = example.SamplerConfig(max_off_policy_threshold=1, admission_batch_size=1)
+    # The trainer waits for 1000 groups: step 0 stays the clock's, and its one slot stays taken.
+    async with serving(example.create_app(config, batch_size=1000)) as client:
+        assert (await post(client, "/groups_sync", {"uid": "first", "payloads": [1]})).status_code == 200
+        response = await post(client, "/groups_sync", {"uid": "second", "payloads": [1]})
+        refused(response, 429, "BufferFullError")
+        assert int(response.headers["retry-after"]) >= 1
+
+
+@pytest.mark.anyio
+async def test_a_partition_not_served_is_400_and_creates_nothing(example: ModuleType) -> None:
+    """Item 13: any partition a client named was created: 3,000 POSTs left 3,000 untrainable
+    groups and grew /metrics a thousandfold, for good."""
+    async with serving(example.create_app()) as client:
+        for index in range(40):
+            path = ENDPOINTS[index % 2]
+            body = {"uid": f"u{index}", "payloads": [1], "partition": f"p{index}"}
+            detail = refused(await post(client, path, body), 400, "UnknownPartitionError")["detail"]
+            assert f"'p{index}'" in detail
+            assert "'train', 'val'" in detail
+        for partition in (None, ["train"], {"train": 1}, 7, ""):
+            body = {"uid": "odd", "payloads": [1], "partition": partition}
+            refused(await post(client, "/groups", body), 400, "UnknownPartitionError")
+        for partition in ("train", "val"):
+            response = await post(
+                client, "/groups", {"uid": partition, "payloads": [1], "partition": partition}
+            )
+            assert response.status_code == 200, response.text
+        stats, after = await still_answers(client)
+    assert set(stats["partitions"]) <= {"train", "val"}
+    assert stats["uids"]["accepted"] == ["train", "val"]
+    labels = {
+        sample.labels.get("partition")
+        for family in parser.text_string_to_metric_families(after)
+        for sample in family.samples
+    }
+    assert labels == {None, "train", "val"}, "a partition no client may use reached /metrics"
+
+
+@pytest.mark.anyio
+async def test_the_served_partitions_are_configurable(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 13: the fixed set of partitions comes from ``partitions=``, else the environment."""
+    monkeypatch.setenv(example.PARTITIONS_ENV, " train , eval ,")
+    for app, served, refused_partition in (
+        (example.create_app(partitions=["train", "math"]), "math", "val"),
+        (example.create_app(), "eval", "val"),
+    ):
+        async with serving(app) as client:
+            body = {"uid": "a", "payloads": [1], "partition": served}
+            assert (await post(client, "/groups_sync", body)).status_code == 200
+            body["partition"] = refused_partition
+            refused(await post(client, "/groups", body), 400, "UnknownPartitionError")
+
+
+@pytest.mark.parametrize(
+    "partitions",
+    [["val"], ["train", ""], ["train", SURROGATE], "train", ["train", 3], []],
+    ids=["no-train", "empty-name", "surrogate", "a-str", "an-int", "none"],
+)
+def test_a_bad_set_of_partitions_is_refused_when_the_app_is_built(
+    example: ModuleType, partitions: Any
+) -> None:
+    """Item 13: the served set is checked once, up front (the trainer needs "train")."""
+    with pytest.raises(ValueError, match="partition"):
+        example.create_app(partitions=partitions)
+
+
+@pytest.mark.parametrize("value", ["val,eval", "train,\udcff"], ids=["no-train", "a-bad-byte"])
+def test_a_bad_partition_list_in_the_environment_is_refused(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Item 13: the environment's list is checked like ``partitions=`` (a byte that is not
+    UTF-8 reaches Python as a lone surrogate)."""
+    monkeypatch.setenv(example.PARTITIONS_ENV, value)
+    with pytest.raises(ValueError, match="partition"):
+        example.create_app()
+
+
+def test_a_bad_partitions_option_is_a_usage_error(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 13: ``--partitions`` without "train" exits 2 with a usage message, not a traceback."""
+    monkeypatch.setattr(sys, "argv", ["inference_server.py", "--partitions", "val,eval"])
+    with pytest.raises(SystemExit) as exit_info:
+        example.main()
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.anyio
+async def test_every_refusal_is_json(example: ModuleType) -> None:
+    """Item 6: every client error is a 4xx with a JSON body (an unknown path or method was
+    Starlette's plain text)."""
+    async with serving(example.create_app()) as client:
+        refused(await client.get("/nope"), 404, "NotFound")
+        refused(await client.get("/groups"), 405, "MethodNotAllowed")
+        for path in ENDPOINTS:
+            refused(await client.post(path, content=b"not json"), 400, "JSONDecodeError")
+            refused(await client.post(path, content=b"\xff\xfe not json"), 400, "UnicodeDecodeError")
+            refused(await client.post(path, content=b"[1]"), 400, "ValueError")
+            refused(await client.post(path, content=b"[" * 100_000), 400, "ValueError")
+            refused(await post(client, path, {"uid": 7, "payloads": [1]}), 400, "TypeError")
+            refused(await post(client, path, {"uid": "a_b", "payloads": [1]}), 400, "ValueError")
+            refused(
+                await post(client, path, {"uid": "s", "payloads": [1], "status": SURROGATE}),
+                400,
+                "ValueError",
+            )
+            refused(
+                await post(client, path, {"uid": "g", "payloads": [1], "global_steps": 1.5}), 400, "TypeError"
+            )
+        kept = {"uid": "v", "payloads": [1], "partition": "val"}  # exempt, never trained: it stays
+        assert (await post(client, "/groups", kept)).status_code == 200
+        for path in ENDPOINTS:
+            refused(await post(client, path, kept), 409, "InvalidTransitionError")  # a late write

@@ -8,6 +8,8 @@
   does not answer in time, a wrong thread, a dead or hanging remote actor give ``up 0``,
   never an exception; a loop that ended frees the buffer again.
 - ``unregister`` undoes everything; bad arguments raise before anything is installed.
+- A partition name the exposition cannot encode (a lone surrogate, from a remote or custom
+  ``stats()``: the local buffer refuses it) is exported escaped, never failing the scrape.
 
 The real-Ray test starts Ray only with STALEBUF_PROMETHEUS_RAY=1 (CI sets it; Ray takes ~10 s
 to start, which tests/test_ray.py pays anyway in the same session), else it reuses a Ray
@@ -39,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from _helpers import LIMIT, make, settle
 from stalebuf import BufferStats, PartitionStats, ReplayBuffer, SamplerConfig
 from stalebuf.errors import BatchNotReadyError, BufferClosedError, BufferUnavailableError, ConfigError
+from stalebuf.metrics import metric_prefix
 from stalebuf.prometheus import DEFAULT_STALENESS_BUCKETS, DEFAULT_WAIT_BUCKETS, register
 from stalebuf.records import new_batch
 
@@ -377,9 +380,10 @@ class FakeRemote:
     async def sample(
         self, global_steps: int, batch_size: int, *, partition: str = "train", timeout: float | None = None
     ) -> Any:
+        prefix = metric_prefix(partition)  # what a real buffer names them: "training" or "validation"
         metrics = {
-            "training/off_policy/sampled_staleness/mean": 2.0,
-            "training/off_policy/wait_seconds": 0.25,
+            f"{prefix}/off_policy/sampled_staleness/mean": 2.0,
+            f"{prefix}/off_policy/wait_seconds": 0.25,
         }
         return new_batch(partition, global_steps, (), 1), metrics
 
@@ -432,6 +436,78 @@ def test_a_remote_scrape_from_inside_a_running_asyncio_loop_works() -> None:
         return scrape(registry)  # asyncio.run cannot nest: the read goes to a helper thread
 
     assert asyncio.run(main())[("stalebuf_up", frozenset())] == 1
+
+
+# -- partition names the exposition cannot encode (issue 21, item 5) ---------------------------
+SURROGATE = "\udcff"  # a lone surrogate: str.encode("utf-8") raises
+
+
+def stats_of(*names: Any) -> Callable[[], Awaitable[BufferStats]]:
+    """An ``async def stats()`` whose partitions are ``names``, the i-th holding i+1 finished groups."""
+    parts = {name: PartitionStats(finished=i + 1, admitted_groups=i + 1) for i, name in enumerate(names)}
+
+    async def stats() -> BufferStats:
+        return BufferStats(closed=False, partitions=parts, total=PartitionStats())
+
+    return stats
+
+
+def finished(samples: Samples, partition: str) -> float:
+    labels = frozenset({("partition", partition), ("status", "finished")})
+    return samples[("stalebuf_resident_groups", labels)]
+
+
+def test_a_partition_name_utf8_cannot_encode_is_exported_escaped_and_the_scrape_succeeds() -> None:
+    """Issue 21 item 5: a partition named "\\udcff" made every scrape raise UnicodeEncodeError.
+
+    Names come from a remote buffer here: the local one refuses such names since this fix.
+    """
+    remote = FakeRemote(stats_of("train", SURROGATE, "a\ud800b"))
+    registry = CollectorRegistry()
+    register(remote, registry)
+    asyncio.run(remote.sample(3, 1, partition=SURROGATE))  # a histogram series for it too
+    for _ in range(2):  # not just the first scrape
+        samples = in_thread(lambda: scrape(registry))
+        assert samples[("stalebuf_up", frozenset())] == 1
+        assert finished(samples, "train") == 1
+        assert finished(samples, "\\udcff") == 2  # backslashreplace: the 6 characters \udcff
+        assert finished(samples, "a\\ud800b") == 3
+        assert count(samples, "sample_staleness", "\\udcff") == 1
+
+
+def test_a_local_buffer_refuses_the_name_so_it_never_reaches_a_scrape() -> None:
+    """Issue 21 item 5: ``put_group(partition="\\udcff")`` was admitted, then every scrape of the
+    buffer raised UnicodeEncodeError; the name is now refused at the source."""
+    buffer = make()
+    registry = CollectorRegistry()
+    register(buffer, registry)
+    for call in (
+        lambda: buffer.put_group_nowait("a", [1], partition=SURROGATE),
+        lambda: buffer.add_prompt_nowait("b", partition="x" + SURROGATE),
+        lambda: buffer.sample_nowait(0, 1, partition=SURROGATE),
+    ):
+        with pytest.raises(ValueError, match="UTF-8"):
+            call()
+    assert buffer.stats().partitions == {}
+    assert scrape(registry)[("stalebuf_up", frozenset())] == 1
+
+
+def test_an_escaped_name_that_another_partition_has_is_dropped_not_duplicated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 21 item 5: escaping must not make two series with the same labels (a partition
+    whose real name is the escaped spelling keeps it; the unencodable one is left out), and a
+    non-str name (which also failed the scrape) is shown by its description."""
+    registry = CollectorRegistry()
+    register(FakeRemote(stats_of("\\udcff", SURROGATE, 7)), registry)
+    with caplog.at_level(logging.WARNING, logger="stalebuf.prometheus"):
+        text = in_thread(lambda: generate_latest(registry).decode())
+    lines = [line for line in text.splitlines() if line.startswith("stalebuf_resident_groups{")]
+    assert len(lines) == len(set(lines)) == 2 * len(STATUSES), lines  # "\\udcff" and "7"
+    samples = scrape(registry)
+    assert finished(samples, "\\udcff") == 1, "the partition really named \\udcff keeps its series"
+    assert finished(samples, "7") == 3, "a non-str name (a custom stats()) is shown by its description"
+    assert "is not exported" in caplog.text
 
 
 @pytest.fixture(scope="session")

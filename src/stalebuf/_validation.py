@@ -38,6 +38,7 @@ __all__ = [
     "finite_in",
     "int_at_least",
     "is_finite_number",
+    "is_utf8",
     "materialise",
     "one_of",
 ]
@@ -185,8 +186,30 @@ def check_status_log_interval(value: object) -> float | None:
 # -- arguments of the buffer's methods (TypeError for a wrong type, ValueError for a value) --
 
 
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` can be encoded as UTF-8, i.e. holds no lone surrogate such as "\\udcff"."""
+    if text.isascii():  # the common case, without building the encoded copy
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# A name with a lone surrogate (what os.fsdecode or json.loads("\"\\udcff\"") can produce)
+# cannot go into JSON, a log line, a SQLite journal or a Prometheus exposition: every such
+# consumer would fail later, far from the call that let it in. So it is refused at the source.
+_NOT_UTF8 = "must be encodable as UTF-8 (no lone surrogate: JSON, logs and metrics cannot hold it)"
+
+
 def check_uid(uid: object) -> str:
-    """Return ``uid`` if it is a non-empty str without "_"; raise TypeError/ValueError otherwise."""
+    """Return ``uid`` if it is a non-empty str without "_" that UTF-8 can encode.
+
+    Raises:
+        TypeError: ``uid`` is not a str.
+        ValueError: it is empty, holds "_", or holds a lone surrogate.
+    """
     if type(uid) is not str:
         raise TypeError(f"uid must be a str, got {type(uid).__name__}")
     if not uid or "_" in uid:
@@ -194,6 +217,8 @@ def check_uid(uid: object) -> str:
             "uid must be a non-empty str without '_' (trajectory keys are uid_session_index), "
             f"got {describe(uid)}"
         )
+    if not is_utf8(uid):
+        raise ValueError(f"uid {_NOT_UTF8}, got {describe(uid)}")
     return uid
 
 
@@ -219,11 +244,18 @@ def check_batch_size(value: object) -> int:
 
 
 def check_partition(value: object) -> str:
-    """Return ``value`` if it is a non-empty str."""
+    """Return ``value`` if it is a non-empty str that UTF-8 can encode.
+
+    Raises:
+        TypeError: ``value`` is not a str.
+        ValueError: it is empty or holds a lone surrogate.
+    """
     if type(value) is not str:
         raise TypeError(f"partition must be a str, got {type(value).__name__}")
     if not value:
         raise ValueError("partition must be a non-empty str")
+    if not is_utf8(value):
+        raise ValueError(f"partition {_NOT_UTF8}, got {describe(value)}")
     return value
 
 

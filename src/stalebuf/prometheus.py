@@ -25,15 +25,19 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
   in parameter versions: the ``.../sampled_staleness/mean`` metric) and
   ``stalebuf_sample_wait_seconds{partition}``, over the ``sample`` calls made in this
   process through this buffer object since :func:`register`.
+
+A partition name UTF-8 cannot encode (a lone surrogate, which the buffer refuses but a remote
+or custom ``stats()`` may report) is exported with Python's ``backslashreplace`` escapes, so
+that it never fails a scrape.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     import prometheus_client
@@ -49,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._prometheus_samples import HistogramSnapshot, SampleHistograms, tap_samples
 from ._prometheus_stats import StatsReader, stats_reader
-from ._validation import describe, describe_error, is_finite_number
+from ._validation import describe, describe_error, is_finite_number, is_utf8
 from .errors import ConfigError
 from .stats import BufferStats, PartitionStats
 
@@ -68,6 +72,8 @@ DEFAULT_WAIT_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 logger = logging.getLogger("stalebuf.prometheus")
+
+_T = TypeVar("_T")
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _STATUSES = ("pending", "running", "finished", "failure")
@@ -164,7 +170,7 @@ class BufferCollector:
 
     def _stats_families(self, stats: BufferStats | None) -> Iterator[Any]:
         """The families read from ``stats``; without samples when it is None."""
-        parts: list[tuple[str, PartitionStats]] = [] if stats is None else list(stats.partitions.items())
+        parts: list[tuple[str, PartitionStats]] = [] if stats is None else _labelled(stats.partitions.items())
         closed = self._gauge("closed", "1 once the buffer is closed, else 0.", None)
         if stats is not None:
             closed.add_metric([], 1.0 if stats.closed else 0.0)
@@ -211,7 +217,7 @@ class BufferCollector:
         wait = HistogramMetricFamily(
             self._name("sample_wait_seconds"), "Seconds each sample call spent blocked.", labels=["partition"]
         )
-        for partition, ((stale_counts, stale_sum), (wait_counts, wait_sum)) in snapshot.items():
+        for partition, ((stale_counts, stale_sum), (wait_counts, wait_sum)) in _labelled(snapshot.items()):
             stale_buckets = list(zip(self._staleness_les, stale_counts, strict=True))
             staleness.add_metric([partition], stale_buckets, stale_sum)
             wait.add_metric([partition], list(zip(self._wait_les, wait_counts, strict=True)), wait_sum)
@@ -259,6 +265,38 @@ def register(
     collector._registry = registry
     collector._untap = tap_samples(buffer, histograms)
     return collector
+
+
+# A partition name UTF-8 cannot encode (a lone surrogate such as "\udcff") makes
+# generate_latest raise UnicodeEncodeError, which fails the whole scrape. The buffer refuses such
+# names, but a remote actor of an older version, a custom stats() or an old checkpoint may still
+# hold one, and a scrape must never fail. Of the two defences, escaping the name (Python's
+# backslashreplace: the 6 characters \udcff) is the stronger: every number of every partition is
+# still exported and the name stays recognisable, where skipping the family would hide the series
+# of every partition. The one case escaping cannot serve, another partition whose real name is
+# that escaped spelling, drops the escaped partition's series rather than export two series with
+# the same labels (a duplicate the Prometheus server would discard anyway).
+def _labelled(items: Iterable[tuple[str, _T]]) -> list[tuple[str, _T]]:
+    """Return the ``(partition, value)`` pairs, each name as a label value the exposition can encode."""
+    pairs = list(items)
+    if all(type(name) is str and is_utf8(name) for name, _ in pairs):  # always, unless checks were bypassed
+        return pairs
+    taken = {name for name, _ in pairs if type(name) is str and is_utf8(name)}
+    safe: list[tuple[str, _T]] = []
+    for name, value in pairs:
+        if type(name) is not str or not is_utf8(name):
+            # A custom stats() may even key a partition by a non-str: its bounded description.
+            label = name.encode("utf-8", "backslashreplace").decode() if type(name) is str else describe(name)
+            if label in taken:
+                logger.warning(
+                    "stalebuf.prometheus: partition %s is not exported: its escaped name is taken",
+                    describe(name),
+                )
+                continue
+            taken.add(label)
+            name = label
+        safe.append((name, value))
+    return safe
 
 
 def _check_buckets(label: str, bounds: object) -> tuple[float, ...]:
