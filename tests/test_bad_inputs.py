@@ -89,7 +89,6 @@ class Case:
     match: str
     closed: bool = False  # close the buffer before the call (and before the snapshot)
     flow: bool = False  # run against populated_flow() instead of populated()
-    guarded: bool = False  # fails until a hot path's inline uid guard calls check_uid (NEEDS_GUARD)
 
 
 def write(ctx: Ctx, name: str, source: str) -> str:
@@ -1226,23 +1225,20 @@ CASES: tuple[Case, ...] = (
         lambda c: c.buf.add_prompt_nowait(SURROGATE, global_steps=0),
         ValueError,
         UTF8,
-        guarded=True,
     ),
-    C("uid-surrogate-inside", lambda c: c.buf.add_prompt_nowait("a\udcffb"), ValueError, UTF8, guarded=True),
+    C("uid-surrogate-inside", lambda c: c.buf.add_prompt_nowait("a\udcffb"), ValueError, UTF8),
     C(
         "uid-surrogate-async",
         lambda c: c.buf.add_prompt(SURROGATE, global_steps=5),
         ValueError,
         UTF8,
-        guarded=True,
     ),
-    C("group-uid-surrogate", lambda c: group(c, SURROGATE), ValueError, UTF8, guarded=True),
+    C("group-uid-surrogate", lambda c: group(c, SURROGATE), ValueError, UTF8),
     C(
         "group-uid-surrogate-val",
         lambda c: group(c, SURROGATE, partition="val"),
         ValueError,
         UTF8,
-        guarded=True,
     ),
     C("group-uid-surrogate-sessions", lambda c: group(c, SURROGATE, session_ids=[0, 1]), ValueError, UTF8),
     C("group-uid-surrogate-failed", lambda c: group(c, SURROGATE, status="failure"), ValueError, UTF8),
@@ -1251,16 +1247,14 @@ CASES: tuple[Case, ...] = (
         lambda c: c.buf.put_group(SURROGATE, ["x"], global_steps=5),
         ValueError,
         UTF8,
-        guarded=True,
     ),
-    C("rollout-uid-surrogate", lambda c: enter(c.buf.rollout(SURROGATE)), ValueError, UTF8, guarded=True),
+    C("rollout-uid-surrogate", lambda c: enter(c.buf.rollout(SURROGATE)), ValueError, UTF8),
     C(
         "full-surrogate-uid-first",
         lambda c: c.buf.add_prompt_nowait(SURROGATE),
         ValueError,
         UTF8,
         flow=True,
-        guarded=True,
     ),
     C(
         "partition-surrogate",
@@ -1372,17 +1366,9 @@ async def invoke(case: Case, ctx: Ctx) -> None:
         await result
 
 
-# The rows marked ``guarded`` go through a hot path that tests a uid inline and calls
-# check_uid only when that test fails: they pass once those guards also send a non-ASCII uid to
-# check_uid (issue 21, item 5; the guards are listed in the branch's report).
-NEEDS_GUARD = pytest.mark.xfail(
-    strict=True, reason="needs the hot-path guard (`or not uid.isascii()`); see the fix-server report"
-)
-
-
 def rows(cases: tuple[Case, ...]) -> list[Any]:
-    """The table as parameters, the ``guarded`` rows marked as expected to fail for now."""
-    return [pytest.param(case, id=case.id, marks=[NEEDS_GUARD] if case.guarded else []) for case in cases]
+    """The table as parameters, each with its id."""
+    return [pytest.param(case, id=case.id) for case in cases]
 
 
 @pytest.mark.parametrize("case", rows(CASES))
@@ -1531,7 +1517,6 @@ async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
         assert set(resident_uids(flow)) == {"fa", "fb", "vfin"}
 
 
-@NEEDS_GUARD
 async def test_a_threadsafe_producer_refuses_a_uid_utf8_cannot_encode() -> None:
     """Issue 21 item 5: a lone-surrogate uid from a worker thread (the example server's ``def``
     handler) was admitted, and every later JSON answer naming it failed."""

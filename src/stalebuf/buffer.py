@@ -355,8 +355,8 @@ class ReplayBuffer:
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         # The hot path: each check is inlined, the slow helpers only build the error.
-        if type(uid) is not str or not uid or "_" in uid:
-            check_uid(uid)
+        if type(uid) is not str or not uid or "_" in uid or not uid.isascii():
+            check_uid(uid)  # raises, unless a non-ASCII uid UTF-8 can encode
         if global_steps is not None and (type(global_steps) is not int or not 0 <= global_steps < 1 << 63):
             check_step(global_steps)
         part = store.partitions.get(partition) if type(partition) is str else None
@@ -506,6 +506,7 @@ class ReplayBuffer:
             and type(uid) is str
             and uid
             and "_" not in uid
+            and uid.isascii()  # else check_uid's UTF-8 test, on the general path
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
