@@ -20,7 +20,7 @@ import pytest
 
 import stalebuf
 from _helpers import LIMIT, add_group, assert_conserved, full_snapshot, resident_groups, settle
-from stalebuf import ReplayBuffer, SamplerConfig, Status
+from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig, Status
 
 pytestmark = pytest.mark.anyio
 
@@ -309,3 +309,55 @@ def test_hooked_buffers_ask_the_trap(kind: str, hook: str, strategy: str, g: int
     with pytest.raises(Boom):
         buf.sample_nowait(g, 1)
     assert trap.raised == 1
+
+
+class _Clobbering(ReplayBuffer):
+    """A verl-style plugin that names its own state and helpers like the old buffer internals."""
+
+    def __init__(self, config: SamplerConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        self._config = "the plugin's own config"
+        self._groups = {"plugin": "state"}
+        self._partitions: list[str] = []
+        self._closed = "never"
+        self._clocks = None
+
+    def _evict(self, *args: Any) -> None:
+        raise AssertionError("the buffer called the plugin's _evict")
+
+    def _emit(self, *args: Any) -> None:
+        raise AssertionError("the buffer called the plugin's _emit")
+
+    def _result(self, *args: Any) -> None:
+        raise AssertionError("the buffer called the plugin's _result")
+
+    def _leave(self, *args: Any) -> None:
+        raise AssertionError("the buffer called the plugin's _leave")
+
+
+async def test_a_subclass_that_names_state_and_helpers_like_the_internals_does_not_replace_them() -> None:
+    """Defect (issue 20): a verl-style ReplayBuffer subclass that set ``self._config`` or defined
+    ``_evict``, ``_emit``, ``_result``, ``_leave`` or ``_groups`` silently replaced the buffer's
+    machinery. The facade's parts are name-mangled: the plugin's names are its own."""
+    events: list[EvictionEvent] = []
+    config = SamplerConfig(max_off_policy_threshold=1, failure_strategy="evict")
+    buf = _Clobbering(config, on_evict=events.append)
+    with anyio.fail_after(LIMIT):
+        await buf.put_group("old", [1], global_steps=0)
+        await buf.put_group("bad", [1], global_steps=1, status="failed")
+
+        async def produce() -> None:
+            await anyio.sleep(0.01)
+            await buf.put_group("new", [2], global_steps=2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            batch, _ = await buf.sample(2, 1)  # waits, evicts "old" (stale) and "bad" (failed)
+    assert batch.uids == ["new"]
+    assert sorted(event.reason for event in events) == ["failure", "stale"]
+    assert buf.config is config
+    assert buf._groups == {"plugin": "state"}
+    restored, _ = _Clobbering.restore(buf.checkpoint())
+    assert restored.stats() == buf.stats()
+    buf.close()
+    assert buf.closed

@@ -419,3 +419,54 @@ async def test_a_consecutive_trainer_and_rollout_producers_never_exceed_T_and_ne
     assert stats.waiting_producers == 0
     assert stats.waiting_samplers == 0
     assert_conserved(buf)
+
+
+async def test_a_block_ends_only_the_group_it_entered_with_not_a_later_one_under_its_uid() -> None:
+    """Defect (issue 21, item 1): a body that ended its own group, which was then sampled, saw
+    another producer admit a new group under the same uid; on exit the first block marked that
+    *new* group FINISHED, so a half-generated group was trained and its producer's next put
+    raised InvalidTransitionError. The block ends the group it entered with, by identity."""
+    buf = make()
+    entered = anyio.Event()
+    leave = anyio.Event()
+
+    async def first() -> None:
+        async with buf.rollout("u") as group:
+            await group.put("a")
+            await buf.mark_finished("u")  # the body ends its own group (supported)
+            entered.set()
+            await leave.wait()
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await entered.wait()
+            batch, _ = await buf.sample(0, 1)
+            assert batch.uids == ["u"]
+            await buf.add_prompt("u")  # another producer reuses the uid
+            await buf.put("u", "half")
+            leave.set()  # the first block exits now
+    assert status_of(buf, "u") is Status.PENDING  # not finished by the first block's exit
+    await buf.put("u", "rest", index=1)  # its producer goes on writing
+    await buf.mark_finished("u")
+    batch, _ = await buf.sample(1, 1)
+    assert [t.payload for t in batch.groups[0].trajectories] == ["half", "rest"]
+    assert_conserved(buf)
+
+
+async def test_a_failing_block_fails_only_the_group_it_entered_with() -> None:
+    """Defect (issue 21, item 1), failure side: a body that ended its group and raised after
+    the uid was reused must not fail the new group."""
+    buf = make()
+
+    async def body() -> None:
+        async with buf.rollout("u"):
+            await buf.mark_finished("u")
+            await buf.sample(0, 1)
+            await buf.add_prompt("u")
+            raise Boom
+
+    with anyio.fail_after(LIMIT), pytest.raises(Boom):
+        await body()
+    assert status_of(buf, "u") is Status.PENDING
+    assert_conserved(buf)
