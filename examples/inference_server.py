@@ -152,8 +152,9 @@ class GroupRequest:
     partition: Any
 
     @classmethod
-    def parse(cls, body: bytes, partitions: frozenset[str]) -> GroupRequest:
-        """Parse a JSON body for a server of ``partitions``; the buffer itself checks the rest.
+    def parse(cls, body: bytes, partitions: frozenset[str] = frozenset(DEFAULT_PARTITIONS)) -> GroupRequest:
+        """Parse a JSON body for a server of ``partitions`` (default: :data:`DEFAULT_PARTITIONS`);
+        the buffer itself checks the rest.
 
         Raises:
             ValueError: not JSON (or nested too deeply to parse), not a JSON object, ``uid`` or

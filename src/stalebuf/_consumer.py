@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from ._admission import Admission
 from ._eviction import Eviction
@@ -24,6 +25,7 @@ from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
 from .metrics import SampleMetrics
 from .records import Batch, EvictionEvent, Group, new_batch
+from .stats import BufferStats, PartitionStats
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
 
@@ -123,6 +125,22 @@ class Consumer:
             return 0
         _drop_abandoned(waiters, everywhere=True)
         return len(waiters)
+
+    def stats(self) -> BufferStats:
+        """Return the buffer's snapshot: the store's counts, with the queues of the consumer
+        and admission (abandoned waiters, whose loop closed under them, left out)."""
+        admission = self.admission
+        admission.drop_abandoned()
+        partitions = {
+            name: part.stats(
+                self.count_waiting(name), admission.waiting(name), admission.capacity(part, name)
+            )
+            for name, part in sorted(self.store.partitions.items())
+        }
+        total = PartitionStats()
+        for item in partitions.values():
+            total = total + item
+        return BufferStats(closed=self.store.closed, partitions=MappingProxyType(partitions), total=total)
 
     # -- evaluation ---------------------------------------------------------------------
 

@@ -63,7 +63,20 @@ def build_from_config(
     return built
 
 
-__all__ = ["build_from_config", "load_custom_sampler"]
+__all__ = ["build_from_config", "load_custom_sampler", "refuse_custom_sampler"]
+
+
+def refuse_custom_sampler(config: object) -> None:
+    """Refuse a config naming a custom sampler given to plain ``ReplayBuffer(config)``.
+
+    Raises:
+        ConfigError: it names one (``from_config`` loads it).
+    """
+    if isinstance(config, SamplerConfig) and config.custom_sampler is not None:
+        raise ConfigError(
+            f"config names custom_sampler {describe(config.custom_sampler)}: build the buffer with "
+            "ReplayBuffer.from_config(config), which loads it"
+        )
 
 
 def load_custom_sampler(spec: str) -> object:

@@ -8,6 +8,7 @@ leaves the buffer as it was; ``on_evict`` runs after the state is consistent.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from ._admission import Admission
@@ -15,17 +16,29 @@ from ._partition import PartitionState
 from ._rules import Rules
 from ._status_log import logger
 from ._store import GroupStore
-from ._validation import describe
-from .errors import BufferClosedError, StalebufError
+from ._validation import describe, describe_typed
+from .errors import BufferClosedError, ConfigError, StalebufError
 from .metrics import SampleMetrics
 from .records import EvictionEvent
 
-__all__ = ["MAX_READMITTED_ROUNDS", "Eviction"]
+__all__ = ["MAX_READMITTED_ROUNDS", "Eviction", "check_on_evict"]
 
 #: How many eviction rounds in a row one ``sample`` runs when each evicts only groups that
 #: ``on_evict`` added during that sample, before it raises: re-admitting a stale group under a
 #: new uid would otherwise loop forever.
 MAX_READMITTED_ROUNDS = 1_000
+
+
+def check_on_evict(on_evict: object) -> None:
+    """Refuse an ``on_evict`` that is not None or a plain (synchronous) callable.
+
+    Raises:
+        ConfigError: as said; it is called inside ``sample``, so a coroutine would never run.
+    """
+    if on_evict is not None and not callable(on_evict):
+        raise ConfigError(f"on_evict must be callable or None, got {describe_typed(on_evict)}")
+    if inspect.iscoroutinefunction(on_evict):
+        raise ConfigError("on_evict must be a plain (synchronous) callable; it is called inside sample")
 
 
 class Eviction:

@@ -119,6 +119,33 @@ class GroupWriter:
         self.consumer.notify(part)
         return keys
 
+    def put_back(self, group: Group) -> bool:
+        """Put a sampled ``group`` back as it was, without a new admission; return False,
+        changing nothing, if its uid is in use or the buffer is closed.
+
+        Raises:
+            TypeError: ``group`` is not a Group record.
+            The errors of :meth:`put` for values it would refuse.
+        """
+        if not isinstance(group, Group):
+            raise TypeError(f"group must be a Group, got {type(group).__name__}")
+        if self.store.closed or group.uid in self.store.groups:
+            return False
+        trajectories = group.trajectories
+        self.put(
+            group.uid,
+            [t.payload for t in trajectories],
+            group.global_steps,
+            group.partition,
+            group.tags,
+            [t.tags for t in trajectories],
+            [t.session_id for t in trajectories],
+            [t.index for t in trajectories],
+            _FINISHED if group.status is _FINISHED else _FAILURE,
+            granted=group.global_steps,  # its slot was granted when it was first admitted
+        )
+        return True
+
 
 def _terminal_status(status: object) -> Status:
     """Return the terminal Status ``status`` names.

@@ -11,18 +11,30 @@ writers of their state.
 
 from __future__ import annotations
 
+import os
 from time import monotonic
+from typing import Any
 
 from ._admission import Admission
+from ._checkpoint_file import read_checkpoint
 from ._eviction import Eviction
 from ._store import GroupStore
 from ._stored import count_trajectories
-from ._validation import describe
-from .checkpoint import COUNTERS, FORMAT_VERSION, BufferCheckpoint, InFlightMode, PartitionCheckpoint
+from ._validation import check_payload_codec, describe
+from .checkpoint import (
+    COUNTERS,
+    FORMAT_VERSION,
+    NOT_GIVEN,
+    BufferCheckpoint,
+    InFlightMode,
+    PartitionCheckpoint,
+    check_in_flight,
+    checked_checkpoint,
+)
 from .errors import CheckpointError
 from .records import EvictionEvent, Group, Status
 
-__all__ = ["capture", "rebuild"]
+__all__ = ["capture", "read_restore_arguments", "rebuild"]
 
 _PENDING, _RUNNING = Status.PENDING, Status.RUNNING
 
@@ -116,3 +128,29 @@ def rebuild(
     if events:
         eviction.emit(events)
     return tuple(reissue)
+
+
+def read_restore_arguments(
+    source: object, in_flight: object, on_evict: object, status_log_interval: object, payload_codec: object
+) -> tuple[BufferCheckpoint, InFlightMode, dict[str, Any]]:
+    """Check ``ReplayBuffer.restore``'s arguments and read its checkpoint; return it, the
+    ``in_flight`` mode and the options to build the buffer with.
+
+    Raises:
+        The errors of ``ReplayBuffer.restore`` that come before a buffer is built.
+    """
+    mode = check_in_flight(in_flight)
+    codec = check_payload_codec(payload_codec)
+    if isinstance(source, BufferCheckpoint):
+        checkpoint = source
+    elif isinstance(source, (str, os.PathLike)):
+        checkpoint = read_checkpoint(source, codec)
+    else:
+        raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
+    # Passed only when given: a custom sampler's constructor need not take it.
+    options: dict[str, Any] = {}
+    if status_log_interval is not NOT_GIVEN:
+        options["status_log_interval"] = status_log_interval
+    if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
+        options["on_evict"] = on_evict
+    return checked_checkpoint(checkpoint), mode, options

@@ -15,12 +15,12 @@ from collections.abc import Iterable
 
 from ._partition import PartitionState
 from .config import SamplerConfig
-from .errors import StalebufError
+from .errors import ConfigError, StalebufError
 from .policy import RuleHooks, StalenessPolicy, SubclassHooks, select_label
 from .records import Group
 from .staleness import drop_span
 
-__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules"]
+__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules", "build_rules"]
 
 #: :meth:`Rules.quick_verdict`'s answers.
 NEEDS_RULES, NO_BATCH, OLDEST_BATCH = -1, 0, 1
@@ -251,3 +251,21 @@ class Rules:
     def capacity(self, cap: int | None) -> int | None:
         """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap``."""
         return None if cap is None else cap * self.threshold * self.sync_step
+
+
+def build_rules(config: object, policy: object, hooks: RuleHooks | None) -> Rules:
+    """Check a buffer's ``config`` and ``policy`` arguments and return its rule book (``hooks``:
+    a subclass that overrides the verl-style hooks, else None).
+
+    Raises:
+        ConfigError: ``policy`` is not a StalenessPolicy or None, or ``config`` not a
+            SamplerConfig or None.
+    """
+    # Types first: a policy of the wrong type must not be asked for its config.
+    if policy is not None and not isinstance(policy, StalenessPolicy):
+        raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
+    if config is None:
+        config = SamplerConfig() if policy is None else policy.config
+    elif not isinstance(config, SamplerConfig):
+        raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
+    return Rules(StalenessPolicy(config) if policy is None else policy, hooks, config)

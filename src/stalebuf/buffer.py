@@ -20,26 +20,26 @@ machinery.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from threading import get_ident
-from types import MappingProxyType, TracebackType
+from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio.lowlevel
 import anyio.to_thread
 
 from ._admission import Admission
-from ._checkpoint_file import PayloadCodec, read_checkpoint, write_checkpoint
+from ._checkpoint_file import PayloadCodec, write_checkpoint
 from ._consumer import Consumer, EvictCallback, SampleObserver
-from ._custom_sampler import build_from_config
+from ._custom_sampler import build_from_config, refuse_custom_sampler
+from ._eviction import check_on_evict
 from ._group_writes import GroupStatus, GroupWriter
 from ._open_group import GroupWatch, OpenGroup
-from ._restore import capture, rebuild
+from ._restore import capture, read_restore_arguments, rebuild
 from ._rollout import RolloutGroup, rollout
-from ._rules import Rules
+from ._rules import build_rules
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
 from ._validation import (
@@ -61,8 +61,6 @@ from .checkpoint import (
     BufferCheckpoint,
     InFlightMode,
     RestoreResult,
-    check_in_flight,
-    checked_checkpoint,
     policy_from_name,
 )
 from .config import SamplerConfig
@@ -70,14 +68,13 @@ from .errors import (
     BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
-    ConfigError,
     DuplicateGroupError,
     WrongThreadError,
 )
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
 from .records import EMPTY_TAGS, Batch, Group, Status
-from .stats import BufferStats, PartitionStats
+from .stats import BufferStats
 
 __all__ = ["GroupStatus", "ReplayBuffer"]
 
@@ -122,32 +119,12 @@ class ReplayBuffer:
         status_log_interval: float | None = 60.0,
     ) -> None:
         """Check the arguments (see the class docs) and build the parts, empty."""
-        if (
-            policy is None
-            and type(self) is ReplayBuffer
-            and isinstance(config, SamplerConfig)
-            and config.custom_sampler is not None
-        ):
-            raise ConfigError(
-                f"config names custom_sampler {describe(config.custom_sampler)}: build the buffer with "
-                "ReplayBuffer.from_config(config), which loads it"
-            )
-        # Types first: a policy of the wrong type must not be asked for its config.
-        if policy is not None and not isinstance(policy, StalenessPolicy):
-            raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
-        if config is None:
-            config = SamplerConfig() if policy is None else policy.config
-        elif not isinstance(config, SamplerConfig):
-            raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
-        if on_evict is not None and not callable(on_evict):
-            raise ConfigError(f"on_evict must be callable or None, got {describe_typed(on_evict)}")
-        if inspect.iscoroutinefunction(on_evict):
-            raise ConfigError("on_evict must be a plain (synchronous) callable; it is called inside sample")
-        interval = check_status_log_interval(status_log_interval)
+        if policy is None and type(self) is ReplayBuffer:
+            refuse_custom_sampler(config)
         overridden = any(getattr(type(self), hook) is not getattr(ReplayBuffer, hook) for hook in _HOOKS)
-        rules = Rules(
-            StalenessPolicy(config) if policy is None else policy, self if overridden else None, config
-        )
+        rules = build_rules(config, policy, self if overridden else None)
+        check_on_evict(on_evict)
+        interval = check_status_log_interval(status_log_interval)
         self.__binding = binding = LoopBinding()
         self.__store = store = GroupStore(rules)
         self.__admission = admission = Admission(store, rules, binding)
@@ -209,21 +186,9 @@ class ReplayBuffer:
             OSError: the file cannot be read.
             Exception: whatever ``on_evict`` raised (under "evict").
         """
-        mode = check_in_flight(in_flight)
-        codec = check_payload_codec(payload_codec)
-        if isinstance(source, BufferCheckpoint):
-            checkpoint = source
-        elif isinstance(source, (str, os.PathLike)):
-            checkpoint = read_checkpoint(source, codec)
-        else:
-            raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
-        checkpoint = checked_checkpoint(checkpoint)
-        # Passed only when given: a custom sampler's constructor need not take it.
-        options: dict[str, Any] = (
-            {} if status_log_interval is _UNSET else {"status_log_interval": status_log_interval}
+        checkpoint, mode, options = read_restore_arguments(
+            source, in_flight, on_evict, status_log_interval, payload_codec
         )
-        if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
-            options["on_evict"] = on_evict
         config = checkpoint.config
         if checkpoint.policy is not None:
             buffer: ReplayBuffer = cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
@@ -233,8 +198,7 @@ class ReplayBuffer:
             buffer = cls(config, **options)
         else:
             buffer = build_from_config(cls, ReplayBuffer, config, options)
-        consumer = buffer.__consumer
-        reissue = rebuild(buffer.__store, buffer.__admission, consumer.eviction, checkpoint, mode)
+        reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
         return RestoreResult(buffer, reissue)
 
     def checkpoint(self) -> BufferCheckpoint:
@@ -700,26 +664,8 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             The errors of :meth:`put_group_nowait` for values it would refuse.
         """
-        if not isinstance(group, Group):
-            raise TypeError(f"group must be a Group, got {type(group).__name__}")
         self.__binding.check_thread()
-        store = self.__store
-        if store.closed or group.uid in store.groups:
-            return False
-        trajectories = group.trajectories
-        self.__writer.put(
-            group.uid,
-            [t.payload for t in trajectories],
-            group.global_steps,
-            group.partition,
-            group.tags,
-            [t.tags for t in trajectories],
-            [t.session_id for t in trajectories],
-            [t.index for t in trajectories],
-            _FINISHED if group.status is _FINISHED else _FAILURE,
-            granted=group.global_steps,
-        )
-        return True
+        return self.__writer.put_back(group)
 
     # -- admission --------------------------------------------------------------------
 
@@ -869,15 +815,13 @@ class ReplayBuffer:
             check_step(global_steps)
         if type(batch_size) is not int or not 1 <= batch_size < 1 << 63:
             check_batch_size(batch_size)
-        part = self.__store.partitions.get(partition) if type(partition) is str else None
+        store = self.__store
+        part = store.partitions.get(partition) if type(partition) is str else None
         if part is None:
             check_partition(partition)
-        binding = self.__binding
-        thread = binding.thread
-        if thread is not None and thread != get_ident():
-            binding.check_thread()
-        if self.__store.closed:
-            raise BufferClosedError("the buffer is closed")
+        thread = self.__binding.thread
+        if store.closed or (thread is not None and thread != get_ident()):
+            self.__check_usable()
         return part
 
     def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
@@ -928,18 +872,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
         """
         self.__binding.check_thread()
-        admission, consumer = self.__admission, self.__consumer
-        admission.drop_abandoned()
-        partitions = {
-            name: part.stats(
-                consumer.count_waiting(name), admission.waiting(name), admission.capacity(part, name)
-            )
-            for name, part in sorted(self.__store.partitions.items())
-        }
-        total = PartitionStats()
-        for item in partitions.values():
-            total = total + item
-        return BufferStats(closed=self.__store.closed, partitions=MappingProxyType(partitions), total=total)
+        return self.__consumer.stats()
 
     # -- closing ----------------------------------------------------------------------
 

@@ -1,0 +1,411 @@
+"""P1 (wake-up) and P2 (producer path, ``put_group``) of two commits, side by side in one run.
+
+Usage::
+
+    python benchmarks/compare_commits.py                  # f169765 vs this working tree, 5 rounds
+    python benchmarks/compare_commits.py --base REV --head HEAD --rounds 9 --json out.json
+
+The base (``--base``, default ``f169765``, the main before the architecture round 2 of issue
+20) is checked out with ``git worktree add --detach`` into a temporary directory, or an
+existing clean detached worktree of that commit is reused; a worktree this script created is
+removed at the end unless ``--keep``. The head is this working tree (its ``src/``, uncommitted
+changes included: the header says so), or with ``--head REV`` a worktree of ``REV``.
+
+Each round runs, for P1 and then for P2, one fresh subprocess per side, base and head
+alternating which goes first from round to round. A subprocess gets ``PYTHONPATH=<tree>/src``
+plus *this* tree's ``benchmarks/``, so both versions are measured by the same code, which uses
+the public API of stalebuf only; it checks that ``stalebuf`` was imported from the tree it was
+given. Each takes a few seconds:
+
+- P1: ``p1_wakeup.p1_side_by_side`` on asyncio at B=1, 8 and 64: the wake-up latency of a
+  parked ``sample`` and of a bare ``asyncio.Event``, alternated rep by rep; per round the
+  median of each and the ratio of the medians (the P1 target's own measure, judged here).
+- P2: ns per ``put_group_nowait`` of a new finished group of 8 (``p2_producer.put_group_cost``,
+  admission control off and on, alternated, GC paused), the ``put_group`` pipeline per group
+  (``workloads.pipeline_stalebuf(groups, put_group=True)``), the 11-call pipeline per group,
+  and an ``asyncio.Queue`` control, which involves no stalebuf code: its head/base shows how
+  much the machine's load moved between the two sides.
+
+The table gives per metric the median over the rounds of each side, head/base, and the
+verdict (head/base <= 1.10); plus head/base of the best round of each side, which is less
+sensitive to other jobs on the machine. Exit status 0 unless ``--strict`` and a judged
+metric is over 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_BASE = "f169765"
+LIMIT = 1.10
+#: P1 batch sizes and reps per subprocess (each rep: one stalebuf and one bare wake-up).
+P1_REPS = {1: 2000, 8: 2000, 64: 500}
+#: P2 groups per timed call, and timed calls per metric per subprocess.
+P2_GROUPS = 2048
+P2_REPEATS = 25
+P2_PIPELINE_REPEATS = 11
+#: Seconds before a subprocess is considered stuck.
+CHILD_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the table: ``kind`` is "judged", "info" or "control" (no stalebuf code)."""
+
+    key: str
+    label: str
+    unit: str  # "µs" (values are stored in ns) or "x" (a ratio)
+    kind: str
+
+
+def _metrics() -> list[Metric]:
+    rows: list[Metric] = []
+    for b in P1_REPS:
+        rows.append(
+            Metric(f"p1_b{b}_ratio", f"P1 B={b}: stalebuf / bare asyncio.Event, median", "x", "judged")
+        )
+        rows.append(Metric(f"p1_b{b}_stalebuf", f"P1 B={b}: stalebuf wake-up, median", "µs", "info"))
+        rows.append(Metric(f"p1_b{b}_bare", f"P1 B={b}: bare asyncio.Event wake-up, median", "µs", "control"))
+    rows += [
+        Metric("p2_put_group_off", "P2 put_group_nowait, new group of 8", "µs", "judged"),
+        Metric("p2_put_group_on", "P2 put_group_nowait, admission_batch_size=64", "µs", "judged"),
+        Metric("p2_pipeline_put_group", "P2 put_group pipeline, per group", "µs", "judged"),
+        Metric("p2_pipeline_calls", "P2 11-call pipeline, per group", "µs", "judged"),
+        Metric("p2_queue", "asyncio.Queue put+get x 8 (control), per group", "µs", "control"),
+    ]
+    return rows
+
+
+# -- the measuring side (a subprocess per part, side and round) -------------------------------
+
+
+def _check_import(src: Path) -> str:
+    """Import stalebuf and fail unless it came from ``src``; return its file."""
+    import stalebuf
+
+    where = Path(stalebuf.__file__ or "").resolve()
+    if not where.is_relative_to(src.resolve()):
+        raise SystemExit(f"stalebuf imported from {where}, not from {src}: check PYTHONPATH")
+    return str(where)
+
+
+def measure_p1() -> dict[str, float]:
+    """P1 on asyncio at each batch size of ``P1_REPS``: medians in ns and their ratio."""
+    import asyncio
+
+    import anyio
+
+    from p1_wakeup import p1_side_by_side
+
+    out: dict[str, float] = {}
+    for b, reps in P1_REPS.items():
+        buf_lat, bare_lat = anyio.run(p1_side_by_side, asyncio.Event, reps, b, backend="asyncio")
+        mine, bare = statistics.median(buf_lat), statistics.median(bare_lat)
+        out[f"p1_b{b}_stalebuf"] = mine
+        out[f"p1_b{b}_bare"] = bare
+        out[f"p1_b{b}_ratio"] = mine / bare
+    return out
+
+
+async def _pipelines(groups: int, repeats: int) -> dict[str, list[float]]:
+    """The two stalebuf pipelines and the queue control, alternated; ns per group."""
+    from workloads import TRAJECTORIES_PER_GROUP, pipeline_stalebuf, queue_pipeline
+
+    runs: dict[str, list[float]] = {"p2_pipeline_put_group": [], "p2_pipeline_calls": [], "p2_queue": []}
+    for repeat in range(repeats + 1):  # the first is a warm-up
+        put_group = await pipeline_stalebuf(groups, put_group=True)
+        calls = await pipeline_stalebuf(groups)
+        queue = await queue_pipeline(groups * TRAJECTORIES_PER_GROUP)
+        if repeat:
+            runs["p2_pipeline_put_group"].append(put_group / groups)
+            runs["p2_pipeline_calls"].append(calls / groups)
+            runs["p2_queue"].append(queue / groups)
+    return runs
+
+
+def measure_p2() -> dict[str, float]:
+    """P2: put_group_nowait off/on and the pipelines; medians of the repeats, ns per group."""
+    import anyio
+
+    from p2_producer import admission_configs, put_group_cost
+    from stalebuf import SamplerConfig
+
+    configs = admission_configs()
+    if configs is None:
+        raise SystemExit("this stalebuf has no admission control (admission_batch_size)")
+    on, off = configs
+    by_name: dict[str, SamplerConfig] = {"p2_put_group_on": on, "p2_put_group_off": off}
+    runs: dict[str, list[float]] = {name: [] for name in by_name}
+    for repeat in range(P2_REPEATS + 1):  # the first is a warm-up
+        order = sorted(by_name, reverse=bool(repeat % 2))
+        for name in order:
+            cost = put_group_cost(P2_GROUPS, by_name[name])
+            if repeat:
+                runs[name].append(cost)
+    runs.update(anyio.run(_pipelines, P2_GROUPS, P2_PIPELINE_REPEATS, backend="asyncio"))
+    return {name: statistics.median(values) for name, values in runs.items()}
+
+
+def _child(part: str, src: Path) -> None:
+    where = _check_import(src)
+    metrics = measure_p1() if part == "p1" else measure_p2()
+    print(json.dumps({"stalebuf": where, "metrics": metrics}))
+
+
+# -- the driving side -----------------------------------------------------------------------------
+
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _dirty_src(tree: Path) -> bool:
+    return bool(_git("status", "--porcelain", "--untracked-files=no", "--", "src", cwd=tree))
+
+
+@dataclass
+class Tree:
+    """One side of the comparison: where its ``src`` is, and what it is."""
+
+    name: str
+    commit: str
+    path: Path
+    describe: str
+    created: Path | None = None  # the temporary directory of a worktree this script added
+
+
+def _existing_worktree(commit: str) -> Path | None:
+    """A clean, detached worktree of ``commit`` other than this one, if git lists one."""
+    path: Path | None = None
+    head = ""
+    for line in [*_git("worktree", "list", "--porcelain").splitlines(), ""]:
+        if line.startswith("worktree "):
+            path, head = Path(line.removeprefix("worktree ")), ""
+        elif line.startswith("HEAD "):
+            head = line.removeprefix("HEAD ")
+        elif (
+            line == "detached"
+            and path is not None
+            and head == commit
+            and path.resolve() != ROOT
+            and (path / "src" / "stalebuf").is_dir()
+            and not _dirty_src(path)
+        ):
+            return path
+    return None
+
+
+def _subject(commit: str) -> str:
+    return _git("log", "-1", "--format=%h %s", commit)[:100]
+
+
+def _checkout(name: str, rev: str) -> Tree:
+    """A worktree of ``rev``: an existing clean one, or a new one in a temporary directory."""
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    existing = _existing_worktree(commit)
+    if existing is not None:
+        return Tree(name, commit, existing, f"`{rev}` = {_subject(commit)} (reused worktree {existing})")
+    tmp = Path(tempfile.mkdtemp(prefix=f"stalebuf-{commit[:10]}-"))
+    path = tmp / "tree"
+    _git("worktree", "add", "--detach", str(path), commit)
+    return Tree(name, commit, path, f"`{rev}` = {_subject(commit)} (worktree {path})", created=tmp)
+
+
+def _working_tree() -> Tree:
+    commit = _git("rev-parse", "HEAD")
+    dirty = " + uncommitted changes in src/" if _dirty_src(ROOT) else ""
+    return Tree("head", commit, ROOT, f"working tree at {_subject(commit)}{dirty}")
+
+
+def _remove(tree: Tree) -> None:
+    if tree.created is None:
+        return
+    try:
+        _git("worktree", "remove", "--force", str(tree.path))
+    except subprocess.CalledProcessError as error:
+        print(f"could not remove worktree {tree.path}: {error.stderr.strip()}", file=sys.stderr)
+    shutil.rmtree(tree.created, ignore_errors=True)
+
+
+def _run_child(tree: Tree, part: str) -> dict[str, float]:
+    """One fresh subprocess measuring ``part`` against ``tree``'s src."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree.path / "src"), str(HERE)])
+    env["PYTHONHASHSEED"] = "0"
+    src = tree.path / "src"
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", part, "--src", str(src)],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{part} against {tree.name} failed ({done.returncode}):\n{done.stderr}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    metrics: dict[str, float] = answer["metrics"]
+    return metrics
+
+
+def _show(value: float, unit: str) -> str:
+    return f"{value:.3f}x" if unit == "x" else f"{value / 1e3:.2f} µs"
+
+
+def _round_line(round_no: int, name: str, part: str, values: dict[str, float]) -> str:
+    if part == "p1":
+        shown = "; ".join(
+            f"B={b} {values[f'p1_b{b}_stalebuf'] / 1e3:.1f}/{values[f'p1_b{b}_bare'] / 1e3:.1f} µs "
+            f"= {values[f'p1_b{b}_ratio']:.2f}x"
+            for b in P1_REPS
+        )
+    else:
+        shown = "; ".join(f"{key.removeprefix('p2_')} {value / 1e3:.2f} µs" for key, value in values.items())
+    return f"round {round_no} {name:4} {part}: {shown}"
+
+
+Results = dict[str, dict[str, list[float]]]  # side -> metric -> one value per round
+
+
+def _run_rounds(base: Tree, head: Tree, rounds: int, loads: list[float]) -> Results:
+    results: Results = {"base": {}, "head": {}}
+    for r in range(rounds):
+        order = (base, head) if r % 2 == 0 else (head, base)
+        for part in ("p1", "p2"):
+            for tree in order:
+                values = _run_child(tree, part)
+                for key, value in values.items():
+                    results[tree.name].setdefault(key, []).append(value)
+                print(_round_line(r + 1, tree.name, part, values), file=sys.stderr, flush=True)
+        loads.append(os.getloadavg()[0])
+    return results
+
+
+def _table(results: Results) -> tuple[list[str], list[str]]:
+    """The markdown table, and the labels of the judged metrics over the limit."""
+    lines = [
+        "| metric | base, median of rounds | head, median of rounds | head/base | verdict "
+        "| head/base, best round |",
+        "|---|---|---|---|---|---|",
+    ]
+    over: list[str] = []
+    for metric in _metrics():
+        base, head = results["base"].get(metric.key), results["head"].get(metric.key)
+        if not base or not head:
+            continue
+        b, h = statistics.median(base), statistics.median(head)
+        rel, best = h / b, min(head) / min(base)
+        if metric.kind == "judged":
+            verdict = "ok" if rel <= LIMIT else f"OVER {LIMIT:.2f}x"
+            if rel > LIMIT:
+                over.append(metric.label)
+        else:
+            verdict = metric.kind
+        lines.append(
+            f"| {metric.label} | {_show(b, metric.unit)} | {_show(h, metric.unit)} | {rel:.3f} | {verdict} "
+            f"| {best:.3f} |"
+        )
+    return lines, over
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--base", default=DEFAULT_BASE, help=f"the base revision (default {DEFAULT_BASE})")
+    parser.add_argument(
+        "--head",
+        default=None,
+        help="the head revision (default: this working tree, uncommitted src included)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--keep", action="store_true", help="keep the worktrees this script created")
+    parser.add_argument("--json", type=Path, default=None, help="also write every round's values here")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a judged metric is over 1.10x")
+    parser.add_argument("--child", choices=("p1", "p2"), help=argparse.SUPPRESS)
+    parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def _header(argv: Sequence[str], base: Tree, head: Tree, rounds: int) -> list[str]:
+    return [
+        f"- command: `python benchmarks/compare_commits.py{' ' if argv else ''}{' '.join(argv)}`",
+        f"- base: {base.describe}",
+        f"- head: {head.describe}",
+        f"- machine: {os.cpu_count()} cores, {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()}",
+        f"- {rounds} rounds; per round and part one subprocess per side, alternating which goes first",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Compare the two trees and print the table; return the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        if args.src is None:
+            parser.error("--child needs --src")
+        _child(args.child, args.src)
+        return 0
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    shown_argv = list(sys.argv[1:] if argv is None else argv)
+    trees: list[Tree] = []
+    try:
+        base = _checkout("base", args.base)
+        trees.append(base)
+        head = _working_tree() if args.head is None else _checkout("head", args.head)
+        trees.append(head)
+        header = _header(shown_argv, base, head, args.rounds)
+        load_before = os.getloadavg()
+        started = time.perf_counter()
+        loads: list[float] = []
+        results = _run_rounds(base, head, args.rounds, loads)
+        wall = time.perf_counter() - started
+    finally:
+        if not args.keep:
+            for tree in trees:
+                _remove(tree)
+    if args.head is None and _working_tree().describe != head.describe:
+        header.append(f"- note: the working tree moved during the run; it is now {_working_tree().describe}")
+    lines, over = _table(results)
+    print("\n".join(header))
+    print(
+        f"- wall time {wall:.0f} s; load average (1 min) {load_before[0]:.2f} before, "
+        f"{', '.join(f'{load:.2f}' for load in loads)} after each round"
+    )
+    print()
+    print("\n".join(lines))
+    print()
+    print(f"over {LIMIT:.2f}x: {', '.join(over)}" if over else f"every judged metric within {LIMIT:.2f}x")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "header": header,
+                    "base": base.commit,
+                    "head": head.commit,
+                    "loads": loads,
+                    "rounds": results,
+                },
+                indent=1,
+            )
+        )
+    return 1 if args.strict and over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
