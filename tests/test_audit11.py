@@ -6,49 +6,19 @@ every wait bounded by ``anyio.fail_after``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import pytest
 
-from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, RaisingAdmits, assert_conserved, make, settle, start_call
+from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, assert_conserved, make, settle, start_call
 from _helpers import train_stats as train
 from stalebuf import (
-    BatchNotReadyError,
     BufferFullError,
     GroupEvictedError,
     ReplayBuffer,
-    SamplerConfig,
     UnknownGroupError,
 )
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.mark.parametrize("nowait", [False, True])
-async def test_a_raising_admits_hook_never_loses_a_sampled_batch(nowait: bool) -> None:
-    # "sample metrics, always present on partitions with admission: {prefix}/admission/free_slots
-    # (free_slots() after the batch is taken)": computing it asks the policy's admits; if that
-    # raises after the batch was removed, the batch must not vanish with the error.
-    config = SamplerConfig(admission_batch_size=2, max_off_policy_threshold=2)
-    policy = RaisingAdmits(config)
-    buf = ReplayBuffer(config, policy=policy, status_log_interval=None)
-    buf.put_group_nowait("a", [1], global_steps=0)
-    buf.put_group_nowait("b", [1], global_steps=0)
-    policy.armed = True
-    with anyio.fail_after(LIMIT):
-        try:
-            if nowait:
-                batch, _ = buf.sample_nowait(0, 1)
-            else:
-                batch, _ = await buf.sample(0, 1)
-        except RuntimeError:
-            # Raising is acceptable only if nothing was taken.
-            assert "a" in buf
-            assert train(buf).sampled_groups == 0
-        else:
-            assert [group.uid for group in batch.groups] == ["a"]
-    assert_conserved(buf)
 
 
 async def test_producer_wait_seconds_counts_producers_still_blocked_at_the_sample() -> None:
@@ -88,33 +58,6 @@ async def test_producer_wait_seconds_of_a_producer_waiting_across_samples_is_spl
     assert metrics1["training/admission/producer_wait_seconds"] > 0
     assert train(buf).waiting_producers == 0
     assert "b" not in buf
-
-
-async def test_the_threadsafe_handle_tags_by_the_dispatch_clock_by_default() -> None:
-    # "add_prompt, add_prompt_nowait, put_group, put_group_nowait (and rollout()) take
-    # global_steps=None by default, meaning use dispatch_step(partition)": the producer handle
-    # for other threads (same methods, same names) keeps that default.
-    buf = make(admission_batch_size=2, max_off_policy_threshold=3)
-    with pytest.raises(BatchNotReadyError):
-        buf.sample_nowait(4, 1)  # moves the clock to 4
-    handle = buf.threadsafe()
-    result: dict[str, Any] = {}
-
-    def produce() -> None:
-        try:
-            handle.add_prompt("b")
-            handle.put_group("c", [1])
-        except BaseException as exc:
-            result["error"] = exc
-
-    with anyio.fail_after(LIMIT):
-        await anyio.to_thread.run_sync(produce)
-    assert "error" not in result, result.get("error")
-    assert "b" in buf
-    assert "c" in buf
-    batch, _ = buf.sample_nowait(4, 1)
-    assert batch.groups[0].uid == "c"
-    assert batch.groups[0].dispatch_step == 4
 
 
 async def test_a_producer_at_a_tag_closed_for_good_does_not_block_the_partition_forever() -> None:
