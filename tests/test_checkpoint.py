@@ -25,7 +25,16 @@ from _ckpt_helpers import (
     rich,
     stats_of,
 )
-from _helpers import LIMIT, assert_conserved, ready_order, resident_groups, sample_now, snapshot
+from _helpers import (
+    EVICTED_UIDS_REMEMBERED,
+    LIMIT,
+    assert_conserved,
+    make,
+    ready_order,
+    resident_groups,
+    sample_now,
+    snapshot,
+)
 from stalebuf import (
     EvictionEvent,
     GroupEvictedError,
@@ -378,3 +387,23 @@ def test_an_inconsistent_or_newer_checkpoint_is_refused() -> None:
 def test_in_flight_must_be_one_of_the_modes(bad: Any) -> None:
     with pytest.raises(ConfigError, match="in_flight must be one of 'reissue', 'keep', 'evict'"):
         ReplayBuffer.restore(rich().checkpoint(), in_flight=bad)
+
+
+# -- restore(in_flight="evict"): the remembered evicted uids, and what a write to one says ----------
+
+
+def test_a_restore_that_evicts_in_flight_groups_keeps_the_remembered_uids_bounded() -> None:
+    """Defect (issue 11: "The buffer remembers these uids in bounded memory (document the bound,
+    e.g. the most recent 65,536)"): a restore with in_flight="evict" added its evicted uids to
+    that memory past the bound."""
+    buf = make()
+    for i in range(EVICTED_UIDS_REMEMBERED + 3):
+        buf.add_prompt_nowait(f"g{i}", global_steps=0)
+    restored = ReplayBuffer.restore(buf.checkpoint(), in_flight="evict").buffer
+    with pytest.raises(UnknownGroupError) as oldest:
+        restored.put_nowait("g0", 1)
+    assert type(oldest.value) is UnknownGroupError  # forgotten: the oldest three are past the bound
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait(f"g{EVICTED_UIDS_REMEMBERED + 2}", 1)
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait("g3", 1)
