@@ -8,6 +8,7 @@ through ``/stats``, and ``/metrics`` must parse and agree with it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -192,3 +194,31 @@ def test_the_example_server_accounts_for_every_group_under_fifty_concurrent_prod
     assert re.search(r"inference_server INFO step \d+: 8 groups, staleness mean", text), text[-2000:]
     assert "trainer: buffer closed after" in text, text[-2000:]
     assert "Traceback" not in text, text[-4000:]
+
+
+# -- the example's request parser, in-process --------------------------------------------------------
+
+
+def load_example() -> ModuleType:
+    """Import examples/inference_server.py as a module (it is not a package)."""
+    name = "_inference_server_example"
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # attrs looks the module up by name
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_the_example_answers_a_deeply_nested_body_with_a_value_error() -> None:
+    """Defect: ``[[[[...]]]]`` is valid JSON that json.loads cannot parse (RecursionError): the
+    server answered 500 and reset the connection, where its docs promise 400 for a malformed
+    body."""
+    example = load_example()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        example.GroupRequest.parse(deep)
