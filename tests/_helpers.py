@@ -23,6 +23,9 @@ from stalebuf._partition import PartitionState
 from stalebuf._store import EVICTED_UIDS_REMEMBERED
 from stalebuf._stored import map_payloads
 
+# The producer wait ledger itself, for the tests that drive it directly (tests/test_admission_waiting.py).
+from stalebuf._waiting import ProducerWaits, Waiter
+
 __all__ = [
     "EVICTED_UIDS_REMEMBERED",
     "LIMIT",
@@ -31,7 +34,9 @@ __all__ = [
     "LyingLen",
     "OpenGroup",
     "PartitionState",
+    "ProducerWaits",
     "RaisingAdmits",
+    "Waiter",
     "add_group",
     "admission_counts",
     "assert_conserved",
@@ -46,6 +51,7 @@ __all__ = [
     "ready_order",
     "ready_steps",
     "ready_uids",
+    "resident_count",
     "resident_groups",
     "resident_keys",
     "resident_uids",
@@ -177,6 +183,12 @@ def sample_now(buf: ReplayBuffer, g: int, b: int, partition: str = "train") -> t
 def train_stats(buf: ReplayBuffer) -> Any:
     """The "train" partition's :class:`~stalebuf.PartitionStats`."""
     return buf.stats().partitions["train"]
+
+
+def resident_count(buf: ReplayBuffer) -> int:
+    """How many groups the buffer holds, summed over the status counts of ``stats()``."""
+    total = buf.stats().total
+    return total.pending + total.running + total.finished + total.failure
 
 
 def steps_of(buf: ReplayBuffer, *uids: str) -> list[int]:

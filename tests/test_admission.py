@@ -367,3 +367,68 @@ def test_config_fields_are_accepted_from_a_mapping() -> None:
     assert (config.admission_batch_size, config.evict_stale_in_flight) == (16, True)
     assert (SamplerConfig().admission_batch_size, SamplerConfig().evict_stale_in_flight) == (None, False)
     assert issubclass(BufferFullError, StalebufError)
+
+
+# -- tags closed for good ------------------------------------------------------------------------
+
+
+async def test_a_closed_tag_is_refused_at_once_and_the_clock_tag_is_admitted() -> None:
+    """Defect: an explicit tag closed for good (stale at the next sample, so no slot there can
+    ever open) made ``add_prompt``/``put_group`` wait forever instead of raising BufferFullError
+    at once; the clock's own tag must still be admitted."""
+    buf = make(admission_batch_size=2, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    for g in range(3):
+        buf.put_group_nowait(f"x{g}", [1])
+        buf.sample_nowait(g, 1)  # last_sampled 2: tag 0 would be stale (s = 4 > 2) at sample 3
+    with anyio.fail_after(LIMIT):
+        with pytest.raises(BufferFullError, match="closed for good"):
+            await buf.add_prompt("old", global_steps=0)
+        with pytest.raises(BufferFullError, match="closed for good"):
+            await buf.put_group("old", [1], global_steps=0)
+        with pytest.raises(BufferFullError, match="closed for good"):
+            buf.add_prompt_nowait("old", global_steps=0)
+        await buf.add_prompt("new")  # the clock's tag (2) has free slots
+    assert "old" not in buf
+    assert buf.stats().total.waiting_producers == 0
+
+
+async def test_a_closed_tag_says_so_even_while_producers_wait() -> None:
+    """Defect: while producers waited, ``add_prompt_nowait`` at a tag closed for good said
+    "producers are waiting" instead of naming the closed tag (which no wait can ever open)."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    for g in range(3):
+        buf.put_group_nowait(f"x{g}", [1])
+        buf.sample_nowait(g, 1)  # last_sampled 2: tag 0 is closed for good, the clock's tag is 2
+    buf.put_group_nowait("full", [1])  # tag 2 full (b=1)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            await start_call(tg, lambda: buf.add_prompt("waiting"))
+            assert buf.stats().total.waiting_producers == 1
+            with pytest.raises(BufferFullError, match="closed for good"):
+                buf.add_prompt_nowait("old", global_steps=0)
+            with pytest.raises(BufferFullError, match="producers are waiting"):
+                buf.add_prompt_nowait("new")
+            tg.cancel_scope.cancel()
+
+
+class StalePastOne(StalenessPolicy):
+    """A custom ``is_stale``, monotone in both steps as the policy contract requires: stale once
+    more than one step old."""
+
+    def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        return global_steps - dispatch_step > 1
+
+
+async def test_a_tag_the_policy_calls_stale_at_the_next_sample_is_refused_for_good() -> None:
+    """The policy contract: ``is_stale`` is monotone in ``global_steps`` too (a stale group stays
+    stale), so a tag stale at the next sample never reopens and an explicit ``add_prompt`` there
+    raises at once, with a custom ``is_stale`` as with the default one (no producer waits for a
+    slot that can never open)."""
+    config = SamplerConfig(admission_batch_size=1, max_off_policy_threshold=1)
+    buf = ReplayBuffer(policy=StalePastOne(config), status_log_interval=None)
+    add_group(buf, "a", 1)
+    buf.sample_nowait(1, 1)  # last_sampled 1: tag 0 is stale at the next sample (2 - 0 > 1)
+    with anyio.fail_after(LIMIT), pytest.raises(BufferFullError, match="closed for good"):
+        await buf.add_prompt("late", global_steps=0)
+    assert "late" not in buf
+    assert buf.stats().total.waiting_producers == 0

@@ -10,6 +10,8 @@ code. Async tests run on asyncio and trio, every wait bounded by ``anyio.fail_af
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 from functools import partial
 from typing import Any
 
@@ -18,12 +20,16 @@ import pytest
 
 from _helpers import (
     LIMIT,
+    ProducerWaits,
+    RaisingAdmits,
+    Waiter,
     add_group,
     admission_counts,
     assert_conserved,
     evaluations,
     full_snapshot,
     make,
+    producer_ledger,
     settle,
     start_call,
     steps_of,
@@ -336,3 +342,204 @@ async def test_waiting_producers_run_no_code_while_nothing_relevant_happens() ->
                 p.scope.cancel()
             sampler.scope.cancel()
     assert train(buf).waiting_producers == 0
+
+
+# -- producer_wait_seconds and the ledger behind it ---------------------------------------------
+
+WAIT_METRIC = "training/admission/producer_wait_seconds"
+
+
+def assert_ledger_matches_queue(buf: ReplayBuffer) -> None:
+    """The wait ledger counts exactly the producers in the admission queue, with their starts."""
+    counted, queued, starts, expected = producer_ledger(buf)
+    assert counted == queued, f"the ledger counts {counted} producers, the queue holds {queued}"
+    assert math.isclose(starts, expected, rel_tol=1e-9, abs_tol=1e-6), (starts, expected)
+
+
+async def test_producer_wait_seconds_counts_producers_still_blocked_at_the_sample() -> None:
+    """Defect (issue 11: "{prefix}/admission/producer_wait_seconds (total time producers spent
+    blocked on admission since the previous sample on the partition)"): only waits that had
+    ended were counted, though a producer blocked since before this sample spent that time
+    blocked, whether or not its wait has ended yet."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2)
+    buf.put_group_nowait("a", [1])
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.add_prompt("b"))
+            await anyio.sleep(0.05)
+            assert not waiting.done
+            _, metrics = buf.sample_nowait(0, 1)  # frees the slot b waited for
+            await settle()
+            assert waiting.returned
+    assert metrics[WAIT_METRIC] > 0
+
+
+async def test_producer_wait_seconds_of_a_producer_waiting_across_samples_is_split_between_them() -> None:
+    """The same sentence for a wait that spans samples: the part of a long wait before a sample
+    belongs to that sample, the rest to the samples after it (none of them reports 0)."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=3)
+    buf.put_group_nowait("a0", [1], global_steps=0)
+    buf.put_group_nowait("a1", [1], global_steps=1)
+    buf.add_prompt_nowait("f", global_steps=5)  # holds tag 5's only slot
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.add_prompt("b", global_steps=5))
+            await anyio.sleep(0.05)
+            _, metrics0 = buf.sample_nowait(0, 1)
+            await anyio.sleep(0.05)
+            _, metrics1 = buf.sample_nowait(1, 1)
+            assert not waiting.done
+            tg.cancel_scope.cancel()
+    assert metrics0[WAIT_METRIC] > 0
+    assert metrics1[WAIT_METRIC] > 0
+    assert train(buf).waiting_producers == 0
+    assert "b" not in buf
+
+
+def test_producer_waits_report_ended_and_ongoing_waits_once() -> None:
+    """The O(1) ledger (a count and a sum of wait starts) reports ended and ongoing waits, each
+    second once, and a waiter whose loop is gone adds nothing."""
+    waits = ProducerWaits()
+    a, b = Waiter(0, 0), Waiter(0, 0)
+    waits.park(a, 10.0)
+    waits.park(b, 12.0)
+    assert waits.report(15.0) == (15 - 10) + (15 - 12)  # both still parked, counted up to now
+    waits.leave(a, 16.0)  # 1 s more since the report
+    assert waits.report(20.0) == 1.0 + (20 - 15)
+    waits.leave(b, 21.0)
+    assert waits.report(30.0) == 1.0
+    assert waits.report(40.0) == 0.0  # nobody waits: nothing more, and nothing counted twice
+    waits.park(a, 50.0)
+    waits.leave(a, None)  # its loop is gone: nothing of it is counted
+    assert waits.report(60.0) == 0.0
+    assert (waits.parked, waits.starts) == (0, 0.0)
+
+
+def test_producer_waits_never_report_a_negative_wait() -> None:
+    """Successive trio runs have clocks with different offsets: a wait measured across them is
+    not a wait, and must not subtract from the others."""
+    waits = ProducerWaits()
+    a = Waiter(0, 0)
+    waits.park(a, 1_000.0)
+    assert waits.report(5.0) == 0.0
+    waits.leave(a, 3.0)
+    assert waits.report(10.0) == 0.0
+
+
+def test_a_producer_parked_on_a_closed_loop_is_dropped_from_the_wait_count() -> None:
+    """A producer parked on an asyncio loop that was closed under it (misuse) is abandoned: it
+    leaves ``waiting_producers`` and the wait ledger when dropped, and the next sample's
+    producer_wait_seconds stays >= 0."""
+    buf = make(max_off_policy_threshold=1, admission_batch_size=1)
+    buf.put_group_nowait("r", [1])  # the slot at step 0 is taken
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(buf.add_prompt("parked"))
+    loop.run_until_complete(asyncio.sleep(0.01))  # it parks on the full partition
+    assert buf.stats().total.waiting_producers == 1
+    loop.close()  # closed under it: the waiter is abandoned
+    del task
+    assert buf.stats().total.waiting_producers == 0  # dropped as abandoned
+    assert producer_ledger(buf)[0] == 0  # and not counted by the ledger
+    batch, metrics = buf.sample_nowait(0, 1)
+    assert batch.uids == ["r"]
+    assert metrics[WAIT_METRIC] >= 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_the_wait_ledger_matches_the_producer_queue_on_every_path(seed: int) -> None:
+    """Guards the ledger against drifting from the queue it summarises. Producers join and leave
+    by admission, cancellation, a raising ``admits`` (armed and disarmed at random), a failing
+    ``admit`` (a duplicate uid), a tag closed for good, and close(); after each step the ledger
+    counts exactly the queue and the metric is >= 0."""
+    rnd = random.Random(seed)
+    policy = RaisingAdmits(SamplerConfig(admission_batch_size=1, max_off_policy_threshold=1))
+    buf = ReplayBuffer(policy=policy, status_log_interval=None)
+    scopes: list[anyio.CancelScope] = []
+    outcomes: dict[str, int] = {}
+
+    async def produce(uid: str, step: int | None) -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            try:
+                await buf.add_prompt(uid, global_steps=step)
+                outcome = "admitted"
+            except Exception as exc:  # every refusal is fine here: only the ledger is checked
+                outcome = type(exc).__name__
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    with anyio.fail_after(LIMIT * 3):
+        async with anyio.create_task_group() as tg:
+            g = 0
+            for n in range(80):
+                roll = rnd.random()
+                if roll < 0.4:
+                    uid = rnd.choice([f"u{n}", "dup"])
+                    tg.start_soon(produce, uid, rnd.choice([None, g, max(g - 2, 0), g + 1]))
+                elif roll < 0.47:
+                    policy.armed = not policy.armed
+                elif roll < 0.55 and scopes:
+                    rnd.choice(scopes).cancel()
+                else:
+                    g += rnd.choice([0, 1])
+                    try:
+                        _, metrics = buf.sample_nowait(g, 1)
+                    except Exception:  # BatchNotReadyError, or the armed hook: not what is checked
+                        pass
+                    else:
+                        assert metrics[WAIT_METRIC] >= 0.0
+                await settle()
+                assert_ledger_matches_queue(buf)
+            buf.close()
+        assert_ledger_matches_queue(buf)
+    assert producer_ledger(buf)[:2] == (0, 0)
+    assert buf.stats().total.waiting_producers == 0
+    assert sum(outcomes.values()) > 0
+
+
+# -- a producer waiting at a tag closed for good ------------------------------------------------------
+
+
+async def test_a_producer_at_a_tag_closed_for_good_does_not_block_the_partition_forever() -> None:
+    """Defect (issue 11: "A producer that passes an explicit global_steps waits for a slot at
+    that tag" and property 2, "no deadlock"): a tag older than last_sampled + 1 - T*S can never
+    open again (sample steps only grow), yet a producer waited there forever at the head of the
+    queue, holding up every producer behind it."""
+    buf = make(admission_batch_size=2, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    for g in range(3):
+        buf.put_group_nowait(f"x{g}", [1])
+        buf.sample_nowait(g, 1)
+    assert buf.dispatch_step() == 2
+    assert buf.free_slots() == 2
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            old = await start_call(tg, lambda: buf.add_prompt("old", global_steps=0))
+            new = await start_call(tg, lambda: buf.add_prompt("new"))
+            await settle()
+            done = old.done, new.returned
+            tg.cancel_scope.cancel()
+    # Either the closed tag is refused at once, or at least it does not hold up the clock's tag.
+    assert done[0] or done[1]
+
+
+async def test_a_waiting_producer_whose_tag_a_sample_closes_raises_and_frees_the_queue() -> None:
+    """The same defect when the tag closes while the producer waits: tag 1 is full (b=1) while
+    open; a sample at step 3 then closes it for good (s = 4 > 2 at the next sample, 4). The
+    producer waiting there must raise instead of holding up the queue."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2, max_off_policy_strategy="drop")
+    buf.put_group_nowait("full", [1], global_steps=1)
+    buf.put_group_nowait("ready", [1], global_steps=3)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.add_prompt("late", global_steps=1))
+            behind = await start_call(tg, lambda: buf.add_prompt("next"))
+            await settle()
+            assert buf.stats().total.waiting_producers == 2
+            batch, _ = await buf.sample(3, 1)  # evicts "full" as stale, returns "ready"
+            assert batch.uids == ["ready"]
+            await settle()
+    assert isinstance(waiting.error, BufferFullError)
+    assert "closed for good" in str(waiting.error)
+    assert behind.returned
+    assert "late" not in buf
+    assert "next" in buf
+    assert_conserved(buf)

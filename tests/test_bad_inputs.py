@@ -54,7 +54,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from _helpers import LIMIT, LyingLen, assert_conserved, full_snapshot, resident_groups, resident_uids
+from _helpers import LIMIT, LyingLen, assert_conserved, full_snapshot, make, resident_groups, resident_uids
 from stalebuf import ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
@@ -1531,3 +1531,143 @@ async def test_a_threadsafe_producer_refuses_a_uid_utf8_cannot_encode() -> None:
             with pytest.raises(ValueError, match=UTF8):
                 await anyio.to_thread.run_sync(call)
         assert full_snapshot(buf) == before
+
+
+# -- collections whose len() disagrees with what they yield, raising dunders, odd statuses --------
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("argument", ["payloads", "session_ids", "indices", "trajectory_tags"])
+def test_put_group_collection_whose_len_disagrees_with_its_items_is_a_value_error(
+    argument: str, length: int
+) -> None:
+    """Defect (issue 10, item 4: "a payloads collection ... whose len() disagrees with what it
+    yields ... a length mismatch is a typed ValueError with nothing changed"): a lying len()
+    got past put_group; every per-trajectory argument is now materialised the same way."""
+    buf = ReplayBuffer()
+    values: dict[str, list[Any]] = {
+        "payloads": ["x", "y"],
+        "session_ids": [0, 1],
+        "indices": [0, 0],
+        "trajectory_tags": [None, None],
+    }
+    kwargs: dict[str, Any] = {"global_steps": 0}
+    if argument != "payloads":
+        kwargs[argument] = LyingLen(length, values[argument])
+        payloads: Any = values["payloads"]
+    else:
+        payloads = LyingLen(length, values["payloads"])
+    with pytest.raises(ValueError, match=argument):
+        buf.put_group_nowait("g", payloads, **kwargs)
+    assert "g" not in buf
+    assert buf.stats().total.admitted_groups == 0
+
+
+class Draining:
+    """A collection that empties as it is iterated (a queue-like view): len() was true when asked."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Any:
+        while self.items:
+            yield self.items.pop(0)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.items
+
+
+def test_a_collection_that_empties_as_it_is_read_is_not_called_a_liar() -> None:
+    """Defect: put_group read len() after iterating, so a collection that empties as it is read
+    said the truth and was still refused as one whose len() lies."""
+    buf = make()
+    keys = buf.put_group_nowait("g", Draining(["a", "b"]), global_steps=0)
+    assert len(keys) == 2
+    batch, _ = buf.sample_nowait(0, 1)
+    assert [t.payload for t in batch.groups[0].trajectories] == ["a", "b"]
+
+
+def test_duplicate_trajectory_message_of_put_group_is_bounded_for_a_huge_uid() -> None:
+    """Defect (issue 10, item 14: "error messages must never repr unbounded user values:
+    truncate"): put_group's duplicate-trajectory message held the whole uid."""
+    buf = ReplayBuffer()
+    uid = "u" * 100_000
+    with pytest.raises(DuplicateTrajectoryError) as info:
+        buf.put_group_nowait(uid, [1, 2], global_steps=0, session_ids=[0, 0])
+    assert len(str(info.value)) < 1000
+
+
+class EvilDunders:
+    """A value whose repr, hash, equality, iteration and len() all raise."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("evil repr")
+
+    def __hash__(self) -> int:
+        raise RuntimeError("evil hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("evil eq")
+
+    def __iter__(self) -> Iterator[Any]:
+        raise RuntimeError("evil iter")
+
+    def __len__(self) -> int:
+        raise RuntimeError("evil len")
+
+
+class EvilDundersMapping(Mapping[str, Any]):
+    """A mapping whose item access, iteration and len() all raise."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise RuntimeError("evil getitem")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("evil iter")
+
+    def __len__(self) -> int:
+        raise RuntimeError("evil len")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda: SamplerConfig(exempt_partitions=EvilDunders()), id="exempt_partitions-iter"),
+        pytest.param(lambda: SamplerConfig(exempt_partitions=[EvilDunders()]), id="exempt_partitions-hash"),
+        pytest.param(lambda: SamplerConfig(sampler_kwargs=EvilDundersMapping()), id="sampler_kwargs-iter"),
+        pytest.param(lambda: SamplerConfig.from_mapping(EvilDundersMapping()), id="from_mapping-iter"),
+        pytest.param(lambda: ReplayBuffer.from_config(EvilDundersMapping()), id="from_config-iter"),
+        pytest.param(lambda: ReplayBuffer(policy=EvilDunders()), id="policy-no-config"),  # type: ignore[arg-type]
+    ],
+)
+def test_config_arguments_whose_dunders_raise_get_a_config_error(call: Callable[[], object]) -> None:
+    """Defect (issue 10, item 15: "arguments whose __repr__/__len__/__eq__ raise pass that
+    exception through ... type checks come first and messages name the type, not the repr"):
+    config arguments whose dunders raise escaped as the dunder's own RuntimeError."""
+    with pytest.raises(ConfigError):
+        call()
+
+
+def test_put_group_status_accepts_a_str_subclass_by_its_value() -> None:
+    """Defect (issue 10, item 19: "accept Status members and their values"): numpy's ``str_`` (a
+    status read from an array) is a str subclass and was refused; its plain value counts, not
+    its overrides."""
+    import numpy as np
+
+    class Shouting(str):
+        def __eq__(self, other: object) -> bool:
+            raise RuntimeError("evil eq")
+
+        __hash__ = str.__hash__
+
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0, status=np.str_("failure"))
+    buf.put_group_nowait("b", [1], global_steps=0, status=Shouting("finished"))
+    statuses = {group.uid: group.status for group in buf.sample_nowait(0, 2)[0]}
+    assert statuses == {"a": Status.FAILURE, "b": Status.FINISHED}
+    with pytest.raises(ValueError, match="status"):
+        buf.put_group_nowait("c", [1], global_steps=0, status=np.str_("running"))
+    assert "c" not in buf

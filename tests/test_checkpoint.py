@@ -25,8 +25,18 @@ from _ckpt_helpers import (
     rich,
     stats_of,
 )
-from _helpers import LIMIT, assert_conserved, ready_order, resident_groups, sample_now, snapshot
+from _helpers import (
+    EVICTED_UIDS_REMEMBERED,
+    LIMIT,
+    assert_conserved,
+    make,
+    ready_order,
+    resident_groups,
+    sample_now,
+    snapshot,
+)
 from stalebuf import (
+    BatchNotReadyError,
     EvictionEvent,
     GroupEvictedError,
     ReplayBuffer,
@@ -378,3 +388,101 @@ def test_an_inconsistent_or_newer_checkpoint_is_refused() -> None:
 def test_in_flight_must_be_one_of_the_modes(bad: Any) -> None:
     with pytest.raises(ConfigError, match="in_flight must be one of 'reissue', 'keep', 'evict'"):
         ReplayBuffer.restore(rich().checkpoint(), in_flight=bad)
+
+
+# -- restore(in_flight="evict"): the remembered evicted uids, and what a write to one says ----------
+
+
+def test_a_restore_that_evicts_in_flight_groups_keeps_the_remembered_uids_bounded() -> None:
+    """Defect (issue 11: "The buffer remembers these uids in bounded memory (document the bound,
+    e.g. the most recent 65,536)"): a restore with in_flight="evict" added its evicted uids to
+    that memory past the bound."""
+    buf = make()
+    for i in range(EVICTED_UIDS_REMEMBERED + 3):
+        buf.add_prompt_nowait(f"g{i}", global_steps=0)
+    restored = ReplayBuffer.restore(buf.checkpoint(), in_flight="evict").buffer
+    with pytest.raises(UnknownGroupError) as oldest:
+        restored.put_nowait("g0", 1)
+    assert type(oldest.value) is UnknownGroupError  # forgotten: the oldest three are past the bound
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait(f"g{EVICTED_UIDS_REMEMBERED + 2}", 1)
+    with pytest.raises(GroupEvictedError):
+        restored.put_nowait("g3", 1)
+
+
+def test_restart_evictions_are_remembered_within_the_bound() -> None:
+    """Defect: uids evicted by a restart (``restore(in_flight="evict")``) were remembered
+    without the bound that applies to stale in-flight evictions."""
+    buf = ReplayBuffer(status_log_interval=None)
+    count = EVICTED_UIDS_REMEMBERED + 10
+    for i in range(count):
+        buf.add_prompt_nowait(f"u{i}")
+    restored = ReplayBuffer.restore(buf.checkpoint(), in_flight="evict", status_log_interval=None).buffer
+    assert restored.stats().total.evicted_restart_groups == count
+    with pytest.raises(GroupEvictedError):  # the most recent are remembered, as for stale ones
+        restored.put_nowait(f"u{count - 1}", 1)
+    with pytest.raises(UnknownGroupError) as caught:  # the oldest were forgotten
+        restored.put_nowait("u0", 1)
+    assert not isinstance(caught.value, GroupEvictedError)
+
+
+def test_a_write_to_a_group_a_restore_evicted_says_so() -> None:
+    """Defect: a write to a group ``restore(in_flight="evict")`` evicted said it was evicted
+    "as stale"; it was evicted by a restart."""
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.add_prompt_nowait("a", global_steps=0)
+    restored = ReplayBuffer.restore(buf.checkpoint(), in_flight="evict", status_log_interval=None).buffer
+    with pytest.raises(GroupEvictedError, match="'a' was evicted by a restart while in flight"):
+        restored.put_nowait("a", 1)
+
+
+# -- a policy built from another config than the buffer's; the restore result -----------------------
+
+
+def test_a_policy_built_from_another_config_than_the_buffers_is_refused_by_checkpoint() -> None:
+    """Defect: restore rebuilds the policy from the one config a checkpoint keeps (the
+    buffer's), so checkpointing a buffer whose policy was built from another config let the
+    restored buffer follow other rules. The checkpoint is refused instead, changing nothing."""
+    buf = ReplayBuffer(
+        SamplerConfig(max_off_policy_threshold=5),
+        policy=StalenessPolicy(SamplerConfig(max_off_policy_threshold=1)),
+        status_log_interval=None,
+    )
+    buf.put_group_nowait("a", [1], global_steps=0)
+    with pytest.raises(CheckpointError, match="another config"):
+        buf.checkpoint()
+    assert buf.stats().total.groups == 1  # nothing changed
+
+
+def test_a_policy_built_from_an_equal_config_checkpoints_and_keeps_its_rules() -> None:
+    """The refusal above compares configs by value: a policy built from an equal (not the same)
+    config checkpoints, and the restored buffer follows the same rules."""
+
+    def build() -> ReplayBuffer:
+        buf = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=1),
+            policy=StalenessPolicy(SamplerConfig(max_off_policy_threshold=1)),  # equal, not the same
+            status_log_interval=None,
+        )
+        buf.put_group_nowait("a", [1], global_steps=0)
+        return buf
+
+    original = build()
+    restored = ReplayBuffer.restore(build().checkpoint(), status_log_interval=None).buffer
+    assert restored.policy.threshold == original.policy.threshold == 1
+    for buf in (original, restored):
+        with pytest.raises(BatchNotReadyError):  # "a" is stale at step 3 under threshold 1
+            buf.sample_nowait(3, 1)
+        assert buf.stats().total.evicted_stale_groups == 1
+
+
+def test_a_restore_result_unpacks_as_buffer_and_reissue() -> None:
+    """Guards against a RestoreResult that does not unpack: ``buffer, reissue = restore(...)``
+    gives the same objects as its attributes."""
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.add_prompt_nowait("a", global_steps=0)
+    result = ReplayBuffer.restore(buf.checkpoint(), status_log_interval=None)
+    restored, reissue = result
+    assert restored is result.buffer
+    assert reissue == result.reissue
+    assert [group.uid for group in reissue] == ["a"]

@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import random
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -24,10 +26,10 @@ import numpy as np
 import pytest
 
 from _ckpt_helpers import checkpoint_content, rich
-from _helpers import LIMIT, snapshot
+from _helpers import LIMIT, add_group, make, snapshot
 from stalebuf import ReplayBuffer, SamplerConfig, StalenessPolicy
 from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint
-from stalebuf.errors import CheckpointError
+from stalebuf.errors import CheckpointError, ConfigError
 
 MAGIC = b"STALEBUF CHECKPOINT\n"  # the documented layout: magic, then version, flags, length, sha256
 HEADER = struct.Struct(">IIQ32s")
@@ -392,3 +394,215 @@ async def test_save_takes_its_checkpoint_at_once_and_the_loop_keeps_serving(tmp_
         restored = ReplayBuffer.restore(path, payload_codec=JSON_CODEC).buffer
         assert checkpoint_content(restored.checkpoint()) == expected
         assert isinstance(restored.checkpoint(), BufferCheckpoint)
+
+
+# -- save refuses what restore refuses; values a file cannot hold; odd codec frames; permissions ----
+
+
+def names(directory: Path) -> list[str]:
+    """The files in ``directory``: no temporary file may be left behind."""
+    return sorted(p.name for p in directory.iterdir())
+
+
+def small() -> ReplayBuffer:
+    """A buffer holding one finished group of two payloads."""
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.put_group_nowait("a", [1, 2])
+    return buf
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "codec",
+    [repr, ("a", "b"), (JSON_CODEC[0],), [JSON_CODEC[0], JSON_CODEC[1]], (JSON_CODEC[0], 5)],
+    ids=["callable", "strings", "one", "list", "not-callable"],
+)
+async def test_save_refuses_a_payload_codec_that_restore_refuses(tmp_path: Path, codec: Any) -> None:
+    """Defect: ``save`` accepted a ``payload_codec`` that ``restore`` refuses (ConfigError). It
+    must refuse it before it writes anything, even when no payload would call ``encode``."""
+    path = tmp_path / "b.ckpt"
+    with anyio.fail_after(LIMIT):
+        await small().save(path)
+    before = path.read_bytes()
+    empty = ReplayBuffer(status_log_interval=None)  # no payload: encode is never called
+    for buf in (empty, small()):
+        with anyio.fail_after(LIMIT), pytest.raises(ConfigError, match="payload_codec"):
+            await buf.save(path, payload_codec=codec)
+        assert path.read_bytes() == before
+    with pytest.raises(ConfigError, match="payload_codec"):
+        ReplayBuffer.restore(path, payload_codec=codec)
+    assert names(tmp_path) == ["b.ckpt"]
+
+
+@pytest.mark.anyio
+async def test_a_codec_may_return_a_memoryview_of_non_byte_items(tmp_path: Path) -> None:
+    """Defect: a codec whose ``encode`` returns a memoryview of non-byte items (``ndarray.data``)
+    wrote a frame length counted in items, not bytes, and the file did not restore; a strided
+    view must be copied, not torn."""
+    codec = (
+        lambda a: a.data,  # a memoryview of 8-byte items (of a 2-D array, or strided)
+        lambda data: np.frombuffer(data, dtype=np.float64),
+    )
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.put_group_nowait("g", [np.arange(4.0), np.ones((2, 3))])
+    buf.put_group_nowait("h", [np.zeros(3)])
+    buf.put_group_nowait("s", [np.arange(6.0)[::2]])  # a strided view: copied, not torn
+    path = tmp_path / "m.ckpt"
+    with anyio.fail_after(LIMIT):
+        await buf.save(path, payload_codec=codec)
+    restored = ReplayBuffer.restore(path, payload_codec=codec, status_log_interval=None).buffer
+    payloads = [[t.payload.tolist() for t in g.trajectories] for g in restored.checkpoint().groups]
+    assert payloads == [[[0.0, 1.0, 2.0, 3.0], [1.0] * 6], [[0.0] * 3], [[0.0, 2.0, 4.0]]]
+
+
+@pytest.mark.anyio
+async def test_a_codec_returning_an_empty_multidimensional_view_saves_and_restores(tmp_path: Path) -> None:
+    """Defect: ``memoryview(np.zeros((0, 3)))`` cannot be cast to bytes, and save failed with a
+    TypeError; it is an empty frame."""
+    codec: Any = (lambda value: memoryview(value), lambda data: np.frombuffer(data))
+    buf = make()
+    buf.put_group_nowait("g", [np.zeros((0, 3)), np.arange(6.0).reshape(2, 3)], global_steps=0)
+    path = tmp_path / "ckpt"
+    with anyio.fail_after(LIMIT):
+        await buf.save(path, payload_codec=codec)
+    restored = ReplayBuffer.restore(path, payload_codec=codec, status_log_interval=None).buffer
+    batch, _ = restored.sample_nowait(0, 1)
+    payloads = [t.payload for t in batch.groups[0].trajectories]
+    assert [p.tolist() for p in payloads] == [[], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["tags", "trajectory_tags"])
+async def test_the_first_value_json_cannot_hold_is_named_by_its_own_group(tmp_path: Path, where: str) -> None:
+    """Defect: ``save`` with a codec named the first value JSON cannot hold by the first group of
+    the chunk it was written in, not by its own group."""
+    buf = ReplayBuffer(status_log_interval=None)
+    for i in range(5):
+        bad = {"t": (1, 2)} if i == 3 else {"t": 1}
+        if where == "tags":
+            buf.put_group_nowait(f"g{i}", [i], tags=bad)
+        else:
+            buf.put_group_nowait(f"g{i}", [i], trajectory_tags=[bad])
+    with anyio.fail_after(LIMIT), pytest.raises(CheckpointError) as caught:
+        await buf.save(tmp_path / "j.ckpt", payload_codec=JSON_CODEC)
+    message = str(caught.value)
+    assert "'g3'" in message, message
+    assert "'g0'" not in message, message
+    assert "tuple" in message, message
+    assert "'t'" in message, message
+
+
+@pytest.mark.anyio
+async def test_an_unpicklable_payload_is_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
+    """Defect: a payload pickle cannot hold was not a CheckpointError (the error's documented
+    meaning: "a value the format cannot hold"). It must name the group and the trajectory, and
+    the previous file must survive."""
+    path = tmp_path / "p.ckpt"
+    buf = small()
+    with anyio.fail_after(LIMIT):
+        await buf.save(path)
+    before = path.read_bytes()
+    for i in range(300):  # the bad one is not the first of its chunk
+        buf.put_group_nowait(f"ok{i}", [i])
+    buf.add_prompt_nowait("bad")
+    buf.put_nowait("bad", "fine")
+    buf.put_nowait("bad", threading.Lock(), session_id=1)
+    with anyio.fail_after(LIMIT), pytest.raises(CheckpointError) as caught:
+        await buf.save(path)
+    message = str(caught.value)
+    assert "'bad'" in message, message
+    assert "'bad_1_0'" in message, message
+    assert "pickle" in message, message
+    assert path.read_bytes() == before
+    assert names(tmp_path) == ["p.ckpt"]
+
+
+@pytest.mark.anyio
+async def test_an_unpicklable_sampler_kwarg_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """The same defect in the config: a ``sampler_kwargs`` value pickle cannot hold is a
+    CheckpointError naming the config, and no file is written."""
+
+    class Kwargs(ReplayBuffer):
+        def __init__(self, config: SamplerConfig, lock: Any = None, **options: Any) -> None:
+            super().__init__(config, **options)
+
+    buf = Kwargs(SamplerConfig(sampler_kwargs={"lock": threading.Lock()}), status_log_interval=None)
+    with anyio.fail_after(LIMIT), pytest.raises(CheckpointError, match=r"config.*pickle"):
+        await buf.save(tmp_path / "k.ckpt")
+    assert names(tmp_path) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["object", "pickle", "codec"])
+async def test_a_plain_buffer_whose_config_has_sampler_kwargs_restores(tmp_path: Path, kind: str) -> None:
+    """Defect: a buffer built as ``ReplayBuffer(config)`` whose config carries ``sampler_kwargs``
+    (and names no custom sampler) could not be restored, from a checkpoint object or a file."""
+    config = SamplerConfig(max_off_policy_threshold=2, sampler_kwargs={"seed": 3})
+    buf = ReplayBuffer(config, status_log_interval=None)  # the constructor accepts this config
+    buf.put_group_nowait("a", [1])
+    codec = JSON_CODEC if kind == "codec" else None
+    source: Any = buf.checkpoint()
+    if kind != "object":
+        source = tmp_path / "s.ckpt"
+        with anyio.fail_after(LIMIT):
+            await buf.save(source, payload_codec=codec)
+    restored = ReplayBuffer.restore(source, payload_codec=codec, status_log_interval=None).buffer
+    assert type(restored) is ReplayBuffer
+    assert restored.config == config
+    assert restored.stats() == buf.stats()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX permissions")
+@pytest.mark.anyio
+async def test_a_new_checkpoint_file_has_the_permissions_a_plain_open_gives(tmp_path: Path) -> None:
+    """Defect: the temporary file the write goes through is made 0o600 (``mkstemp``), and the
+    checkpoint file it became kept that mode instead of a plain open's."""
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    path = tmp_path / "ckpt"
+    with anyio.fail_after(30):
+        await buf.save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+
+
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX permissions")
+@pytest.mark.anyio
+async def test_replacing_a_checkpoint_file_keeps_its_permissions(tmp_path: Path) -> None:
+    """The same defect when the file exists: replacing it keeps its permissions, not the
+    temporary file's 0o600."""
+    buf = ReplayBuffer(status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    path = tmp_path / "ckpt"
+    path.write_bytes(b"old")
+    path.chmod(0o640)
+    with anyio.fail_after(30):
+        await buf.save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert ReplayBuffer.restore(path, status_log_interval=None).buffer.stats().total.groups == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX permissions")
+@pytest.mark.anyio
+async def test_a_file_system_that_refuses_chmod_still_takes_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: vfat and some CIFS mounts refuse chmod (EPERM), and save failed there, though a
+    plain open works; setting the file's permissions is best effort."""
+
+    def refuse(fd: int, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    buf = make()
+    add_group(buf, "a", 0)
+    path = tmp_path / "ckpt"
+    monkeypatch.setattr(os, "fchmod", refuse)
+    with anyio.fail_after(LIMIT):
+        await buf.save(path)
+    assert ReplayBuffer.restore(path, status_log_interval=None).buffer.stats().total.groups == 1
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary file left

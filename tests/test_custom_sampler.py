@@ -164,3 +164,17 @@ def test_from_config_passes_status_log_interval_only_when_given() -> None:
     assert type(ReplayBuffer.from_config(config)) is samplers.VerlStyle
     with pytest.raises(ConfigError, match=r"VerlStyle rejected.*status_log_interval"):
         ReplayBuffer.from_config(config, status_log_interval=5.0)
+
+
+def test_restore_builds_a_custom_sampler_whose_init_does_not_take_status_log_interval() -> None:
+    """Defect (issue 10, item 12: "Pass status_log_interval only when the caller gave one"):
+    ``restore`` builds "what from_config builds from the saved config", but always passed the
+    interval, so a checkpoint of a verl-style custom sampler could not be restored."""
+    config = SamplerConfig(custom_sampler="samplers:VerlStyle", sampler_kwargs={"label": "y"})
+    buf = ReplayBuffer.from_config(config)
+    assert isinstance(buf, samplers.VerlStyle)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    restored = ReplayBuffer.restore(buf.checkpoint()).buffer
+    assert isinstance(restored, samplers.VerlStyle)
+    assert restored.label == "y"
+    assert "a" in restored

@@ -11,6 +11,7 @@ logged, and the waiting ``sample`` re-evaluates and raises it instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,7 +20,17 @@ import anyio
 import pytest
 
 import stalebuf
-from _helpers import LIMIT, add_group, assert_conserved, full_snapshot, resident_groups, settle
+from _helpers import (
+    LIMIT,
+    RaisingAdmits,
+    add_group,
+    assert_conserved,
+    full_snapshot,
+    resident_count,
+    resident_groups,
+    settle,
+)
+from _helpers import train_stats as train
 from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig, Status
 
 pytestmark = pytest.mark.anyio
@@ -361,3 +372,94 @@ async def test_a_subclass_that_names_state_and_helpers_like_the_internals_does_n
     assert restored.stats() == buf.stats()
     buf.close()
     assert buf.closed
+
+
+# -- a hook raising while sample builds its admission metrics ------------------------------------
+
+
+class StaleTrapAfterSample(ReplayBuffer):
+    """Its ``_is_stale`` raises for the step after a sample (asked by admission's rule)."""
+
+    armed = False
+
+    def _is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
+        if self.armed and global_steps == 1:
+            raise RuntimeError("hook")
+        return super()._is_stale(global_steps, dispatch_step, partition)
+
+
+@pytest.mark.parametrize("kind", ["subclass _is_stale", "policy admits"])
+@pytest.mark.parametrize("call", ["sample", "sample_nowait", "sample parked"])
+async def test_a_hook_raising_while_sample_builds_admission_metrics_loses_no_batch(
+    kind: str, call: str
+) -> None:
+    """Defect (issue 10, items 2 and 3: "a user hook that raises leaves the buffer exactly as it
+    was ... compute everything that can fail before removing anything"): under admission control
+    ``sample`` asked the policy's ``admits`` (and through it ``_is_stale``) for its free-slots
+    metric after it had removed the batch, so a raising hook lost the batch (counted sampled,
+    never returned)."""
+    config = SamplerConfig(admission_batch_size=2)
+    buf: ReplayBuffer
+    if kind == "subclass _is_stale":
+        buf = StaleTrapAfterSample(config)
+    else:
+        buf = ReplayBuffer(config, policy=RaisingAdmits(config))
+    if call != "sample parked":
+        buf.put_group_nowait("a", [1, 2], global_steps=0)
+    trap: Any = buf if kind == "subclass _is_stale" else buf.policy
+    trap.armed = True
+    batch = None
+    try:
+        with anyio.fail_after(LIMIT):
+            if call == "sample":
+                batch, _ = await buf.sample(0, 1, timeout=0)
+            elif call == "sample_nowait":
+                batch, _ = buf.sample_nowait(0, 1)
+            else:
+                async with anyio.create_task_group() as tg:
+
+                    async def sampler() -> None:
+                        nonlocal batch
+                        with contextlib.suppress(RuntimeError):
+                            batch, _ = await buf.sample(0, 1)
+
+                    tg.start_soon(sampler)
+                    await settle()
+                    assert buf.stats().total.waiting_samplers == 1
+                    trap.armed = False  # the put_group's own admission check must pass
+                    buf.put_group_nowait("a", [1, 2], global_steps=0)
+                    trap.armed = True
+    except RuntimeError:
+        pass
+    total = buf.stats().total
+    delivered = 0 if batch is None else len(batch)
+    # Either the batch was returned, or it is still in the buffer: never counted and gone.
+    assert total.sampled_groups == delivered
+    assert delivered + resident_count(buf) == 1
+
+
+@pytest.mark.parametrize("nowait", [False, True])
+async def test_a_raising_admits_hook_never_loses_a_sampled_batch(nowait: bool) -> None:
+    """Defect (issue 11): "sample metrics, always present on partitions with admission:
+    {prefix}/admission/free_slots (free_slots() after the batch is taken)"; computing it asks the
+    policy's ``admits``, and when that raised after the batch was removed, the batch vanished
+    with the error."""
+    config = SamplerConfig(admission_batch_size=2, max_off_policy_threshold=2)
+    policy = RaisingAdmits(config)
+    buf = ReplayBuffer(config, policy=policy, status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    buf.put_group_nowait("b", [1], global_steps=0)
+    policy.armed = True
+    with anyio.fail_after(LIMIT):
+        try:
+            if nowait:
+                batch, _ = buf.sample_nowait(0, 1)
+            else:
+                batch, _ = await buf.sample(0, 1)
+        except RuntimeError:
+            # Raising is acceptable only if nothing was taken.
+            assert "a" in buf
+            assert train(buf).sampled_groups == 0
+        else:
+            assert [group.uid for group in batch.groups] == ["a"]
+    assert_conserved(buf)

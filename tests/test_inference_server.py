@@ -431,3 +431,31 @@ async def test_every_refusal_is_json(example: ModuleType) -> None:
         assert (await post(client, "/groups", kept)).status_code == 200
         for path in ENDPOINTS:
             refused(await post(client, path, kept), 409, "InvalidTransitionError")  # a late write
+
+
+# -- the example's request parser, in-process --------------------------------------------------------
+
+
+def load_example() -> ModuleType:
+    """Import examples/inference_server.py as a module (it is not a package)."""
+    name = "_inference_server_example"
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # attrs looks the module up by name
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_the_example_answers_a_deeply_nested_body_with_a_value_error() -> None:
+    """Defect: ``[[[[...]]]]`` is valid JSON that json.loads cannot parse (RecursionError): the
+    server answered 500 and reset the connection, where its docs promise 400 for a malformed
+    body."""
+    example = load_example()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        example.GroupRequest.parse(deep)

@@ -657,7 +657,7 @@ class BufferMachine(RuleBasedStateMachine):
         if m.closed or m.cap(name) is None or name not in m.counters or m.admits(name, m.tag(name, step)):
             return multiple()
         if step is not None and m.closed_for_good(name, step):
-            return multiple()  # it would raise at once instead of parking (tests/test_audit11.py)
+            return multiple()  # it would raise at once instead of parking (tests/test_admission.py)
         # Usually past the clock: a new step alone must wake the producer (with fresh slots).
         self.trainer_step = max(self.trainer_step, m.clock.get(name, 0)) + advance
         g = self.trainer_step

@@ -15,8 +15,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from _helpers import LIMIT, add_group, assert_conserved, make, resident_uids, settle
-from stalebuf import EvictionEvent, ReplayBuffer, Status
+from _helpers import LIMIT, add_group, assert_conserved, make, resident_count, resident_uids, settle
+from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import BufferClosedError, StalebufError, UnknownGroupError
 
 
@@ -405,3 +405,83 @@ async def test_on_evict_raising_a_base_exception_still_hears_of_every_eviction(
         assert (stats.evicted_failure_groups, stats.evicted_stale_groups, stats.finished) == (1, 1, 1)
         assert_conserved(buf)
         assert (await buf.sample(5, 1, timeout=0))[0].uids == ["fresh"]
+
+
+# -- on_evict that re-admits stale groups under new uids: the bound on rounds in a row ------------
+
+
+@pytest.mark.parametrize("pattern", ["alternating uids", "fresh uids"])
+def test_on_evict_re_admitting_stale_groups_under_new_uids_is_bounded(pattern: str) -> None:
+    """Defect (issue 10, item 7: "Bound the eviction rounds of one sample ... raise a clear
+    StalebufError naming the cause, with the buffer consistent"): an on_evict that re-admits
+    every stale group under another uid kept ``sample`` looping forever. The guard turns an
+    endless loop into a test failure."""
+    rounds = 0
+
+    def on_evict(event: Any) -> None:
+        nonlocal rounds
+        rounds += 1
+        if rounds > 5_000:
+            raise AssertionError("sample looped over eviction rounds without bound")
+        for group in event.groups:
+            uid = ("b" if group.uid == "a" else "a") if pattern == "alternating uids" else f"x{rounds}"
+            buf.put_group_nowait(uid, [1], global_steps=0)
+
+    buf = ReplayBuffer(SamplerConfig(max_off_policy_threshold=1), on_evict=on_evict)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    with pytest.raises(StalebufError):
+        buf.sample_nowait(5, 1)
+    total = buf.stats().total
+    assert total.admitted_groups == resident_count(buf) + total.sampled_groups + total.evicted_stale_groups
+
+
+def test_on_evict_may_retry_a_stale_group_under_new_uids_a_few_times() -> None:
+    """The bound counts rounds in a row: an on_evict that re-admits at the stale step a few
+    times and then stops is served, every round reported (the bound must not refuse a retry
+    that ends)."""
+    retries: list[str] = []
+
+    def on_evict(event: Any) -> None:
+        if len(retries) < 3:
+            retries.append(f"r{len(retries)}")
+            buf.put_group_nowait(retries[-1], [1], global_steps=0)
+
+    buf = ReplayBuffer(SamplerConfig(max_off_policy_threshold=1), on_evict=on_evict)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    buf.put_group_nowait("fresh", [1], global_steps=5)
+    batch, _ = buf.sample_nowait(5, 1)
+    assert batch.uids == ["fresh"]
+    assert buf.stats().total.evicted_stale_groups == 4  # "a" and its three retries
+    assert resident_count(buf) == 0
+
+
+def test_the_readmission_bound_is_not_reset_by_groups_on_evict_added_two_rounds_back() -> None:
+    """Defect: the count of rounds in a row restarted at each round whose evicted group
+    on_evict had added during this sample but finished a round after adding it (so it was not
+    from "the round before"), and ``sample`` never returned (the guard stops it at 5,000
+    rounds)."""
+    rounds: list[str] = []
+    pending: list[str] = []
+    buf: ReplayBuffer
+
+    def on_evict(event: EvictionEvent) -> None:
+        rounds.append(event.reason)
+        if len(rounds) > 5_000:
+            raise Runaway(f"{len(rounds)} eviction rounds in one sample")
+        if pending:  # finish the one added in the round before: stale, evicted next round
+            uid = pending[-1]
+            buf.mark_running_nowait(uid)
+            buf.put_nowait(uid, 1)
+            buf.mark_finished_nowait(uid)
+        pending.append(f"p{len(rounds)}")
+        buf.add_prompt_nowait(pending[-1], global_steps=0)  # stale, but in flight: kept for now
+        if len(rounds) == 1:
+            add_group(buf, "kick", 0)  # stale and finished: evicted in round 2
+
+    buf = make(on_evict=on_evict, max_off_policy_threshold=1)
+    add_group(buf, "old", 0)  # stale at g=5
+    add_group(buf, "fresh", 5)
+    with pytest.raises(StalebufError, match="rounds in a row"):
+        buf.sample_nowait(5, 1)
+    assert len(rounds) < 5_000
+    assert "fresh" in buf

@@ -1368,3 +1368,15 @@ def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
         while loop.is_running():
             time.sleep(0.01)
         loop.close()
+
+
+# -- the remote restore result ----------------------------------------------------------------------
+
+
+def test_a_remote_restore_result_unpacks_as_buffer_and_reissue() -> None:
+    """Guards against a RemoteRestoreResult that does not unpack: like the local RestoreResult,
+    ``buffer, reissue = RemoteReplayBuffer.restore(...)`` gives the client and the reissue."""
+    client: Any = object()  # stands for the client; unpacking does not touch it
+    restored, reissue = RemoteRestoreResult(client, ())
+    assert restored is client
+    assert reissue == ()

@@ -20,7 +20,7 @@ from _helpers import (
     snapshot,
     spent_slots,
 )
-from stalebuf import EvictionEvent, Status
+from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig, StalenessPolicy, Status
 
 
 def test_oldest_first_with_fifo_ties_across_finished_and_failed() -> None:
@@ -387,3 +387,23 @@ def test_one_group_per_step_is_served_oldest_first() -> None:
     add_group(buf, "late1", 1)
     assert sample_now(buf, 9, 3)[0].uids == ["late1", "s4", "s5"]
     assert ready_uids(buf) == ["s6", "s7", "s8", "s9"]
+
+
+# -- a policy built from another config sets the rules and the reported staleness -----------------
+
+
+def test_a_policy_built_from_another_config_sets_the_rules_and_the_reported_staleness() -> None:
+    """Defect: the policy answers every rule question, but the staleness a batch and its metrics
+    report used the config's S while the rules used the policy's. Now both use the policy's."""
+    config = SamplerConfig(max_off_policy_threshold=2, parameter_sync_step=2)
+    other = StalenessPolicy(SamplerConfig(max_off_policy_threshold=8, parameter_sync_step=4))
+    buf = ReplayBuffer(config, policy=other, status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    batch, metrics = buf.sample_nowait(7, 1)  # s = 8/4 = 2 under the policy (8/2 = 4 > 2 under config)
+    assert batch.uids == ["a"]
+    assert batch.parameter_sync_step == 4
+    assert list(batch.staleness) == [2.0]
+    assert metrics["training/off_policy/sampled_staleness/mean"] == 2.0
+    # The same config, or only the policy, is fine too.
+    assert ReplayBuffer(config, policy=StalenessPolicy(config)).policy.config == config
+    assert ReplayBuffer(policy=other).config == other.config

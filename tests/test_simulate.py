@@ -636,3 +636,52 @@ def test_latency_parse_and_str_round_trip() -> None:
 def test_simulate_rejects_a_non_config() -> None:
     with pytest.raises(ConfigError):
         simulate({"strategy": "drop"})  # type: ignore[arg-type]
+
+
+# -- huge times, and a verdict with every column tied -----------------------------------------------
+
+
+def test_a_huge_train_step_is_refused() -> None:
+    """Defect: --train-step-seconds 1e308 made ``stalebuf simulate`` run forever."""
+    with pytest.raises(ConfigError, match="train_step_seconds"):
+        SimulationConfig(train_step_seconds=1e308)
+
+
+def test_the_largest_accepted_times_still_run() -> None:
+    """The bound that refuses huge times must not refuse the largest time it accepts: a run at
+    the bound, for both the latency and the train step, completes."""
+    from stalebuf.simulate._latency import MAX_SECONDS
+
+    config = SimulationConfig(
+        steps=2,
+        batch_size=2,
+        group_size=1,
+        workers=2,
+        latency=Latency("fixed", (MAX_SECONDS,)),
+        train_step_seconds=MAX_SECONDS,
+    )
+    assert simulate(config).staleness.max >= 1
+
+
+def test_the_verdict_does_not_compare_a_run_with_itself() -> None:
+    """Defect: with every column tied, the report said "drop trains 1.00x as many groups per
+    hour as drop"."""
+    common = {
+        "steps": 1,
+        "batch_size": 1,
+        "group_size": 1,
+        "workers": 1,
+        "threshold": 1,
+        "failure_rate": 0.0,
+        "latency": Latency("fixed", (1.0,)),
+        "train_step_seconds": 1.0,
+        "dispatch_ahead": 0.0,
+    }
+    results = [
+        simulate(SimulationConfig(strategy=strategy, admission=admission, **common))  # type: ignore[arg-type]
+        for strategy in ("drop", "wait")
+        for admission in (False, True)
+    ]
+    report = stalebuf.simulate.format_report(results)
+    assert "as many groups per hour as drop." not in report
+    assert " 1.00x as many groups per hour" not in report

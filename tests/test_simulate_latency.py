@@ -239,3 +239,48 @@ def test_a_bad_fit_is_one_line_and_exit_2(spec: str, needle: str, capsys: pytest
     assert captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("stalebuf simulate: error: argument --latency: ")
     assert needle in captured.err
+
+
+# -- latency files and values the command line turned into a traceback or a hang -------------------
+
+TINY = ["--steps", "3", "--batch-size", "2", "--group-size", "1", "--workers", "2", "--no-progress"]
+
+
+def test_a_csv_with_bare_carriage_return_line_endings_is_read(tmp_path: Path) -> None:
+    """Defect: old spreadsheet exports end rows with a lone CR; csv raised "new-line character
+    seen in unquoted field" through the CLI as a traceback."""
+    path = write(tmp_path, "times.csv", "uid,seconds\ra,12.5\rb,30\r")
+    assert Latency.parse(f"empirical:{path}#seconds").params == (12.5, 30.0)
+
+
+def test_a_csv_field_over_the_csv_size_limit_is_one_error_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect: a field over the csv module's size limit ended ``stalebuf simulate`` in a
+    traceback instead of one error line and exit status 2."""
+    path = write(tmp_path, "big.csv", "seconds\n" + "1" * 200_000 + "\n")
+    assert main(["simulate", *TINY, "--latency", f"empirical:{path}#seconds"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("stalebuf simulate: error: argument --latency: empirical latency")
+
+
+@pytest.mark.parametrize("spec", ["fixed:1e308", "exponential:1e300"])
+def test_a_huge_parametric_latency_is_refused_with_exit_2(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect: fixed:1e308 ended in an OverflowError traceback, and 1e300 in a report of
+    300-digit numbers (the virtual clock had lost the train step to rounding)."""
+    assert main(["simulate", *TINY, "--latency", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "argument --latency" in err
+
+
+def test_a_huge_empirical_time_is_refused(tmp_path: Path) -> None:
+    """Defect: an empirical file of 1e308 made ``stalebuf simulate`` run forever."""
+    path = write(tmp_path, "times.txt", "30\n1e308\n")
+    with pytest.raises(ConfigError, match=r"line 2"):
+        Latency.parse(f"empirical:{path}")
+    with pytest.raises(ConfigError):
+        Latency("empirical", (30.0, 1e308))

@@ -221,3 +221,16 @@ def test_the_readme_embeds_the_default_plot_and_says_how_to_remake_it() -> None:
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     # Four runs at the size write_plot draws them (12.8 x 6.5 inches at 100 dpi).
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1280, 650)
+
+
+# -- a closed stdout ------------------------------------------------------------------------------
+
+TINY = ["--steps", "3", "--batch-size", "2", "--group-size", "1", "--workers", "2", "--no-progress"]
+
+
+def test_a_closed_stdout_is_no_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect: started with stdout closed (``stalebuf simulate >&-``), Python sets ``sys.stdout``
+    to None: ``print`` drops the report, but the final flush raised AttributeError with a
+    traceback."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["simulate", *TINY]) == 0

@@ -24,8 +24,9 @@ import anyio.to_thread
 import pytest
 
 from _helpers import LIMIT, add_group, assert_conserved, full_snapshot, make, settle
-from stalebuf import ReplayBuffer, Status, ThreadsafeProducer
+from stalebuf import ReplayBuffer, SamplerConfig, Status, ThreadsafeProducer
 from stalebuf.errors import (
+    BatchNotReadyError,
     BufferClosedError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
@@ -316,3 +317,71 @@ def test_a_thread_blocked_on_a_call_whose_loop_stops_gets_buffer_closed_error_no
         assert "late" not in buf, "the thread was told the call failed, but it ran later"
     finally:
         loop.close()
+
+
+# -- the handle's default dispatch step, and flow-control queries from other threads --------------
+
+
+@pytest.mark.anyio
+async def test_threadsafe_add_prompt_and_put_group_default_global_steps_like_their_nowait_twins() -> None:
+    """Defect (issue 10, item 10): the handle's methods run the ``*_nowait`` operation, so they
+    take what it takes, but the handle made ``global_steps`` a required argument where
+    ``add_prompt_nowait(uid)`` and ``put_group_nowait(uid, payloads)`` default it to the dispatch
+    clock."""
+    buf = ReplayBuffer()
+    producer = buf.threadsafe()
+
+    def produce() -> list[str]:
+        producer.add_prompt("a")
+        producer.mark_finished("a")
+        return producer.put_group("b", [1, 2])
+
+    with anyio.fail_after(LIMIT):
+        outcome = await from_thread(produce)
+    assert outcome == ["b_0_0", "b_1_0"], outcome
+    with anyio.fail_after(LIMIT):
+        batch, _ = await buf.sample(0, 2)
+    assert list(batch.uids) == ["a", "b"]
+
+
+@pytest.mark.anyio
+async def test_the_threadsafe_handle_tags_by_the_dispatch_clock_by_default() -> None:
+    """Defect (issue 11): "add_prompt, add_prompt_nowait, put_group, put_group_nowait (and
+    rollout()) take global_steps=None by default, meaning use dispatch_step(partition)", but the
+    producer handle for other threads (same methods, same names) required it."""
+    buf = make(admission_batch_size=2, max_off_policy_threshold=3)
+    with pytest.raises(BatchNotReadyError):
+        buf.sample_nowait(4, 1)  # moves the clock to 4
+    handle = buf.threadsafe()
+    result: dict[str, Any] = {}
+
+    def produce() -> None:
+        try:
+            handle.add_prompt("b")
+            handle.put_group("c", [1])
+        except BaseException as exc:
+            result["error"] = exc
+
+    with anyio.fail_after(LIMIT):
+        await anyio.to_thread.run_sync(produce)
+    assert "error" not in result, result.get("error")
+    assert "b" in buf
+    assert "c" in buf
+    batch, _ = buf.sample_nowait(4, 1)
+    assert batch.groups[0].uid == "c"
+    assert batch.groups[0].dispatch_step == 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("query", ["capacity", "free_slots", "full"])
+async def test_flow_control_queries_from_another_thread_raise_wrong_thread_error(query: str) -> None:
+    """Defect (issue 10, item 10): "once the buffer is bound to an event loop, any call from a
+    thread other than the loop's raises WrongThreadError", but the flow-control queries ran;
+    ``free_slots``/``full`` even drop abandoned producer waiters, i.e. changed the loop's queues
+    from the foreign thread. (``dispatch_step`` reads one int and stays callable from any
+    thread: the example server relies on it.)"""
+    buf = ReplayBuffer(SamplerConfig(admission_batch_size=2))
+    buf.threadsafe()  # binds the buffer to this loop
+    with anyio.fail_after(LIMIT):
+        outcome = await from_thread(lambda: getattr(buf, query)("train"))
+    assert isinstance(outcome, WrongThreadError), outcome
