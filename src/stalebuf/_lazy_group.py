@@ -14,15 +14,12 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
-from itertools import repeat
 from typing import Any, SupportsIndex
 
-from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys
+from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys, default_records
 
 __all__ = ["LazyGroup", "new_lazy_group", "set_built"]
 
-_new_trajectory_from = partial(tuple.__new__, Trajectory)
 _tuple_new = tuple.__new__
 # Taken only to store built records, so that two threads reading a group's trajectories for the
 # first time get one tuple (reentrant: a finalizer run by the collector may read another group).
@@ -37,12 +34,6 @@ def _new_lock_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-def _default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
-    count = len(payloads)
-    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
-    return tuple(map(_new_trajectory_from, rows))
 
 
 class _WithInstanceDict(Group):
@@ -94,7 +85,7 @@ class LazyGroup(_WithInstanceDict):
         """Its trajectories, in ``put`` order (built on the first read, then the same tuple)."""
         built = self._built
         if built is None:
-            fresh = _default_records(self.uid, self._stored)
+            fresh = default_records(self.uid, self._stored)
             with _build_lock:  # another thread may be storing its own build of them
                 built = _dict_of(self).setdefault("_built", fresh)
         return built
@@ -116,7 +107,7 @@ class LazyGroup(_WithInstanceDict):
 
     def _peek(self) -> tuple[Trajectory, ...]:
         built = self._built
-        return _default_records(self.uid, self._stored) if built is None else built
+        return default_records(self.uid, self._stored) if built is None else built
 
     def _stored_keys(self) -> Sequence[str]:
         return default_keys(self.uid, len(self._stored))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Mapping, Sequence
+from functools import partial
+from itertools import repeat
 from operator import itemgetter
 from types import MappingProxyType
 from typing import Any
@@ -21,6 +23,7 @@ __all__ = [
     "Status",
     "Trajectory",
     "default_keys",
+    "default_records",
     "new_batch",
     "new_group",
     "new_trajectory",
@@ -229,6 +232,16 @@ def default_keys(uid: str, count: int) -> list[str]:
     if count <= DEFAULT_KEY_SESSIONS:
         return list(map(uid.__add__, DEFAULT_KEY_SUFFIXES[:count]))
     return [f"{uid}_{i}_0" for i in range(count)]
+
+
+_new_trajectory_from = partial(tuple.__new__, Trajectory)
+
+
+def default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
+    """The records of ``payloads`` under default keys (session ``i``, index 0, no tags)."""
+    count = len(payloads)
+    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
+    return tuple(map(_new_trajectory_from, rows))
 
 
 class LazyTrajectories:
