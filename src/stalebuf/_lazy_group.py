@@ -14,15 +14,12 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
-from itertools import repeat
 from typing import Any, SupportsIndex
 
-from .records import EMPTY_TAGS, Group, LazyTrajectories, Status, Trajectory, default_keys
+from .records import EMPTY_TAGS, Group, Status, Trajectory, default_keys, default_records, tags_for_pickle
 
-__all__ = ["LazyGroup", "new_lazy_group", "set_built"]
+__all__ = ["LazyGroup", "new_lazy_group"]
 
-_new_trajectory_from = partial(tuple.__new__, Trajectory)
 _tuple_new = tuple.__new__
 # Taken only to store built records, so that two threads reading a group's trajectories for the
 # first time get one tuple (reentrant: a finalizer run by the collector may read another group).
@@ -37,12 +34,6 @@ def _new_lock_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-def _default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
-    count = len(payloads)
-    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
-    return tuple(map(_new_trajectory_from, rows))
 
 
 class _WithInstanceDict(Group):
@@ -94,7 +85,7 @@ class LazyGroup(_WithInstanceDict):
         """Its trajectories, in ``put`` order (built on the first read, then the same tuple)."""
         built = self._built
         if built is None:
-            fresh = _default_records(self.uid, self._stored)
+            fresh = default_records(self.uid, self._stored)
             with _build_lock:  # another thread may be storing its own build of them
                 built = _dict_of(self).setdefault("_built", fresh)
         return built
@@ -109,14 +100,21 @@ class LazyGroup(_WithInstanceDict):
         values = tuple(tuple.__iter__(self))
         return (*values[:5], self.trajectories, *values[6:])
 
-    def _stored_form(self) -> Any:
-        # The payloads (and the records if built, so that a pickle also holding one of them keeps
-        # it the group's): the form of the first files of format 2, which it keeps readable.
-        return LazyTrajectories(self.uid, self._stored, self._built)
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: unbuilt, its payloads, to load as a lazily stored group again; built,
+        the eager group of its records (a pickle also holding one of them keeps it the group's)."""
+        if self._built is not None:
+            # Nothing compact is left to keep: the eager group of the same records loads without
+            # the payloads tuple and the instance dict.
+            return super().__reduce__()
+        # new_lazy_group and records._frozen_tags, the names this pickle holds, are in stalebuf
+        # since f169765 with these signatures: its checkpoint files stay readable by that release.
+        fields = (self.uid, self.partition, self.dispatch_step, self.status, tags_for_pickle(self.tags))
+        return (new_lazy_group, (*fields, self._stored, self.finish_step, self.generation_seconds))
 
     def _peek(self) -> tuple[Trajectory, ...]:
         built = self._built
-        return _default_records(self.uid, self._stored) if built is None else built
+        return default_records(self.uid, self._stored) if built is None else built
 
     def _stored_keys(self) -> Sequence[str]:
         return default_keys(self.uid, len(self._stored))
@@ -198,12 +196,11 @@ def new_lazy_group(
     finish_step: int,
     generation_seconds: float,
 ) -> LazyGroup:
-    """Return the :class:`LazyGroup` of ``payloads`` under default keys (records not built)."""
+    """Return the :class:`LazyGroup` of ``payloads`` under default keys (records not built).
+
+    Pickles of a LazyGroup call it by name to load: its name, module and parameters are part of
+    the checkpoint file format.
+    """
     return _tuple_new(
         LazyGroup, (uid, partition, dispatch_step, status, tags, payloads, finish_step, generation_seconds)
     )
-
-
-def set_built(group: LazyGroup, built: tuple[Trajectory, ...]) -> None:
-    """Give an unpickled ``group`` the records it was pickled with (before anyone read it)."""
-    _dict_of(group)["_built"] = built

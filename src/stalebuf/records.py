@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Mapping, Sequence
+from functools import partial
+from itertools import repeat
 from operator import itemgetter
 from types import MappingProxyType
 from typing import Any
@@ -21,9 +23,11 @@ __all__ = [
     "Status",
     "Trajectory",
     "default_keys",
+    "default_records",
     "new_batch",
     "new_group",
     "new_trajectory",
+    "tags_for_pickle",
 ]
 
 #: The tags of a record created without tags: one shared, read-only empty mapping,
@@ -160,8 +164,8 @@ class Group(_Record):
     trajectories: tuple[Trajectory, ...] = _field(5, "Its trajectories, in ``put`` order.")
     finish_step: int = _field(6, "The clock when it finished.")
     generation_seconds: float = _field(7, "Seconds from add to finish.")
-    # The trajectories as stored: the records here, the payloads in a LazyGroup (both have the
-    # group's len(); a field accessor reads the slot itself, past any override).
+    # The trajectories as stored: the records here, the payloads in a LazyGroup (_lazy_group.py;
+    # both have the group's len(); a field accessor reads the slot itself, past any override).
     _stored: Any = _field(5, "The trajectories as stored.")
 
     @property
@@ -186,7 +190,7 @@ class Group(_Record):
                 self.dispatch_step,
                 self.status,
                 _plain(self.tags),
-                self._stored_form(),
+                self.trajectories,
                 self.finish_step,
                 self.generation_seconds,
             ),
@@ -197,10 +201,6 @@ class Group(_Record):
     def _values(self) -> tuple[Any, ...]:
         """The field values, the trajectories as records."""
         return tuple(tuple.__iter__(self))
-
-    def _stored_form(self) -> Any:
-        """What a pickle holds for the trajectories."""
-        return self._stored
 
     def _peek(self) -> tuple[Trajectory, ...]:
         """The trajectory records; a lazily stored group builds them without keeping them."""
@@ -231,9 +231,19 @@ def default_keys(uid: str, count: int) -> list[str]:
     return [f"{uid}_{i}_0" for i in range(count)]
 
 
+_new_trajectory_from = partial(tuple.__new__, Trajectory)
+
+
+def default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
+    """The records of ``payloads`` under default keys (session ``i``, index 0, no tags)."""
+    count = len(payloads)
+    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
+    return tuple(map(_new_trajectory_from, rows))
+
+
 class LazyTrajectories:
-    """How a pickle holds a :class:`LazyGroup`'s trajectories: its uid, payloads and built
-    records (None if not built). Unpickled, it becomes the group's again."""
+    """A lazily stored group's trajectories as pickles up to f169765 hold them (uid, payloads,
+    built records or None); only loading such a pickle makes one."""
 
     __slots__ = ("built", "payloads", "uid")
 
@@ -244,8 +254,10 @@ class LazyTrajectories:
         self.payloads = payloads
         self.built = built
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (LazyTrajectories, (self.uid, self.payloads, self.built))
+    def records(self) -> tuple[Trajectory, ...]:
+        """The group's records: the built ones if any (a pickle holding one of them too shares
+        it), else the payloads' under default keys."""
+        return default_records(self.uid, self.payloads) if self.built is None else self.built
 
 
 # Fast constructors for the buffer's hot paths: the tuple-based records are built by
@@ -286,6 +298,28 @@ def _frozen_tags(tags: dict[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(tags) if tags else EMPTY_TAGS
 
 
+class _TagsInPickle:
+    """A record's read-only tags on their way into a pickle, which they leave as read-only tags."""
+
+    __slots__ = ("tags",)
+
+    def __init__(self, tags: Mapping[str, Any]) -> None:
+        self.tags = tags
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_frozen_tags, (_plain(self.tags),))
+
+
+# One for every untagged record: a pickle then holds it once and loads it as EMPTY_TAGS once.
+_NO_TAGS_IN_PICKLE = _TagsInPickle(EMPTY_TAGS)
+
+
+def tags_for_pickle(tags: Mapping[str, Any]) -> object:
+    """Return what a pickle holds for a record's read-only ``tags`` (a MappingProxyType cannot
+    be pickled): it unpickles as read-only tags equal to them, EMPTY_TAGS for empty ones."""
+    return _TagsInPickle(tags) if tags else _NO_TAGS_IN_PICKLE
+
+
 def _trajectory(
     key: str, session_id: int, index: int, tags: dict[str, Any] | None, payload: Any
 ) -> Trajectory:
@@ -302,15 +336,11 @@ def _group(
     finish_step: int,
     generation_seconds: float,
 ) -> Group:
-    if isinstance(trajectories, LazyTrajectories):  # a LazyGroup's pickled form (_lazy_group.py)
-        frozen = _frozen_tags(tags)
-        payloads = trajectories.payloads
-        group = _lazy_group.new_lazy_group(
-            uid, partition, dispatch_step, status, frozen, payloads, finish_step, generation_seconds
-        )
-        if trajectories.built is not None:
-            _lazy_group.set_built(group, trajectories.built)
-        return group
+    if isinstance(trajectories, LazyTrajectories):
+        # A lazily stored group from an older pickle: loaded as the eager group of the same
+        # records (a lazy group pickles through _lazy_group.new_lazy_group now, and records.py
+        # cannot build one without importing the module that builds on it).
+        trajectories = trajectories.records()
     return new_group(
         uid,
         partition,
@@ -321,8 +351,3 @@ def _group(
         finish_step,
         generation_seconds,
     )
-
-
-# Last, as a module (whichever of the two is imported first): LazyGroup subclasses Group, and
-# _group above builds them when unpickling.
-from . import _lazy_group  # noqa: E402

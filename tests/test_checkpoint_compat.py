@@ -1,0 +1,314 @@
+"""Checkpoint files written by earlier releases still load, into exactly the state they hold.
+
+The files are in ``tests/fixtures/`` (``make_checkpoint_fixtures.py`` made them at commit f169765
+and its docstring lists the state): one in pickle mode, whose lazily stored groups are pickled as
+``records._group`` with a ``records.LazyTrajectories`` (one with its records built), and one with
+the JSON payload codec. Each is restored under every ``in_flight`` mode, and the expected values
+below are written out by hand from that state, never read from the code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+
+from _helpers import LIMIT, assert_conserved
+from stalebuf import (
+    BufferFullError,
+    EvictionEvent,
+    Group,
+    GroupEvictedError,
+    ReplayBuffer,
+    RestoreResult,
+    Status,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+#: The codec the codec file was saved with.
+CODEC = (lambda payload: json.dumps(payload).encode(), json.loads)
+FILES: dict[str, tuple[Path, Any]] = {
+    "pickle": (FIXTURES / "checkpoint_pickle.ckpt", None),
+    "codec": (FIXTURES / "checkpoint_codec.ckpt", CODEC),
+}
+MODES = ("reissue", "keep", "evict")
+FINISHED, FAILURE, PENDING, RUNNING = Status.FINISHED, Status.FAILURE, Status.PENDING, Status.RUNNING
+
+#: uid -> (partition, dispatch step, status, tags, trajectories as (key, session id, index, tags,
+#: payload), finish step, generation seconds), in admission order.
+TERMINAL: dict[str, tuple[Any, ...]] = {
+    "lazy": (
+        "train",
+        3,
+        FINISHED,
+        {},
+        [("lazy_0_0", 0, 0, {}, {"a": 1}), ("lazy_1_0", 1, 0, {}, [2, 3]), ("lazy_2_0", 2, 0, {}, None)],
+        3,
+        0.0,
+    ),
+    "built": (
+        "train",
+        3,
+        FINISHED,
+        {"kind": "built", "n": [1, 2]},
+        [("built_0_0", 0, 0, {}, "b0"), ("built_1_0", 1, 0, {}, "b1")],
+        3,
+        0.0,
+    ),
+    "custom": (
+        "train",
+        4,
+        FINISHED,
+        {"kind": "custom"},
+        [("custom_3_0", 3, 0, {"reward": 0.5}, 1.5), ("custom_5_2", 5, 2, {}, "c1")],
+        4,
+        0.25,
+    ),
+    "failed": ("train", 4, FAILURE, {}, [("failed_0_0", 0, 0, {}, "x")], 4, 0.25),
+    "v0": ("val", 0, FINISHED, {"split": "val"}, [("v0_0_0", 0, 0, {}, "v")], 0, 0.25),
+    "v1": ("val", 0, FINISHED, {}, [("v1_0_0", 0, 0, {}, "w0"), ("v1_1_0", 1, 0, {}, "w1")], 0, 0.0),
+}
+#: The groups in flight at the save, without their generation seconds (see SAVED_SECONDS).
+IN_FLIGHT: dict[str, tuple[Any, ...]] = {
+    "pending": ("train", 4, PENDING, {"kind": "pending"}, [("pending_1_0", 1, 0, {"turn": 0}, "p0")], 4),
+    "running": (
+        "train",
+        5,
+        RUNNING,
+        {},
+        [("running_0_0", 0, 0, {}, "r0"), ("running_0_1", 0, 1, {}, "r1")],
+        5,
+    ),
+    "v2": ("val", 0, RUNNING, {}, [("v2_0_0", 0, 0, {}, {"v2": True})], 0),
+}
+#: Each file took its own snapshot, so the in-flight groups' ages differ (a quarter-second clock).
+SAVED_SECONDS = {
+    "pickle": {"pending": 1.5, "running": 1.25, "v2": 0.5},
+    "codec": {"pending": 1.75, "running": 1.5, "v2": 0.75},
+}
+ORDER = ["lazy", "built", "custom", "failed", "pending", "running", "v0", "v1", "v2"]
+
+# The counters that are not zero (capacity: None for val, and zero counters left out).
+_TRAIN = {"admitted_groups": 9, "admitted_trajectories": 16, "sampled_groups": 1, "sampled_trajectories": 2,
+          "evicted_stale_groups": 2, "evicted_stale_trajectories": 3, "evicted_in_flight_groups": 1,
+          "capacity": 6, "finished": 3, "failure": 1}  # fmt: skip
+_VAL = {"admitted_groups": 3, "admitted_trajectories": 4, "finished": 2}
+STATS: dict[str, dict[str, dict[str, int]]] = {
+    "reissue": {
+        "train": {
+            **_TRAIN,
+            "pending": 2,
+            "trajectories": 8,
+            "reissued_groups": 2,
+            "reissued_trajectories": 3,
+        },
+        "val": {**_VAL, "pending": 1, "trajectories": 3, "reissued_groups": 1, "reissued_trajectories": 1},
+    },
+    "keep": {
+        "train": {**_TRAIN, "pending": 1, "running": 1, "trajectories": 11},
+        "val": {**_VAL, "running": 1, "trajectories": 4},
+    },
+    "evict": {
+        "train": {
+            **_TRAIN,
+            "trajectories": 8,
+            "evicted_restart_groups": 2,
+            "evicted_restart_trajectories": 3,
+        },
+        "val": {**_VAL, "trajectories": 3, "evicted_restart_groups": 1, "evicted_restart_trajectories": 1},
+    },
+}
+
+
+def restore(name: str, mode: str) -> tuple[RestoreResult, list[EvictionEvent]]:
+    """Restore fixture ``name`` under ``mode``; also return the events ``on_evict`` received."""
+    path, codec = FILES[name]
+    events: list[EvictionEvent] = []
+    result = ReplayBuffer.restore(
+        path,
+        in_flight=mode,  # type: ignore[arg-type]
+        payload_codec=codec,
+        on_evict=events.append,
+        status_log_interval=None,
+    )
+    return result, events
+
+
+def content(group: Group) -> tuple[Any, ...]:
+    """A group as plain values, payloads with their types (``1 == True``, ``[1] != (1,)``)."""
+    trajectories = [
+        (t.key, t.session_id, t.index, dict(t.tags), json.dumps(t.payload)) for t in group.trajectories
+    ]
+    return (group.partition, group.dispatch_step, group.status, dict(group.tags), trajectories,
+            group.finish_step)  # fmt: skip
+
+
+def expected(table: dict[str, tuple[Any, ...]], uid: str) -> tuple[Any, ...]:
+    """``table[uid]`` as :func:`content` shows it."""
+    partition, step, status, tags, trajectories, finish_step, *_ = table[uid]
+    rows = [
+        (key, session, index, tags_, json.dumps(payload))
+        for key, session, index, tags_, payload in trajectories
+    ]
+    return (partition, step, status, tags, rows, finish_step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", FILES)
+def test_the_groups_come_back_in_order_with_their_trajectories(name: str, mode: str) -> None:
+    result, events = restore(name, mode)
+    groups = {group.uid: group for group in result.buffer.checkpoint().groups}
+    kept = ORDER if mode != "evict" else [uid for uid in ORDER if uid not in IN_FLIGHT]
+    assert list(groups) == kept
+    for uid in TERMINAL:
+        assert content(groups[uid]) == expected(TERMINAL, uid), uid
+        assert groups[uid].generation_seconds == TERMINAL[uid][6], uid
+    saved = SAVED_SECONDS[name]
+    if mode == "keep":
+        for uid in IN_FLIGHT:
+            assert content(groups[uid]) == expected(IN_FLIGHT, uid), uid
+            assert saved[uid] <= groups[uid].generation_seconds < saved[uid] + LIMIT  # still ageing
+    elif mode == "reissue":  # PENDING again, their trajectories dropped
+        for uid in IN_FLIGHT:
+            partition, step, _, tags, _, finish_step = IN_FLIGHT[uid]
+            assert content(groups[uid]) == (partition, step, PENDING, tags, [], finish_step), uid
+        reissued = [(g.uid, g.partition, g.dispatch_step, g.status, dict(g.tags), g.trajectories,
+                     g.finish_step, g.generation_seconds) for g in result.reissue]  # fmt: skip
+        assert reissued == [
+            ("pending", "train", 4, PENDING, {"kind": "pending"}, (), 4, saved["pending"]),
+            ("running", "train", 5, PENDING, {}, (), 5, saved["running"]),
+            ("v2", "val", 0, PENDING, {}, (), 0, saved["v2"]),
+        ]
+    else:
+        by_event = [(e.partition, e.reason, e.global_steps, [content(g) for g in e.groups]) for e in events]
+        assert by_event == [
+            ("train", "restart", 3, [expected(IN_FLIGHT, "pending"), expected(IN_FLIGHT, "running")]),
+            ("val", "restart", 0, [expected(IN_FLIGHT, "v2")]),
+        ]
+    assert (result.reissue == ()) is (mode != "reissue")
+    assert (events == []) is (mode != "evict")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", FILES)
+def test_counters_clocks_and_admission_come_back_exactly(name: str, mode: str) -> None:
+    buf = restore(name, mode)[0].buffer
+    stats = buf.stats()
+    for partition in ("train", "val"):
+        counters = {k: v for k, v in attrs.asdict(stats.partitions[partition]).items() if v}
+        assert counters == STATS[mode][partition], partition
+    assert set(stats.partitions) == {"train", "val"}
+    assert_conserved(buf)
+    assert (buf.dispatch_step("train"), buf.dispatch_step("val")) == (3, 0)
+    ckpt = buf.checkpoint()
+    assert dict(ckpt.clocks) == {"train": 3}
+    assert [(p.name, p.last_sampled) for p in ckpt.partitions] == [("train", 3), ("val", -1)]
+    assert ckpt.config.admission_batch_size == 3
+    assert ckpt.config.max_off_policy_threshold == 2
+    assert ckpt.config.evict_stale_in_flight
+    assert ckpt.policy is None
+    # b=3 per step: "lazy" and "built" hold two slots of step 3; step 2 would be stale at the
+    # next sample (4) given the last sampled step 3, so it is closed for good.
+    assert (buf.capacity("train"), buf.free_slots("train"), buf.capacity("val")) == (6, 1, None)
+    with pytest.raises(BufferFullError, match="closed for good"):
+        buf.add_prompt_nowait("late", global_steps=2)
+    restarted = ("pending", "running", "v2") if mode == "evict" else ()
+    assert ckpt.evicted_in_flight == ("old", *restarted)
+    for uid in ("old", *restarted):
+        with pytest.raises(GroupEvictedError):
+            buf.put_nowait(uid, "late")
+
+
+def _finish_in_flight(buf: ReplayBuffer, mode: str) -> list[tuple[str, str, Any]]:
+    """End the groups that were in flight as a producer would after the restart; return the
+    trajectories of the batch at step 5 as ``(uid, key, payload)``."""
+    if mode == "reissue":  # generated again from scratch
+        buf.put_group_nowait("pending", ["p-again"])
+        buf.put_group_nowait("running", ["r-again"], session_ids=[1])
+        return [("pending", "pending_0_0", "p-again"), ("running", "running_1_0", "r-again")]
+    buf.mark_finished_nowait("pending")
+    buf.put_nowait("running", "r2", session_id=1)
+    buf.mark_finished_nowait("running")
+    return [("pending", "pending_1_0", "p0"), ("running", "running_0_0", "r0"),
+            ("running", "running_0_1", "r1"), ("running", "running_1_0", "r2")]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", FILES)
+def test_sampling_returns_the_saved_groups_oldest_first(name: str, mode: str) -> None:
+    buf = restore(name, mode)[0].buffer
+    batch, _ = buf.sample_nowait(3, 4)
+    assert batch.uids == ["lazy", "built", "custom", "failed"]
+    rows = [(uid, *row) for uid in batch.uids for row in TERMINAL[uid][4]]
+    assert batch.keys == [key for _, key, *_ in rows]
+    assert [json.dumps(p) for p in batch.payloads] == [json.dumps(row[-1]) for row in rows]
+    assert [dict(tags) for tags in batch.tags] == [row[4] for row in rows]
+    assert batch.staleness.tolist() == [1.0, 1.0, 0.0, 0.0]
+    val, _ = buf.sample_nowait(0, 2, partition="val")
+    assert (val.uids, val.keys, val.payloads) == (
+        ["v0", "v1"],
+        ["v0_0_0", "v1_0_0", "v1_1_0"],
+        ["v", "w0", "w1"],
+    )
+    if mode == "evict":
+        assert buf.stats().total.groups == 0
+        return
+    trajectories = _finish_in_flight(buf, mode)
+    late, _ = buf.sample_nowait(5, 2)
+    assert late.uids == ["pending", "running"]
+    assert [(g.uid, t.key, t.payload) for g in late.groups for t in g.trajectories] == trajectories
+    assert buf.stats().partitions["train"].groups == 0
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_restored_group_reads_compares_copies_and_pickles_as_a_group(name: str) -> None:
+    ckpt = restore(name, "keep")[0].buffer.checkpoint()
+    for group in ckpt.groups:
+        assert isinstance(group, Group)
+        assert group.trajectories is group.trajectories  # one tuple on every read
+        assert group == group
+        twin = copy.copy(group)
+        assert twin != group  # records compare by identity
+        assert twin.trajectories is group.trajectories
+        assert repr(group).startswith(f"Group(uid={group.uid!r}, partition=")
+        rebuilt = type(group)(*group)
+        assert rebuilt.trajectories is group.trajectories
+        for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+            again = pickle.loads(pickle.dumps(group, protocol=protocol))
+            assert content(again) == content(group)
+            assert again.generation_seconds == group.generation_seconds
+        for tags in (group.tags, *(t.tags for t in group.trajectories)):
+            with pytest.raises(TypeError):
+                tags["x"] = 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize("codec", [False, True])
+@pytest.mark.parametrize("name", FILES)
+def test_an_old_file_saved_again_by_this_release_holds_the_same_state(
+    name: str, codec: bool, tmp_path: Path
+) -> None:
+    first = restore(name, "keep")[0].buffer
+    pair = CODEC if codec else None
+
+    async def save() -> None:
+        with anyio.fail_after(LIMIT):
+            await first.save(tmp_path / "again.ckpt", payload_codec=pair)
+
+    anyio.run(save)
+    second = ReplayBuffer.restore(tmp_path / "again.ckpt", in_flight="keep", payload_codec=pair).buffer
+    old, new = first.checkpoint(), second.checkpoint()
+    assert [(g.uid, content(g)) for g in new.groups] == [(g.uid, content(g)) for g in old.groups]
+    assert [g.generation_seconds for g in new.groups[:4]] == [g.generation_seconds for g in old.groups[:4]]
+    assert (new.partitions, dict(new.clocks), new.evicted_in_flight, new.config) == (
+        old.partitions,
+        dict(old.clocks),
+        old.evicted_in_flight,
+        old.config,
+    )
+    assert second.stats().partitions == first.stats().partitions
