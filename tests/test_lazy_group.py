@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from _helpers import LIMIT, make, map_payloads, sample_now, stored_groups, trajectories_built
-from stalebuf import Batch, Group, ReplayBuffer, Status, records
+from stalebuf import Batch, Group, ReplayBuffer, Status
 from stalebuf.errors import StalebufError
 from stalebuf.records import EMPTY_TAGS
 
@@ -138,7 +138,7 @@ def test_a_pickled_group_round_trips_and_keeps_shared_records_identical(read_fir
         lazy.trajectories  # noqa: B018 - builds them
     group, trajectory = pickle.loads(pickle.dumps((lazy, lazy.trajectories[1])))
     assert isinstance(group, Group)
-    assert type(group) is type(lazy)  # still stored lazily
+    assert trajectories_built(group)  # the tuple read them: pickled as the eager group of its records
     assert group.trajectories[1] is trajectory
     assert [t.key for t in group.trajectories] == ["lazy_0_0", "lazy_1_0"]
     np.testing.assert_array_equal(group.trajectories[0].payload, np.arange(3))
@@ -278,22 +278,13 @@ def test_a_lazily_stored_group_is_as_immutable_as_an_eager_one() -> None:
     assert [t.payload for t in lazy.trajectories] == [1]
 
 
-def test_replace_shares_the_records_and_pickles_keep_the_format_2_form() -> None:
+def test_replace_shares_the_records() -> None:
+    """``replace`` on a lazy group shares its records, as on an eager group (how it pickles is
+    tested in test_records.py)."""
     lazy, _ = _side_by_side([1, 2])
     failed = lazy.replace(status=Status.FAILURE)
     assert failed.trajectories is lazy.trajectories  # as replace on an eager group
     assert failed.status is Status.FAILURE
-    # The pickled form is the one the first format-2 files hold (and older readers understand):
-    # the group pickles through records._group with its payloads in a records.LazyTrajectories.
-    fresh, _ = _side_by_side([1, 2])
-    function, args = fresh.__reduce__()
-    assert function is records._group
-    assert type(args[5]) is records.LazyTrajectories
-    assert (args[5].uid, args[5].payloads, args[5].built) == ("lazy", (1, 2), None)
-    assert not trajectories_built(fresh)  # pickling built nothing
-    restored = pickle.loads(pickle.dumps(fresh))
-    assert not trajectories_built(restored)
-    assert [t.key for t in restored.trajectories] == ["lazy_0_0", "lazy_1_0"]
 
 
 # -- where a lazy group once differed from an eager one (each fixed; these keep it fixed) -----
