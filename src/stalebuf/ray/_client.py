@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
+
+import attrs
 
 from .._checkpoint_file import PayloadCodec
 from .._validation import check_payload_codec
@@ -13,14 +15,13 @@ from ..buffer import GroupStatus
 from ..checkpoint import NOT_GIVEN, InFlightMode, check_in_flight
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ..records import Batch
-from ._checkpoint import RemoteRestoreResult, RestoreRequest
+from ..records import Batch, Group
 from ._client_base import ClientBase, add_prompt_op, plain_tags, put_group_op
 from ._connection import ActorConnection, connect_actor, start_actor
 from ._options import PayloadMode
-from ._protocol import MarkFailed, MarkFinished, MarkRunning, Put
+from ._protocol import MarkFailed, MarkFinished, MarkRunning, Put, RestoreRequest
 
-__all__ = ["RemoteReplayBuffer"]
+__all__ = ["RemoteReplayBuffer", "RemoteRestoreResult"]
 
 
 def _attached(*connection: Any) -> RemoteReplayBuffer:
@@ -425,3 +426,22 @@ class RemoteReplayBuffer(ClientBase):
     ) -> None:
         """Close the buffer (the actor keeps running)."""
         await self.aclose()
+
+
+@attrs.frozen(eq=False)
+class RemoteRestoreResult:
+    """What :meth:`RemoteReplayBuffer.restore` returns.
+
+    Attributes:
+        buffer: the client of the new actor, which holds the restored buffer.
+        reissue: under ``in_flight="reissue"``, the groups that were in flight at the checkpoint
+            (uid, partition, dispatch step, tags; no trajectories), oldest first: they are in the
+            buffer as PENDING, to be generated again under the same uid.
+    """
+
+    buffer: RemoteReplayBuffer
+    reissue: tuple[Group, ...]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Unpack as ``buffer, reissue = ...``, in that order."""
+        return iter((self.buffer, self.reissue))
