@@ -85,10 +85,13 @@ def _put_group_op(
 
 class BufferCalls:
     """The methods a :class:`~stalebuf.ray.RemoteReplayBuffer` shares with ReplayBuffer, each a call
-    through the client's :class:`ActorConnection` (see the module's docstring)."""
+    through the client's connection to its actor (see the module's docstring).
+
+    Args:
+        connection: the connection every call goes through (set here and nowhere else).
+    """
 
     def __init__(self, connection: ActorConnection) -> None:
-        """Make every call through ``connection`` (the one place it is set)."""
         self._connection = connection
 
     # -- producers --------------------------------------------------------------------
