@@ -21,8 +21,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("stalebuf.ray needs Ray: pip install 'stalebuf[ray]'") from exc
 
-from ._checkpoint import RemoteRestoreResult
-from ._client import RemoteReplayBuffer
+from ._client import RemoteReplayBuffer, RemoteRestoreResult
 from ._events import EvictionStream
 from ._options import PayloadMode
 from ._payloads import PayloadRef, resolve, resolve_sync

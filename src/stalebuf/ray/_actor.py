@@ -9,6 +9,10 @@ slots of the default group). Every other call runs in its own group (``producer`
 waiting for admission hold only ``admission`` slots (see ``_admission``) and watched rollouts only
 ``watch`` slots (see ``_watches``), and every buffer method still runs on the one loop, so each
 call stays atomic exactly as in the local buffer.
+
+The actor also writes and reads checkpoint files (paths on its node): ``save`` stores payloads by
+value, and a restoring actor puts each restored group's payloads back into the object store, one
+object per group, which it owns (see ``_payloads``).
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar, cast
 
+import attrs
 import ray
+from ray.exceptions import RayError
 
-from .._checkpoint_file import PayloadCodec, write_checkpoint
-from .._validation import describe, int_at_least
+from .._checkpoint_file import PayloadCodec, read_checkpoint, write_checkpoint
+from .._validation import describe, describe_error, int_at_least
 from ..buffer import ReplayBuffer
 from ..config import SamplerConfig
-from ..errors import BufferFullError, ConfigError
-from ..records import Batch, EvictionEvent, Group
+from ..errors import BufferFullError, CheckpointError, ConfigError
+from ..records import Batch, EvictionEvent, Group, Status
 from ..stats import BufferStats
 from ._admission import AdmissionAbandonedError, AdmissionLedger
-from ._checkpoint import RestoreRequest, by_value, restore_buffer
 from ._ledger import SampleLedger, SampleResult
+from ._payloads import fetch_values, stored
 from ._protocol import (
     PROTOCOL_VERSION,
     AddPrompt,
@@ -45,6 +51,7 @@ from ._protocol import (
     Parked,
     ProtocolError,
     PutGroup,
+    RestoreRequest,
     SampleRequest,
     WaitingOp,
     Wire,
@@ -90,6 +97,7 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {
 FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full"})
 # Producer operations that end a group (a watched rollout's watch is then released).
 _ENDING = (MarkFinished, MarkFailed, PutGroup, EndRollout)
+_IN_FLIGHT = (Status.PENDING, Status.RUNNING)
 
 
 class BufferHost:
@@ -121,7 +129,7 @@ class BufferHost:
         )
         try:
             if restore is not None:
-                self._buffer, self._reissue = restore_buffer(restore, self._record_eviction, options)
+                self._buffer, self._reissue = _restored(restore, self._record_eviction, options)
             elif use_factory:
                 assert config is not None
                 self._buffer = ReplayBuffer.from_config(config, on_evict=self._record_eviction, **options)
@@ -299,7 +307,16 @@ class BufferHost:
             OSError: the file could not be written.
         """
         self._check_ready()
-        checkpoint = await by_value(await self._on_home(self._buffer.checkpoint))
+        checkpoint = await self._on_home(self._buffer.checkpoint)
+        try:
+            groups = await fetch_values(checkpoint.groups)
+        except RayError as exc:
+            raise CheckpointError(
+                f"cannot save the buffer: a payload it holds is lost ({type(exc).__name__}: "
+                f"{describe_error(exc)}); nothing was written"
+            ) from exc
+        if groups is not checkpoint.groups:
+            checkpoint = attrs.evolve(checkpoint, groups=groups)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, write_checkpoint, path, checkpoint, payload_codec)
 
@@ -405,6 +422,28 @@ class BufferHost:
         """
         self._check_ready()
         return await self._await_on_home(self._ring.poll(cursor, from_oldest, limit, wait))
+
+
+def _restored(
+    request: RestoreRequest, on_evict: Callable[[EvictionEvent], object], options: Mapping[str, Any]
+) -> tuple[ReplayBuffer, tuple[Group, ...]]:
+    """Read the checkpoint file, store its payloads (unless ``request.store`` is False) and restore
+    the buffer (``options``: ``status_log_interval``, when the client gave one); return it and the
+    groups to reissue.
+
+    Raises:
+        What ``ReplayBuffer.restore`` raises (CheckpointError, ConfigError, OSError, ...).
+    """
+    checkpoint = read_checkpoint(request.path, request.payload_codec)
+    if request.store:
+        keep_in_flight = request.in_flight == "keep"  # otherwise their trajectories are dropped
+        groups = tuple(
+            stored(group) if keep_in_flight or group.status not in _IN_FLIGHT else group
+            for group in checkpoint.groups
+        )
+        checkpoint = attrs.evolve(checkpoint, groups=groups)
+    result = ReplayBuffer.restore(checkpoint, in_flight=request.in_flight, on_evict=on_evict, **options)
+    return result.buffer, result.reissue
 
 
 def _home_loop() -> asyncio.AbstractEventLoop:

@@ -1,36 +1,55 @@
-"""The client of a buffer hosted by a Ray actor: the ReplayBuffer API, one process removed."""
+"""The client of a buffer hosted by a Ray actor: :class:`RemoteReplayBuffer`, and
+:class:`RemoteRestoreResult`, what its ``restore`` returns.
+
+This module owns what only a remote buffer has: starting an actor (the constructor,
+``from_config``), attaching to one (``connect``, unpickling), restoring one from a checkpoint file
+(``restore``: the client builds the request, the actor rebuilds the buffer), the actor's identity
+(``handle``, ``name``, ``namespace``, ``payloads``), ``info``, ``kill`` and ``evictions``. The
+methods RemoteReplayBuffer shares with ReplayBuffer it inherits from
+:class:`~stalebuf.ray._buffer_calls.BufferCalls`, which owns the connection to the actor.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
+
+import attrs
+import ray
 
 from .._checkpoint_file import PayloadCodec
 from .._validation import check_payload_codec
-from ..buffer import GroupStatus
 from ..checkpoint import NOT_GIVEN, InFlightMode, check_in_flight
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ..records import Batch
-from ._checkpoint import RemoteRestoreResult, RestoreRequest
-from ._client_base import ClientBase, add_prompt_op, plain_tags, put_group_op
+from ..records import Group
+from ._buffer_calls import BufferCalls
 from ._connection import ActorConnection, connect_actor, start_actor
+from ._events import EvictionStream
 from ._options import PayloadMode
-from ._protocol import MarkFailed, MarkFinished, MarkRunning, Put
+from ._protocol import RestoreRequest
 
-__all__ = ["RemoteReplayBuffer"]
+__all__ = ["RemoteReplayBuffer", "RemoteRestoreResult"]
+
+_Client = TypeVar("_Client", bound="RemoteReplayBuffer")
+
+
+def _on(cls: type[_Client], connection: ActorConnection) -> _Client:
+    """Return a client of class ``cls`` on ``connection``, for the alternative constructors and
+    unpickling (``__init__`` starts an actor)."""
+    client = cls.__new__(cls)
+    BufferCalls.__init__(client, connection)
+    return client
 
 
 def _attached(*connection: Any) -> RemoteReplayBuffer:
     """Unpickle a client: a new connection to the same actor (see ``ActorConnection.pickled``)."""
-    self = RemoteReplayBuffer.__new__(RemoteReplayBuffer)
-    self._connection = ActorConnection(*connection)
-    return self
+    return _on(RemoteReplayBuffer, ActorConnection(*connection))
 
 
-class RemoteReplayBuffer(ClientBase):
+class RemoteReplayBuffer(BufferCalls):
     """A :class:`~stalebuf.ReplayBuffer` hosted by a Ray async actor, used through this client.
 
     The client has the buffer's async methods with the same names, signatures, results and
@@ -119,19 +138,21 @@ class RemoteReplayBuffer(ClientBase):
     ) -> None:
         if config is not None and not isinstance(config, SamplerConfig):
             raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
-        self._connection = start_actor(
-            config,
-            False,
-            on_evict=on_evict,
-            status_log_interval=status_log_interval,
-            name=name,
-            namespace=namespace,
-            get_if_exists=get_if_exists,
-            actor_options=actor_options,
-            payloads=payloads,
-            eviction_queue_size=eviction_queue_size,
-            keep_evicted_payloads=keep_evicted_payloads,
-            start_timeout=start_timeout,
+        super().__init__(
+            start_actor(
+                config,
+                False,
+                on_evict=on_evict,
+                status_log_interval=status_log_interval,
+                name=name,
+                namespace=namespace,
+                get_if_exists=get_if_exists,
+                actor_options=actor_options,
+                payloads=payloads,
+                eviction_queue_size=eviction_queue_size,
+                keep_evicted_payloads=keep_evicted_payloads,
+                start_timeout=start_timeout,
+            )
         )
 
     @classmethod
@@ -163,8 +184,7 @@ class RemoteReplayBuffer(ClientBase):
             config = SamplerConfig.from_mapping(config)
         elif not isinstance(config, SamplerConfig):
             raise ConfigError(f"config must be a SamplerConfig or a mapping, got {type(config).__name__}")
-        self = cls.__new__(cls)
-        self._connection = start_actor(
+        connection = start_actor(
             config,
             True,
             on_evict=on_evict,
@@ -178,7 +198,7 @@ class RemoteReplayBuffer(ClientBase):
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
         )
-        return self
+        return _on(cls, connection)
 
     @classmethod
     def connect(
@@ -200,9 +220,7 @@ class RemoteReplayBuffer(ClientBase):
             BufferUnavailableError: no actor has that name, it is dead (e.g. its process was
                 killed), or it did not answer within ``start_timeout``.
         """
-        self = cls.__new__(cls)
-        self._connection = connect_actor(name, namespace, payloads, start_timeout)
-        return self
+        return _on(cls, connect_actor(name, namespace, payloads, start_timeout))
 
     @classmethod
     def restore(
@@ -242,8 +260,7 @@ class RemoteReplayBuffer(ClientBase):
         request = RestoreRequest(
             os.path.abspath(os.fspath(path)), check_in_flight(in_flight), codec, payloads != "inline"
         )
-        self = cls.__new__(cls)
-        self._connection = start_actor(
+        connection = start_actor(
             None,
             False,
             on_evict=None,
@@ -258,7 +275,7 @@ class RemoteReplayBuffer(ClientBase):
             start_timeout=start_timeout,
             restore=request,
         )
-        return RemoteRestoreResult(self, self._connection.restored())
+        return RemoteRestoreResult(_on(cls, connection), connection.restored())
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle as the actor handle plus options; queued calls and tasks stay behind."""
@@ -268,150 +285,66 @@ class RemoteReplayBuffer(ClientBase):
         """Show the actor's name (or id) and the payload mode."""
         return f"<RemoteReplayBuffer actor {self._connection.where()} payloads={self.payloads!r}>"
 
-    # -- producers --------------------------------------------------------------------
+    # -- the actor --------------------------------------------------------------------
 
-    async def add_prompt(
-        self,
-        uid: str,
-        *,
-        global_steps: int | None = None,
-        partition: str = "train",
-        tags: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Admit a new PENDING group, as :meth:`ReplayBuffer.add_prompt`: under admission control
-        it waits in the actor (FIFO per partition) for a slot, and ``global_steps=None`` tags the
-        group with the actor's dispatch clock when it is admitted.
+    @property
+    def handle(self) -> Any:
+        """The Ray actor handle of the hosting actor."""
+        return self._connection.handle
 
-        Cancelling it while it waits adds nothing; a group the actor admitted before the
-        cancellation reached it stays, as for any producer call cancelled after it was sent.
+    @property
+    def name(self) -> str | None:
+        """The actor's name, or None for an anonymous actor."""
+        return self._connection.name
 
-        Raises:
-            The same errors as ReplayBuffer.add_prompt; BufferUnavailableError when the actor
-            is gone.
-        """
-        connection = self._connection
-        await connection.admit(add_prompt_op(connection.new_token(), uid, global_steps, partition, tags))
+    @property
+    def namespace(self) -> str | None:
+        """The namespace given at creation or connection (None: Ray's current one)."""
+        return self._connection.namespace
 
-    async def mark_running(self, uid: str) -> None:
-        """Move a group from PENDING to RUNNING, as :meth:`ReplayBuffer.mark_running`.
+    @property
+    def payloads(self) -> str:
+        """The payload mode: "producer", "actor" or "inline"."""
+        return self._connection.payloads
 
-        Raises:
-            The same errors as ReplayBuffer.mark_running; BufferUnavailableError.
-        """
-        await self._connection.submit(MarkRunning(uid))
-
-    async def put(
-        self,
-        uid: str,
-        payload: Any = None,
-        *,
-        session_id: int = 0,
-        index: int = 0,
-        tags: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Add one trajectory and return its key, as :meth:`ReplayBuffer.put`.
-
-        The payload is stored as the client's ``payloads`` mode says (by default in the object
-        store, owned by this process); the buffer keeps a reference.
+    async def info(self) -> dict[str, Any]:
+        """Return facts about the actor: ``config``, ``buffer_class``, ``closed``,
+        ``eviction_queue_size``, ``evictions_emitted``, ``evictions_overflowed`` and
+        ``sample_requests`` (counters of the cancel protocol). Also a way to wait until the
+        actor is up.
 
         Raises:
-            The same errors as ReplayBuffer.put; BufferUnavailableError.
+            ConfigError: the actor could not build its buffer (e.g. a bad custom sampler).
+            BufferUnavailableError: the actor is gone or did not start within ``start_timeout``.
         """
-        result: str = await self._connection.submit(Put(uid, payload, session_id, index, plain_tags(tags)))
+        result: dict[str, Any] = await self._connection.call("info")
         return result
 
-    async def mark_finished(self, uid: str) -> None:
-        """Mark a group FINISHED, as :meth:`ReplayBuffer.mark_finished`.
+    def kill(self) -> None:
+        """End the actor now (``ray.kill``): every pending and later call of every client raises
+        BufferUnavailableError. The buffer's contents are lost; payload objects live on while
+        referenced elsewhere."""
+        ray.kill(self._connection.handle, no_restart=True)
+
+    def evictions(
+        self, *, from_oldest: bool = False, max_events: int = 256, poll_seconds: float = 10.0
+    ) -> EvictionStream:
+        """Return an async iterator of the buffer's :class:`~stalebuf.EvictionEvent`\\ s, the
+        remote ``on_evict`` (see :class:`~stalebuf.ray.EvictionStream` for what it yields).
 
         Raises:
-            The same errors as ReplayBuffer.mark_finished; BufferUnavailableError.
+            ConfigError: ``max_events`` is not an int >= 1 or ``poll_seconds`` not a finite
+                number > 0.
         """
-        await self._connection.submit(MarkFinished(uid))
-
-    async def mark_failed(self, uid: str) -> None:
-        """Mark a group FAILURE, as :meth:`ReplayBuffer.mark_failed`.
-
-        Raises:
-            The same errors as ReplayBuffer.mark_failed; BufferUnavailableError.
-        """
-        await self._connection.submit(MarkFailed(uid))
-
-    async def put_group(
-        self,
-        uid: str,
-        payloads: Collection[Any],
-        *,
-        global_steps: int | None = None,
-        partition: str = "train",
-        tags: Mapping[str, Any] | None = None,
-        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
-        session_ids: Sequence[int] | None = None,
-        indices: Sequence[int] | None = None,
-        status: GroupStatus = "finished",
-    ) -> list[str]:
-        """Add (if absent), fill and finish or fail a whole group in one round trip; return its
-        keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor). A new group waits
-        in the actor for admission like :meth:`add_prompt`.
-
-        Raises:
-            The same errors as ReplayBuffer.put_group; BufferUnavailableError.
-        """
-        connection = self._connection
-        op = put_group_op(
-            connection.new_token(),
-            uid,
-            payloads,
-            global_steps,
-            partition,
-            tags,
-            trajectory_tags,
-            session_ids,
-            indices,
-            status,
+        return EvictionStream(
+            self._connection,
+            repr(self),
+            from_oldest=from_oldest,
+            max_events=max_events,
+            poll_seconds=poll_seconds,
         )
-        result: list[str] = await connection.admit(op)
-        return result
 
-    # -- consumer ---------------------------------------------------------------------
-
-    async def sample(
-        self,
-        global_steps: int,
-        batch_size: int,
-        *,
-        partition: str = "train",
-        timeout: float | None = None,
-    ) -> tuple[Batch, dict[str, float]]:
-        """Wait for, remove and return a batch of whole groups, as :meth:`ReplayBuffer.sample`.
-
-        Payloads in the batch are PayloadRefs (or ObjectRefs given by producers, or values in
-        "inline" mode); ``await stalebuf.ray.resolve(batch)`` fetches them. ``timeout`` is
-        applied in the actor, so a TimeoutError guarantees no group was taken; before the
-        actor has answered for the first time, it also bounds the wait for the actor to start
-        (by at least 1 s: a live actor needs a round trip to say so). Cancelling is safe: the
-        actor is told to cancel this very call, and if it had already taken a batch that never
-        reached this client, it puts the groups back, exactly once (re-admitted, so counted
-        once more in ``admitted_*``; a group whose uid was reused meanwhile, or any group once
-        the buffer is closed, cannot go back and is logged by the actor).
-
-        Raises:
-            The same errors as ReplayBuffer.sample (TypeError and ValueError for bad arguments
-            are raised by the client, before it contacts the actor); BufferUnavailableError when
-            the actor is gone (also while waiting) or did not start within ``start_timeout``.
-        """
-        return await self._connection.sample(global_steps, batch_size, partition, timeout)
-
-    # -- closing ----------------------------------------------------------------------
-
-    async def aclose(self) -> None:
-        """Close the hosted buffer, as :meth:`ReplayBuffer.aclose` (for every client: parked and
-        later ``sample`` calls and producers raise BufferClosedError; ``stats`` still works).
-        The actor keeps running; :meth:`kill` ends it. Idempotent.
-
-        Raises:
-            BufferUnavailableError: the actor is gone.
-        """
-        await self._connection.call("close")
+    # -- async with -------------------------------------------------------------------
 
     async def __aenter__(self) -> RemoteReplayBuffer:
         """Return the client; ``async with`` closes the buffer on exit."""
@@ -425,3 +358,22 @@ class RemoteReplayBuffer(ClientBase):
     ) -> None:
         """Close the buffer (the actor keeps running)."""
         await self.aclose()
+
+
+@attrs.frozen(eq=False)
+class RemoteRestoreResult:
+    """What :meth:`RemoteReplayBuffer.restore` returns.
+
+    Attributes:
+        buffer: the client of the new actor, which holds the restored buffer.
+        reissue: under ``in_flight="reissue"``, the groups that were in flight at the checkpoint
+            (uid, partition, dispatch step, tags; no trajectories), oldest first: they are in the
+            buffer as PENDING, to be generated again under the same uid.
+    """
+
+    buffer: RemoteReplayBuffer
+    reissue: tuple[Group, ...]
+
+    def __iter__(self) -> Iterator[Any]:
+        """Unpack as ``buffer, reissue = ...``, in that order."""
+        return iter((self.buffer, self.reissue))

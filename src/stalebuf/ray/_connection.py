@@ -25,7 +25,6 @@ from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError
 from ..records import Batch, Group
 from ._actor import actor_class
-from ._checkpoint import RestoreRequest
 from ._errors import running_loop, translate
 from ._options import (
     check_options,
@@ -35,7 +34,7 @@ from ._options import (
     requested_resources,
 )
 from ._pipeline import ProducerPipeline
-from ._protocol import Op, Parked, SampleRequest, WaitingOp, encode
+from ._protocol import Op, Parked, RestoreRequest, SampleRequest, WaitingOp, encode
 from ._start import MIN_SAMPLE_START_WAIT, StartGate, blocking_seconds
 
 __all__ = ["ActorConnection", "connect_actor", "start_actor"]

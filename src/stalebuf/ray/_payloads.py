@@ -1,4 +1,6 @@
-"""Payloads in the Ray object store: the reference type the buffer keeps, and resolving a batch.
+"""Payloads in the Ray object store: the reference type the buffer keeps, and every conversion
+between payload values and references, both ways (storing a group's payloads, resolving a batch,
+fetching the values of groups to save them).
 
 Producers never send payload bytes through the buffer actor (except in ``payloads="inline"``
 mode): the client ``ray.put``\\ s them and the buffer only keeps references. One ``ray.put``
@@ -6,6 +8,10 @@ carries the payloads of one group (or of one ``put``), so each trajectory's payl
 :class:`PayloadRef` naming its item in that stored list, and the object is freed once the
 group has left the buffer and nobody else holds its references. A producer may also pass
 its own ``ray.ObjectRef`` as a payload; it is kept as it is.
+
+A reference means nothing after a restart, so a checkpoint holds values: the actor's ``save``
+fetches them (:func:`fetch_values`), and a restored group's payloads go back into the object
+store, one object per group (:func:`stored`).
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ import anyio
 import attrs
 import ray
 
-from .._stored import map_payloads
-from ..records import Batch, Group
+from .._stored import map_payloads, peek_trajectories
+from ..records import Batch, Group, new_trajectory
 
 __all__ = [
     "PackedRun",
     "PayloadRef",
+    "fetch_values",
     "resolve",
     "resolve_sync",
     "store_group",
+    "stored",
     "unique_refs",
     "with_values",
 ]
@@ -126,6 +134,39 @@ def with_values(group: Group, by_ref: Mapping[ray.ObjectRef[Any], Any]) -> Group
         return payload
 
     return map_payloads(group, value_of)
+
+
+def stored(group: Group) -> Group:
+    """Return ``group`` with its payloads in one object-store object, as PayloadRefs (``group``
+    itself when there is nothing to store: every payload None or already a reference)."""
+    trajectories = group.trajectories
+    payloads: Any = store_group([t.payload for t in trajectories])
+    if isinstance(payloads, PackedRun):
+        payloads = payloads.expand()
+    elif all(a is b for a, b in zip(payloads, (t.payload for t in trajectories), strict=True)):
+        return group
+    return group.replace(
+        trajectories=tuple(
+            new_trajectory(t.key, t.session_id, t.index, t.tags, payload)
+            for t, payload in zip(trajectories, payloads, strict=True)
+        ),
+    )
+
+
+async def fetch_values(groups: tuple[Group, ...]) -> tuple[Group, ...]:
+    """Return ``groups`` with every payload held as an object reference (PayloadRef or
+    ``ray.ObjectRef``) replaced by its value, all fetched into this process at once; ``groups``
+    itself when none is. Lazily stored groups are read without building their records.
+
+    Raises:
+        ray.exceptions.RayError: a payload object is lost (e.g. its owner, a producer, died).
+    """
+    refs = unique_refs(t.payload for group in groups for t in peek_trajectories(group))
+    if not refs:
+        return groups
+    values = await asyncio.gather(*refs)
+    by_ref = dict(zip(refs, values, strict=True))
+    return tuple(with_values(group, by_ref) for group in groups)
 
 
 def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:

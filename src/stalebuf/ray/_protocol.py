@@ -10,6 +10,9 @@ and what it does are written in one place.
 Operations that add a group (:class:`AddPrompt`, :class:`PutGroup`, :class:`OpenRollout`) may carry
 a *token*: when admission control has no slot for one, the actor parks it under that token instead
 of failing it (the client then collects the result with ``await_admission``, or abandons it).
+
+A :class:`RestoreRequest` is what a new actor restores its buffer from (it travels once, to the
+actor's constructor).
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
+import attrs
+
+from .._checkpoint_file import PayloadCodec
 from ..buffer import GroupStatus, ReplayBuffer
+from ..checkpoint import InFlightMode
 from ..errors import (
     BufferClosedError,
     GroupEvictedError,
@@ -41,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "Put",
     "PutGroup",
+    "RestoreRequest",
     "SampleRequest",
     "WaitingOp",
     "Wire",
@@ -236,6 +244,24 @@ class SampleRequest(NamedTuple):
     batch_size: int
     partition: str
     timeout: float | None
+
+
+@attrs.frozen
+class RestoreRequest:
+    """What a new actor restores its buffer from (sent to its constructor).
+
+    Attributes:
+        path: the checkpoint file, on the actor's node.
+        in_flight: as for ``ReplayBuffer.restore``.
+        payload_codec: as for ``ReplayBuffer.restore``.
+        store: put each restored group's payloads in the object store (False: keep the values,
+            the client's ``payloads="inline"`` mode).
+    """
+
+    path: str
+    in_flight: InFlightMode
+    payload_codec: PayloadCodec | None
+    store: bool
 
 
 class Parked(NamedTuple):

@@ -1,12 +1,12 @@
 """How a remote ``rollout()`` learns, without polling, that its group was evicted in flight or the
 buffer closed.
 
-Entering a remote rollout registers a callback on the in-flight group: the hook the local
-``rollout()`` uses (``OpenGroup.watchers``, called once by the buffer on in-flight eviction and on
-``close``; reached here as ``_rollout.py`` does, it has no public name). The client then parks one
-call, ``watch_rollout(token)``, in the actor's ``watch`` concurrency group. It returns "evicted"
-or "closed" when the callback fires (the client then cancels the block's body), or "ended" once
-the group was finished or failed through this actor, or its client abandoned it.
+Entering a remote rollout registers a callback on the in-flight group with
+:meth:`ReplayBuffer.watch <stalebuf.ReplayBuffer.watch>`, as the local ``rollout()`` does: the
+buffer calls it once on in-flight eviction and on ``close``. The client then parks one call,
+``watch_rollout(token)``, in the actor's ``watch`` concurrency group. It returns "evicted" or
+"closed" when the callback fires (the client then cancels the block's body), or "ended" once the
+group was finished or failed through this actor, or its client abandoned it.
 
 Everything here runs on the actor's home loop.
 """

@@ -1,0 +1,387 @@
+"""The ReplayBuffer side of :class:`~stalebuf.ray.RemoteReplayBuffer`: each method the local buffer
+also has, as a call through the client's connection to its actor.
+
+:class:`BufferCalls` owns the client's ``ActorConnection`` (its constructor is the one place it is
+set) and holds the methods that mirror ReplayBuffer's, documented as members of
+RemoteReplayBuffer, which inherits them: the producer calls (their arguments copied as the local
+buffer copies them, then sent as protocol records), ``rollout``, ``sample``, the queries and flow
+control, ``save`` and ``aclose``. What only a remote buffer has (starting, attaching and
+restoring, the actor's identity, ``info``, ``kill``, ``evictions``, pickling) is
+RemoteReplayBuffer's own, in ``_client``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from .._checkpoint_file import PayloadCodec
+from .._validation import materialise
+from ..buffer import GroupStatus
+from ..records import Batch
+from ..stats import BufferStats
+from ._connection import ActorConnection
+from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, Put, PutGroup
+from ._rollout import RemoteRolloutGroup, rollout
+
+__all__ = ["BufferCalls"]
+
+
+def _plain_tags(tags: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """Return ``tags`` as a plain dict (a mappingproxy does not pickle); anything that is not a
+    mapping goes as it is, for the actor to reject with the local buffer's error."""
+    return dict(tags) if isinstance(tags, Mapping) else tags
+
+
+def _add_prompt_op(
+    token: str | None, uid: str, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
+) -> AddPrompt:
+    """The ``add_prompt`` operation (with a token it may wait for admission)."""
+    return AddPrompt(token, uid, global_steps, partition, _plain_tags(tags))
+
+
+def _put_group_op(
+    token: str | None,
+    uid: str,
+    payloads: Collection[Any],
+    global_steps: int | None,
+    partition: str,
+    tags: Mapping[str, Any] | None,
+    trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
+    session_ids: Sequence[int] | None,
+    indices: Sequence[int] | None,
+    status: GroupStatus,
+) -> PutGroup:
+    """The ``put_group`` operation (with a token a new group may wait for admission).
+
+    Raises:
+        TypeError: ``payloads`` is not a collection of per-trajectory items, or a per-trajectory
+            collection cannot be iterated.
+        ValueError: a per-trajectory collection's ``len()`` disagrees with what it yields.
+    """
+    if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
+        raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
+    # Copied as the local buffer copies them, so a collection that lies about its length or whose
+    # iteration raises fails here with the local error, not with whatever it yielded in the actor.
+    items = materialise("payloads", payloads)
+    sessions = None if session_ids is None else list(materialise("session_ids", session_ids))
+    positions = None if indices is None else list(materialise("indices", indices))
+    per_tags = None if trajectory_tags is None else materialise("trajectory_tags", trajectory_tags)
+    return PutGroup(
+        token,
+        uid,
+        list(items),
+        global_steps,
+        partition,
+        _plain_tags(tags),
+        None if per_tags is None else [_plain_tags(t) for t in per_tags],
+        sessions,
+        positions,
+        status,
+    )
+
+
+class BufferCalls:
+    """The methods a :class:`~stalebuf.ray.RemoteReplayBuffer` shares with ReplayBuffer, each a call
+    through the client's connection to its actor (see the module's docstring).
+
+    Args:
+        connection: the connection every call goes through (set here and nowhere else).
+    """
+
+    def __init__(self, connection: ActorConnection) -> None:
+        self._connection = connection
+
+    # -- producers --------------------------------------------------------------------
+
+    async def add_prompt(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new PENDING group, as :meth:`ReplayBuffer.add_prompt`: under admission control
+        it waits in the actor (FIFO per partition) for a slot, and ``global_steps=None`` tags the
+        group with the actor's dispatch clock when it is admitted.
+
+        Cancelling it while it waits adds nothing; a group the actor admitted before the
+        cancellation reached it stays, as for any producer call cancelled after it was sent.
+
+        Raises:
+            The same errors as ReplayBuffer.add_prompt; BufferUnavailableError when the actor
+            is gone.
+        """
+        connection = self._connection
+        await connection.admit(_add_prompt_op(connection.new_token(), uid, global_steps, partition, tags))
+
+    async def add_prompt_nowait(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Admit a new PENDING group, as :meth:`ReplayBuffer.add_prompt_nowait`: a coroutine here
+        (it asks the actor), but it never waits for admission.
+
+        Raises:
+            BufferFullError: admission control has no slot for it now; nothing changed.
+            The other errors of ReplayBuffer.add_prompt_nowait; BufferUnavailableError.
+        """
+        await self._connection.submit(_add_prompt_op(None, uid, global_steps, partition, tags))
+
+    async def mark_running(self, uid: str) -> None:
+        """Move a group from PENDING to RUNNING, as :meth:`ReplayBuffer.mark_running`.
+
+        Raises:
+            The same errors as ReplayBuffer.mark_running; BufferUnavailableError.
+        """
+        await self._connection.submit(MarkRunning(uid))
+
+    async def put(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int = 0,
+        index: int = 0,
+        tags: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Add one trajectory and return its key, as :meth:`ReplayBuffer.put`.
+
+        The payload is stored as the client's ``payloads`` mode says (by default in the object
+        store, owned by this process); the buffer keeps a reference.
+
+        Raises:
+            The same errors as ReplayBuffer.put; BufferUnavailableError.
+        """
+        result: str = await self._connection.submit(Put(uid, payload, session_id, index, _plain_tags(tags)))
+        return result
+
+    async def mark_finished(self, uid: str) -> None:
+        """Mark a group FINISHED, as :meth:`ReplayBuffer.mark_finished`.
+
+        Raises:
+            The same errors as ReplayBuffer.mark_finished; BufferUnavailableError.
+        """
+        await self._connection.submit(MarkFinished(uid))
+
+    async def mark_failed(self, uid: str) -> None:
+        """Mark a group FAILURE, as :meth:`ReplayBuffer.mark_failed`.
+
+        Raises:
+            The same errors as ReplayBuffer.mark_failed; BufferUnavailableError.
+        """
+        await self._connection.submit(MarkFailed(uid))
+
+    async def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and finish or fail a whole group in one round trip; return its
+        keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor). A new group waits
+        in the actor for admission like :meth:`add_prompt`.
+
+        Raises:
+            The same errors as ReplayBuffer.put_group; BufferUnavailableError.
+        """
+        connection = self._connection
+        op = _put_group_op(
+            connection.new_token(),
+            uid,
+            payloads,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
+        )
+        result: list[str] = await connection.admit(op)
+        return result
+
+    async def put_group_nowait(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+    ) -> list[str]:
+        """Add (if absent), fill and end a whole group in one round trip, as
+        :meth:`ReplayBuffer.put_group_nowait`: a coroutine here, but it never waits for admission.
+
+        Raises:
+            BufferFullError: the group is new and admission control has no slot for it now.
+            The other errors of ReplayBuffer.put_group_nowait; BufferUnavailableError.
+        """
+        op = _put_group_op(
+            None, uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
+        )
+        result: list[str] = await self._connection.submit(op)
+        return result
+
+    def rollout(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> AbstractAsyncContextManager[RemoteRolloutGroup]:
+        """Return an ``async with`` block that generates one group, as :meth:`ReplayBuffer.rollout`.
+
+        Entering waits in the actor for admission, then the group is PENDING and marked RUNNING;
+        ``await group.put(...)`` adds trajectories (there is no ``put_nowait`` remotely). When
+        the body returns the group is FINISHED; when it raises, FAILED, and the error propagates.
+        If the group is evicted while the body runs (in-flight eviction, or ``aclose()``), the
+        actor answers a call the block parked there and the body is cancelled: the block exits
+        without raising and ``group.evicted`` is True (also when the body's write was refused
+        with GroupEvictedError or BufferClosedError first). A block cancelled from outside
+        fails its group (the actor is told without waiting). Each entered block holds one slot
+        of the actor's ``watch`` concurrency group.
+
+        Raises:
+            The errors of :meth:`add_prompt` (on entering).
+        """
+        return rollout(self._connection, uid, global_steps, partition, _plain_tags(tags))
+
+    # -- consumer ---------------------------------------------------------------------
+
+    async def sample(
+        self,
+        global_steps: int,
+        batch_size: int,
+        *,
+        partition: str = "train",
+        timeout: float | None = None,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Wait for, remove and return a batch of whole groups, as :meth:`ReplayBuffer.sample`.
+
+        Payloads in the batch are PayloadRefs (or ObjectRefs given by producers, or values in
+        "inline" mode); ``await stalebuf.ray.resolve(batch)`` fetches them. ``timeout`` is
+        applied in the actor, so a TimeoutError guarantees no group was taken; before the
+        actor has answered for the first time, it also bounds the wait for the actor to start
+        (by at least 1 s: a live actor needs a round trip to say so). Cancelling is safe: the
+        actor is told to cancel this very call, and if it had already taken a batch that never
+        reached this client, it puts the groups back, exactly once (re-admitted, so counted
+        once more in ``admitted_*``; a group whose uid was reused meanwhile, or any group once
+        the buffer is closed, cannot go back and is logged by the actor).
+
+        Raises:
+            The same errors as ReplayBuffer.sample (TypeError and ValueError for bad arguments
+            are raised by the client, before it contacts the actor); BufferUnavailableError when
+            the actor is gone (also while waiting) or did not start within ``start_timeout``.
+        """
+        return await self._connection.sample(global_steps, batch_size, partition, timeout)
+
+    async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
+        """Return how many groups ``sample`` could select right now, as
+        :meth:`ReplayBuffer.sampleable_count` (a coroutine here: it asks the actor).
+
+        Raises:
+            TypeError, ValueError: as ReplayBuffer.sampleable_count; BufferUnavailableError.
+        """
+        result: int = await self._connection.call("sampleable_count", global_steps, partition)
+        return result
+
+    # -- queries and flow control -----------------------------------------------------
+
+    async def stats(self) -> BufferStats:
+        """Return the buffer's :class:`~stalebuf.BufferStats`, as :meth:`ReplayBuffer.stats`
+        (a coroutine here: it asks the actor).
+
+        Raises:
+            BufferUnavailableError: the actor is gone.
+        """
+        result: BufferStats = await self._connection.call("stats")
+        return result
+
+    async def dispatch_step(self, partition: str = "train") -> int:
+        """Return the actor's dispatch clock for ``partition``, as :meth:`ReplayBuffer.dispatch_step`
+        (a coroutine here: it asks the actor).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+        """
+        result: int = await self._connection.call("flow", "dispatch_step", partition)
+        return result
+
+    async def capacity(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident groups, as :meth:`ReplayBuffer.capacity`
+        (a coroutine here).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+        """
+        result: int | None = await self._connection.call("flow", "capacity", partition)
+        return result
+
+    async def free_slots(self, partition: str = "train") -> int | None:
+        """Return how many groups ``add_prompt`` would admit now without waiting, as
+        :meth:`ReplayBuffer.free_slots` (a coroutine here; the answer may be stale on arrival).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+        """
+        result: int | None = await self._connection.call("flow", "free_slots", partition)
+        return result
+
+    async def full(self, partition: str = "train") -> bool:
+        """Return whether ``free_slots(partition) == 0``, as :meth:`ReplayBuffer.full` (a coroutine here).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+        """
+        result: bool = await self._connection.call("flow", "full", partition)
+        return result
+
+    # -- checkpoint and closing -------------------------------------------------------
+
+    async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
+        """Checkpoint the hosted buffer at once and write it to ``path``, as :meth:`ReplayBuffer.save`,
+        from the actor: ``path`` is on the actor's node (a relative one is made absolute here,
+        against the caller's working directory, as a local ``save`` would read it).
+
+        Payloads held as object references (PayloadRefs, ObjectRefs) are fetched into the actor
+        and stored by value: while it saves, the actor holds every resident payload in memory at
+        once (numpy arrays on its node as zero-copy views, other objects as copies), on top of
+        the buffer. ``payload_codec`` travels to the actor (it must pickle with cloudpickle).
+
+        Raises:
+            CheckpointError: a payload object is lost (e.g. its producer died), or with a codec a
+                value JSON cannot hold; nothing is written.
+            OSError: the file could not be written; BufferUnavailableError.
+        """
+        target = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - one getcwd(), no file I/O
+        await self._connection.call("save", target, payload_codec)
+
+    async def aclose(self) -> None:
+        """Close the hosted buffer, as :meth:`ReplayBuffer.aclose` (for every client: parked and
+        later ``sample`` calls and producers raise BufferClosedError; ``stats`` still works).
+        The actor keeps running; :meth:`kill` ends it. Idempotent.
+
+        Raises:
+            BufferUnavailableError: the actor is gone.
+        """
+        await self._connection.call("close")
