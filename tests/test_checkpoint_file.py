@@ -1,7 +1,8 @@
 """The checkpoint file (issue 12): magic, version and checksum; truncated, corrupt, foreign and
 newer files; ``payload_codec`` (a file with no pickle in it); numpy payloads; ``save`` taking its
-checkpoint at once while the loop keeps serving. The crash test (SIGKILL during ``save``) is in
-``test_checkpoint_atomic.py``.
+checkpoint at once while the loop keeps serving. Issue 21: huge files and FIFOs given to
+``restore`` (item 10). The crash tests (SIGKILL during
+``save``) are in ``test_checkpoint_atomic.py``.
 
 Every refused file raises CheckpointError with a message that names the file, and builds nothing:
 the buffers here are built through a custom sampler that counts its instances.
@@ -12,10 +13,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import random
 import struct
+import subprocess
+import sys
 import threading
+import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -392,3 +398,104 @@ async def test_save_takes_its_checkpoint_at_once_and_the_loop_keeps_serving(tmp_
         restored = ReplayBuffer.restore(path, payload_codec=JSON_CODEC).buffer
         assert checkpoint_content(restored.checkpoint()) == expected
         assert isinstance(restored.checkpoint(), BufferCheckpoint)
+
+
+# -- issue 21: what the tests below share --------------------------------------------------------
+
+
+class Gate:
+    """A JSON codec whose first ``encode`` says it entered, then blocks until released: a save
+    made slow deterministically, at a known point in the middle of its write."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.codec = (self.encode, JSON_CODEC[1])
+
+    def encode(self, payload: Any) -> bytes:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(LIMIT), "never released"
+        return JSON_CODEC[0](payload)
+
+    async def wait_entered(self) -> None:
+        assert await anyio.to_thread.run_sync(self.entered.wait, LIMIT), "the save never wrote"
+
+
+def uids(path: Path, codec: Any = JSON_CODEC) -> list[str]:
+    """The uids of the groups the file at ``path`` holds, in admission order."""
+    buf = ReplayBuffer.restore(path, in_flight="keep", payload_codec=codec, status_log_interval=None).buffer
+    return [group.uid for group in buf.checkpoint().groups]
+
+
+def temporaries(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.startswith(".stalebuf-"))
+
+
+def plain_buffer(*uids: str) -> ReplayBuffer:
+    buf = ReplayBuffer(SamplerConfig(), status_log_interval=None)
+    for uid in uids:
+        buf.put_group_nowait(uid, [uid])
+    return buf
+
+
+def dead_pid() -> int:
+    """The PID of a process that ran and was reaped."""
+    with subprocess.Popen([sys.executable, "-c", ""]) as process:
+        process.wait()
+    return process.pid
+
+
+# -- what restore opens (issue 21, item 10) -----------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_or_a_device_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """Issue 21, item 10: ``restore`` of a FIFO blocked forever (and read any device to its end).
+    Anything but a regular file is a CheckpointError, before a byte is read."""
+    fifo = tmp_path / "pipe.ckpt"
+    os.mkfifo(fifo)
+    errors: list[BaseException] = []
+
+    def restore() -> None:
+        try:
+            ReplayBuffer.restore(fifo)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=restore, daemon=True)
+    thread.start()
+    thread.join(LIMIT)
+    if thread.is_alive():  # opening the writing end lets the blocked open return
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(LIMIT)
+        pytest.fail("restore blocked on a FIFO")
+    assert len(errors) == 1
+    assert isinstance(errors[0], CheckpointError)
+    assert "a FIFO, not a regular file" in str(errors[0])
+    assert str(fifo) in str(errors[0])
+    device = tmp_path / "null.ckpt"
+    device.symlink_to(os.devnull)
+    assert_refused(device, "a device, not a regular file")
+
+
+@pytest.mark.parametrize("head", ["foreign", "a header with another length"])
+def test_a_huge_file_is_refused_from_its_header_without_reading_it(tmp_path: Path, head: str) -> None:
+    """Issue 21, item 10: ``restore`` read the whole file before checking it (a 3 GB foreign
+    file: MemoryError). The magic, version and size are checked first, from one small read."""
+    path = tmp_path / "huge.ckpt"
+    with open(path, "wb") as file:
+        if head != "foreign":
+            file.write(MAGIC + HEADER.pack(FORMAT_VERSION, 0, 10, b"\0" * 32))
+    os.truncate(path, 3 << 30)  # sparse: costs no disk
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        body = (3 << 30) - len(MAGIC) - HEADER.size
+        assert_refused(path, "not a stalebuf checkpoint" if head == "foreign" else f"{body} of 10 bytes")
+        elapsed = time.perf_counter() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert elapsed < 1.0, elapsed

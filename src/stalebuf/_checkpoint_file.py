@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from typing import IO, Any
 
 import attrs
 
+from ._checkpoint_path import open_regular
 from ._stored import peek_trajectories
 from ._validation import check_payload_codec, check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
@@ -45,6 +47,8 @@ _COUNT = struct.Struct(">I")
 _PICKLE, _CODEC = 0, 1
 # Groups per pickled or JSON chunk: small enough that one chunk holds the GIL for milliseconds.
 _CHUNK = 256
+# Bytes per read: a file is read in bounded pieces, after its header and size were checked.
+_READ = 16 << 20
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -281,32 +285,14 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
 
     Raises:
         CheckpointError: the file is truncated, corrupt, not a checkpoint, of a newer format,
-            a codec file read without a codec (or a pickle file read with one), or ``decode``
-            failed.
-        OSError: the file cannot be read (FileNotFoundError for a missing one).
+            not a regular file (a FIFO, a device), a codec file read without a codec (or a
+            pickle file read with one), or ``decode`` failed.
+        OSError: the file cannot be read (FileNotFoundError for a missing one, IsADirectoryError
+            for a directory).
     """
-    with open(path, "rb") as file:
-        data = bytearray(file.read())
     name = os.fspath(path)
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
-    start = len(MAGIC) + _HEADER.size
-    if len(data) < start:
-        raise CheckpointError(f"{name!r} is truncated (no complete header)")
-    version, flags, length, digest = _HEADER.unpack_from(data, len(MAGIC))
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
-            f"{FORMAT_VERSION}: upgrade it"
-        )
-    if len(data) - start != length:
-        raise CheckpointError(
-            f"{name!r} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
-        )
-    body = memoryview(data)[start:]
-    if version < 1 or _digest(version, flags, length, hashlib.sha256(body)) != digest:
-        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
-    frames = _frames(body, name)
+    flags, body = _read_verified(name)
+    frames = _frames(memoryview(body), name)
     try:
         if flags == _PICKLE:
             if codec is not None:
@@ -327,6 +313,58 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
             f"{name!r} cannot be read: {type(exc).__name__}: {describe_error(exc)}"
         ) from exc
     raise CheckpointError(f"{name!r} has unknown flags {flags}")
+
+
+def _read_verified(name: str) -> tuple[int, bytearray]:
+    """The file's flags and body, its magic, version, size and checksum checked: the header and
+    the size before the body is read (a foreign file of any size costs one small read).
+
+    Raises:
+        CheckpointError: as ``read_checkpoint``, for the file itself.
+        OSError: the file cannot be read.
+    """
+    start = len(MAGIC) + _HEADER.size
+    with open_regular(name) as file:
+        head = file.read(start)
+        if not head.startswith(MAGIC):
+            raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
+        if len(head) < start:
+            raise CheckpointError(f"{name!r} is truncated (no complete header)")
+        version, flags, length, digest = _HEADER.unpack_from(head, len(MAGIC))
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
+                f"{FORMAT_VERSION}: upgrade it"
+            )
+        size = os.fstat(file.fileno()).st_size - start
+        if size != length:
+            raise CheckpointError(f"{name!r} is truncated or has trailing data ({size} of {length} bytes)")
+        body, hashed = _read_body(file, length, name)
+    if version < 1 or _digest(version, flags, length, hashed) != digest:
+        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
+    return flags, body
+
+
+def _read_body(file: io.BufferedReader, length: int, name: str) -> tuple[bytearray, hashlib._Hash]:
+    """The next ``length`` bytes of ``file``, read (and hashed) in pieces of at most ``_READ``.
+
+    Raises:
+        CheckpointError: the file is shorter or longer than that (it changed while read).
+        OSError: it cannot be read.
+    """
+    body = bytearray(length)
+    view = memoryview(body)
+    hashed = hashlib.sha256()
+    done = 0
+    while done < length:
+        count = file.readinto(view[done : done + _READ])
+        if not count:
+            break
+        hashed.update(view[done : done + count])
+        done += count
+    if done < length or file.read(1):
+        raise CheckpointError(f"{name!r} is truncated or has trailing data (it changed while read)")
+    return body, hashed
 
 
 def _frames(body: memoryview, name: str) -> Iterator[memoryview]:
