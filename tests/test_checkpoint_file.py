@@ -1,8 +1,8 @@
 """The checkpoint file (issue 12): magic, version and checksum; truncated, corrupt, foreign and
 newer files; ``payload_codec`` (a file with no pickle in it); numpy payloads; ``save`` taking its
-checkpoint at once while the loop keeps serving. Issue 21: huge files and FIFOs given to
-``restore`` (item 10). The crash tests (SIGKILL during
-``save``) are in ``test_checkpoint_atomic.py``.
+checkpoint at once while the loop keeps serving. Issue 21: stale temporary files (item 9), huge
+files and FIFOs given to ``restore`` (item 10), symlinks and read-only files given to ``save``
+(item 14). The crash tests (SIGKILL during ``save``) are in ``test_checkpoint_atomic.py``.
 
 Every refused file raises CheckpointError with a message that names the file, and builds nothing:
 the buffers here are built through a custom sampler that counts its instances.
@@ -10,12 +10,15 @@ the buffers here are built through a custom sampler that counts its instances.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import io
 import json
 import os
 import pickle
 import random
+import stat
 import struct
 import subprocess
 import sys
@@ -32,6 +35,7 @@ import pytest
 from _ckpt_helpers import checkpoint_content, rich
 from _helpers import LIMIT, snapshot
 from stalebuf import ReplayBuffer, SamplerConfig, StalenessPolicy
+from stalebuf._checkpoint_path import STALE_AFTER_SECONDS, _host, _prefix
 from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint
 from stalebuf.errors import CheckpointError
 
@@ -499,3 +503,142 @@ def test_a_huge_file_is_refused_from_its_header_without_reading_it(tmp_path: Pat
         tracemalloc.stop()
     assert peak < 1 << 20, peak
     assert elapsed < 1.0, elapsed
+
+
+# -- what save replaces (issue 21, item 14) -----------------------------------------------------
+
+
+def test_save_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path: Path) -> None:
+    """Issue 21, item 14: ``save(path)`` through a symlink replaced the link with a file (its
+    target went stale). The write goes to the resolved target; the links stay links."""
+    real, links = tmp_path / "real", tmp_path / "links"
+    real.mkdir()
+    links.mkdir()
+    target = real / "buffer.ckpt"
+    save(plain_buffer("a"), target)
+    link = links / "latest.ckpt"
+    link.symlink_to(os.path.relpath(target, links))
+    chain = links / "chain.ckpt"
+    chain.symlink_to(link)
+    save(plain_buffer("b"), chain)
+    assert os.readlink(link) == os.path.relpath(target, links)
+    assert os.readlink(chain) == str(link)
+    assert uids(target, None) == ["b"]
+    dangling = links / "next.ckpt"  # a link to a file not written yet: the file is created
+    dangling.symlink_to(real / "next.ckpt")
+    save(plain_buffer("c"), dangling)
+    assert dangling.is_symlink()
+    assert uids(real / "next.ckpt", None) == ["c"]
+    assert sorted(p.name for p in real.iterdir()) == ["buffer.ckpt", "next.ckpt"]
+    assert sorted(p.name for p in links.iterdir()) == ["chain.ckpt", "latest.ckpt", "next.ckpt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX permissions")
+@pytest.mark.parametrize("through_link", [False, True])
+def test_a_read_only_checkpoint_is_kept_and_save_raises_permission_error(
+    tmp_path: Path, through_link: bool
+) -> None:
+    """Issue 21, item 14: a read-only file at ``path`` was silently replaced. ``save`` raises
+    PermissionError (as a plain open would) and leaves it as it was; root included, since a
+    file nobody may write (chmod a-w) is one someone meant to keep."""
+    target = tmp_path / "buffer.ckpt"
+    save(plain_buffer("a"), target)
+    before = target.read_bytes()
+    target.chmod(0o444)
+    path = target
+    if through_link:
+        path = tmp_path / "link.ckpt"
+        path.symlink_to(target)
+    with pytest.raises(PermissionError, match="read-only") as info:
+        save(plain_buffer("b"), path)
+    assert info.value.errno == errno.EACCES
+    assert target.read_bytes() == before
+    assert stat.S_IMODE(target.stat().st_mode) == 0o444
+    assert path.is_symlink() == through_link
+    assert temporaries(tmp_path) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_save_refuses_to_replace_a_fifo_or_a_symlink_loop(tmp_path: Path) -> None:
+    """Issue 21, item 14: what is not a regular file is not replaced either: a FIFO is a
+    CheckpointError, a symlink loop the OSError a plain open gives (ELOOP)."""
+    fifo = tmp_path / "pipe.ckpt"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="a FIFO, not a regular file"):
+        save(plain_buffer("a"), fifo)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+    first.symlink_to(second)
+    second.symlink_to(first)
+    with pytest.raises(OSError, match="symbolic links") as info:
+        save(plain_buffer("a"), first)
+    assert info.value.errno == errno.ELOOP
+    assert first.is_symlink()
+    assert second.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.ckpt", "pipe.ckpt", "second.ckpt"]
+
+
+# -- stale temporary files (issue 21, item 9) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("next_call", ["save", "restore"])
+def test_stale_temporaries_are_removed_by_the_documented_rule(tmp_path: Path, next_call: str) -> None:
+    """Issue 21, item 9: nothing removed the temporary file of a killed writer. The next save or
+    restore of the path removes those of its own target whose writer is gone: on this host and
+    PID namespace, a dead PID (or this process's, not being written: a restarted container's
+    PID 1); anywhere, unmodified for ``STALE_AFTER_SECONDS``. Nothing else."""
+    path = tmp_path / "buffer.ckpt"
+    save(plain_buffer("a"), path)
+    prefix, host = _prefix(os.path.realpath(path)), _host()
+    other_target, other_host = _prefix(os.path.realpath(tmp_path / "other.ckpt")), "0" * 8
+    dead, alive, me = dead_pid(), os.getppid(), os.getpid()
+    recent = {
+        f"{prefix}{host}-{dead}-aaaaaaaa.tmp": False,
+        f"{prefix}{host}-{me}-bbbbbbbb.tmp": False,
+        f"{prefix}{host}-{alive}-cccccccc.tmp": True,  # a live writer's
+        f"{prefix}{other_host}-{dead}-dddddddd.tmp": True,  # its PID means nothing here
+        f"{other_target}{host}-{dead}-eeeeeeee.tmp": True,  # another target's
+        ".stalebuf-ffffffff.tmp": True,  # an older stalebuf's: by age only
+        f"{prefix}not-ours.tmp": True,
+        "notes.txt": True,
+    }
+    aged = {
+        f"{prefix}{other_host}-{alive}-gggggggg.tmp": False,
+        f"{prefix}{host}-{alive}-hhhhhhhh.tmp": False,
+        ".stalebuf-iiiiiiii.tmp": False,
+        f"{other_target}{host}-{alive}-jjjjjjjj.tmp": True,
+    }
+    old = time.time() - STALE_AFTER_SECONDS - 60
+    for name in [*recent, *aged]:
+        (tmp_path / name).write_bytes(b"x" * 100)
+        if name in aged:
+            os.utime(tmp_path / name, (old, old))
+    (tmp_path / f"{prefix}{host}-{dead}-kkkkkkkk.tmp").mkdir()  # not a file: never removed
+    if next_call == "save":
+        save(plain_buffer("b"), path)
+    else:
+        ReplayBuffer.restore(path, status_log_interval=None)
+    kept = {name for name, keep in [*recent.items(), *aged.items()] if keep}
+    kept |= {"buffer.ckpt", f"{prefix}{host}-{dead}-kkkkkkkk.tmp"}
+    assert {p.name for p in tmp_path.iterdir()} == kept
+    assert uids(path, None) == (["b"] if next_call == "save" else ["a"])
+
+
+@pytest.mark.anyio
+async def test_a_temporary_this_process_is_writing_is_kept_whatever_its_age(tmp_path: Path) -> None:
+    """The cleanup never takes the temporary of a live save in this process (another buffer's
+    here), even one unmodified for longer than ``STALE_AFTER_SECONDS``."""
+    with anyio.fail_after(LIMIT):
+        path, slow = tmp_path / "buffer.ckpt", Gate()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(plain_buffer("slow").save, path, payload_codec=slow.codec))
+            await slow.wait_entered()
+            (temporary,) = temporaries(tmp_path)
+            old = time.time() - STALE_AFTER_SECONDS - 60
+            os.utime(temporary, (old, old))
+            await plain_buffer("fast").save(path, payload_codec=JSON_CODEC)
+            uids(path)  # a restore too
+            assert temporaries(tmp_path) == [temporary]
+            slow.release.set()
+        assert uids(path) == ["slow"]  # another buffer: not ordered with it, it landed last
+        assert temporaries(tmp_path) == []

@@ -7,7 +7,9 @@ band, in their own frames), so the writer never holds the GIL for long. Codec fi
 JSON for everything, and one frame per payload made by the user's ``encode``; nothing in them
 is ever unpickled. A write goes to a temporary file in the same directory, is flushed and
 fsynced, then renamed over the target and the directory fsynced: a crash at any moment leaves
-the previous file or the new one, never a torn one.
+the previous file or the new one, never a torn one. A path that is a symlink is resolved first:
+the write replaces the link's target, not the link. Temporary files a killed writer left behind
+are removed by the next write or read of the same path (see ``_checkpoint_path``).
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ import json
 import math
 import os
 import pickle
-import stat
 import struct
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import attrs
 
-from ._checkpoint_path import open_regular
+from ._checkpoint_path import (
+    create_temporary,
+    forget_temporary,
+    fsync_directory,
+    open_regular,
+    plain_file_mode,
+    remove_stale_temporaries,
+    resolve_target,
+)
 from ._stored import peek_trajectories
 from ._validation import check_payload_codec, check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
@@ -82,40 +90,54 @@ def write_checkpoint(
     Raises:
         CheckpointError: a value the format cannot hold (named): one pickle cannot hold, or with
             a codec one JSON cannot hold; or ``encode`` failed or returned something other than
-            bytes.
+            bytes; or ``path`` names something other than a regular file (a FIFO, a device).
         ConfigError: ``codec`` is not None or a pair ``(encode, decode)`` of callables.
+        PermissionError: the file at ``path`` is read-only (no write permission for this
+            process, or none for anyone): it is kept, not replaced.
         OSError: the file could not be written (the previous file, if any, is untouched).
     """
     check_payload_codec(codec)
-    target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    mode = _plain_file_mode(target)
-    handle, temporary = tempfile.mkstemp(prefix=".stalebuf-", suffix=".tmp", dir=directory)
+    target = resolve_target(path)
+    mode = plain_file_mode(target)
+    remove_stale_temporaries(target)
+    handle, temporary = create_temporary(target)
     try:
-        if hasattr(os, "fchmod"):  # POSIX: mkstemp's 0o600 would hide the file from other users
-            # Best effort: a file system without Unix permissions (vfat, some CIFS mounts) refuses
-            # chmod with EPERM, and a plain open there would not have failed either.
-            with contextlib.suppress(OSError):
-                os.fchmod(handle, mode)
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
-            body = _Body(file)
-            if codec is None:
-                _write_pickled(body, checkpoint)
-            else:
-                _write_plain(body, checkpoint, codec[0])
-            file.seek(len(MAGIC))
-            flags = _PICKLE if codec is None else _CODEC
-            digest = _digest(FORMAT_VERSION, flags, body.length, body.digest)
-            file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, digest))
-            file.flush()
-            os.fsync(file.fileno())
+        _write_file(handle, mode, checkpoint, codec)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
-    _fsync_directory(directory)
+    finally:
+        forget_temporary(temporary)
+    fsync_directory(os.path.dirname(target))
+
+
+def _write_file(handle: int, mode: int, checkpoint: BufferCheckpoint, codec: PayloadCodec | None) -> None:
+    """Write the whole file to the open temporary ``handle`` (closed on return), and fsync it.
+
+    Raises:
+        CheckpointError: as ``write_checkpoint``.
+        OSError: the file could not be written.
+    """
+    if hasattr(os, "fchmod"):  # POSIX: mkstemp's 0o600 would hide the file from other users
+        # Best effort: a file system without Unix permissions (vfat, some CIFS mounts) refuses
+        # chmod with EPERM, and a plain open there would not have failed either.
+        with contextlib.suppress(OSError):
+            os.fchmod(handle, mode)
+    with os.fdopen(handle, "wb") as file:
+        file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
+        body = _Body(file)
+        if codec is None:
+            _write_pickled(body, checkpoint)
+        else:
+            _write_plain(body, checkpoint, codec[0])
+        file.seek(len(MAGIC))
+        flags = _PICKLE if codec is None else _CODEC
+        digest = _digest(FORMAT_VERSION, flags, body.length, body.digest)
+        file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, digest))
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _digest(version: int, flags: int, length: int, body: hashlib._Hash) -> bytes:
@@ -245,38 +267,6 @@ def _chunks(groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
         yield groups[start : start + _CHUNK]
 
 
-def _plain_file_mode(target: str) -> int:
-    """The permissions a plain ``open(target, "wb")`` would leave: the existing file's, or
-    0o666 less the umask for a new one."""
-    with contextlib.suppress(OSError):
-        return stat.S_IMODE(os.stat(target).st_mode)
-    return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux shows it (another thread
-    creating a file meanwhile would get a wrong mask otherwise)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a platform without directory fds: the rename is as durable as it gets
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- reading ------------------------------------------------------------------------------------
 
 
@@ -291,6 +281,8 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
             for a directory).
     """
     name = os.fspath(path)
+    with contextlib.suppress(OSError, ValueError):
+        remove_stale_temporaries(os.path.realpath(name))
     flags, body = _read_verified(name)
     frames = _frames(memoryview(body), name)
     try:
