@@ -1,8 +1,9 @@
 """The checkpoint file (issue 12): magic, version and checksum; truncated, corrupt, foreign and
 newer files; ``payload_codec`` (a file with no pickle in it); numpy payloads; ``save`` taking its
-checkpoint at once while the loop keeps serving. Issue 21: stale temporary files (item 9), huge
-files and FIFOs given to ``restore`` (item 10), symlinks and read-only files given to ``save``
-(item 14). The crash tests (SIGKILL during ``save``) are in ``test_checkpoint_atomic.py``.
+checkpoint at once while the loop keeps serving. Issue 21: overlapping and cancelled saves
+(item 2), stale temporary files (item 9), huge files and FIFOs given to ``restore`` (item 10),
+symlinks and read-only files given to ``save`` (item 14). The crash tests (SIGKILL during
+``save``) are in ``test_checkpoint_atomic.py``.
 
 Every refused file raises CheckpointError with a message that names the file, and builds nothing:
 the buffers here are built through a custom sampler that counts its instances.
@@ -10,6 +11,7 @@ the buffers here are built through a custom sampler that counts its instances.
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import hashlib
@@ -642,3 +644,190 @@ async def test_a_temporary_this_process_is_writing_is_kept_whatever_its_age(tmp_
             slow.release.set()
         assert uids(path) == ["slow"]  # another buffer: not ordered with it, it landed last
         assert temporaries(tmp_path) == []
+
+
+# -- overlapping and cancelled saves (issue 21, item 2) -----------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_save_overtaken_by_a_later_one_does_not_land_over_it(tmp_path: Path) -> None:
+    """Issue 21, item 2: a big save started first finished after a small save started later and
+    renamed the older checkpoint over the newer one (a resume then trained groups again)."""
+    with anyio.fail_after(LIMIT):
+        buf, path, slow = plain_buffer("old"), tmp_path / "buffer.ckpt", Gate()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(buf.save, path, payload_codec=slow.codec))
+            await slow.wait_entered()
+            buf.put_group_nowait("new", ["new"])
+            await buf.save(path, payload_codec=JSON_CODEC)  # started later, finishes first
+            assert uids(path) == ["old", "new"]
+            slow.release.set()
+        assert uids(path) == ["old", "new"]
+        assert temporaries(tmp_path) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", range(3))
+async def test_saves_started_every_step_end_with_the_last_state_whatever_order_they_finish_in(
+    tmp_path: Path, seed: int
+) -> None:
+    """Issue 21, item 2: ``tg.start_soon(buffer.save, path)`` at every step, the writes finishing
+    in a random order: the file ends holding the state of the save started last."""
+    with anyio.fail_after(LIMIT):
+        buf, path, count = plain_buffer(), tmp_path / "buffer.ckpt", 8
+        gates = [Gate() for _ in range(count)]
+        done = [anyio.Event() for _ in range(count)]
+
+        async def save(step: int) -> None:
+            await buf.save(path, payload_codec=gates[step].codec)
+            done[step].set()
+
+        order = random.Random(seed).sample(range(count), count)
+        assert order[-1] != count - 1  # else the unordered writes would end right by chance
+        async with anyio.create_task_group() as tg:
+            for step in range(count):
+                buf.put_group_nowait(f"g{step}", [step])
+                tg.start_soon(save, step)
+                await gates[step].wait_entered()
+            for step in order:
+                gates[step].release.set()
+                await done[step].wait()
+        assert uids(path) == [f"g{step}" for step in range(count)]
+        assert temporaries(tmp_path) == []
+
+
+@pytest.mark.anyio
+async def test_a_later_save_that_fails_leaves_the_earlier_one_to_land(tmp_path: Path) -> None:
+    """The order skips only a save overtaken by one that landed: when the later save fails, the
+    earlier one, the newest state written, still lands."""
+    with anyio.fail_after(LIMIT):
+        buf, path, slow = plain_buffer("old"), tmp_path / "buffer.ckpt", Gate()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(buf.save, path, payload_codec=slow.codec))
+            await slow.wait_entered()
+            buf.put_group_nowait("bad", [object()])  # JSON cannot hold it
+            with pytest.raises(CheckpointError, match="encode failed"):
+                await buf.save(path, payload_codec=JSON_CODEC)
+            slow.release.set()
+        assert uids(path) == ["old"]
+        assert temporaries(tmp_path) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["cancel", "fail_after"])
+async def test_a_save_cancelled_mid_write_lands_nothing_and_leaves_no_temporary(
+    tmp_path: Path, how: str
+) -> None:
+    """Issue 21, item 2: a cancelled save stops its writer (which ran to the end and renamed
+    before), waits for it to remove its temporary file, and leaves the order intact."""
+    with anyio.fail_after(LIMIT):
+        buf, path, gate = plain_buffer("old"), tmp_path / "buffer.ckpt", Gate()
+        await buf.save(path, payload_codec=JSON_CODEC)
+        buf.put_group_nowait("new", ["new"])
+        scope = anyio.CancelScope()
+        outcome: list[str] = []
+
+        async def save() -> None:
+            try:
+                with scope, anyio.fail_after(0.05 if how == "fail_after" else LIMIT):
+                    await buf.save(path, payload_codec=gate.codec)
+            except TimeoutError:
+                outcome.append("timed out")
+            else:
+                outcome.append("cancelled" if scope.cancelled_caught else "returned")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(save)
+            await gate.wait_entered()
+            if how == "cancel":
+                scope.cancel()
+            else:
+                await anyio.sleep(0.1)  # past the save's deadline
+            await anyio.wait_all_tasks_blocked()  # the save saw it, and waits for its writer
+            assert outcome == []
+            assert len(temporaries(tmp_path)) == 1
+            gate.release.set()
+        assert outcome == ["cancelled" if how == "cancel" else "timed out"]
+        assert uids(path) == ["old"]
+        assert temporaries(tmp_path) == []
+        await buf.save(path, payload_codec=JSON_CODEC)
+        assert uids(path) == ["old", "new"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("then", ["a newer save lands", "the older save lands"])
+async def test_a_cancelled_save_does_not_disturb_the_order(tmp_path: Path, then: str) -> None:
+    """An older save in flight, a newer one cancelled: the cancelled one takes no place in the
+    order (the older may land), and a save started after both still wins."""
+    with anyio.fail_after(LIMIT):
+        buf, path, older, cancelled = plain_buffer("a"), tmp_path / "buffer.ckpt", Gate(), Gate()
+        scope = anyio.CancelScope()
+
+        async def cancellable() -> None:
+            with scope:
+                await buf.save(path, payload_codec=cancelled.codec)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(buf.save, path, payload_codec=older.codec))
+            await older.wait_entered()
+            buf.put_group_nowait("b", ["b"])
+            tg.start_soon(cancellable)
+            await cancelled.wait_entered()
+            scope.cancel()
+            await anyio.wait_all_tasks_blocked()
+            cancelled.release.set()
+            if then == "a newer save lands":
+                buf.put_group_nowait("c", ["c"])
+                await buf.save(path, payload_codec=JSON_CODEC)
+            older.release.set()
+        assert uids(path) == (["a", "b", "c"] if then == "a newer save lands" else ["a"])
+        assert temporaries(tmp_path) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_overlapping_and_cancelled_saves_end_with_the_newest_not_cancelled(
+    tmp_path: Path, seed: int
+) -> None:
+    """Issue 21, item 2, model-based: saves started one per step, a random subset cancelled in
+    the middle of their write, all finishing in a random order. The file ends holding the
+    state of the newest save not cancelled, and no temporary file is left."""
+    rng = random.Random(seed)
+    with anyio.fail_after(LIMIT):
+        buf, path, count = plain_buffer(), tmp_path / "buffer.ckpt", 10
+        gates = [Gate() for _ in range(count)]
+        scopes = [anyio.CancelScope() for _ in range(count)]
+        done = [anyio.Event() for _ in range(count)]
+
+        async def save(step: int) -> None:
+            with scopes[step]:
+                await buf.save(path, payload_codec=gates[step].codec)
+            done[step].set()
+
+        cancelled = set(rng.sample(range(count), rng.randint(1, count - 1)))
+        async with anyio.create_task_group() as tg:
+            for step in range(count):
+                buf.put_group_nowait(f"g{step}", [step])
+                tg.start_soon(save, step)
+                await gates[step].wait_entered()
+            for step in rng.sample(range(count), count):
+                if step in cancelled:
+                    scopes[step].cancel()
+                    await anyio.wait_all_tasks_blocked()  # it saw it: it waits for its writer
+                gates[step].release.set()
+                await done[step].wait()
+        newest = max(set(range(count)) - cancelled)
+        assert uids(path) == [f"g{step}" for step in range(newest + 1)]
+        assert temporaries(tmp_path) == []
+
+
+@pytest.mark.anyio
+async def test_a_buffer_still_pickles_and_deep_copies_with_its_save_order(tmp_path: Path) -> None:
+    """The order's lock must not make a buffer unpicklable (it was picklable before): a copy
+    starts with no save in flight, and saves on its own."""
+    with anyio.fail_after(LIMIT):
+        buf = plain_buffer("a")
+        for number, copied in enumerate((pickle.loads(pickle.dumps(buf)), copy.deepcopy(buf))):
+            path = tmp_path / f"{number}.ckpt"
+            await copied.save(path)
+            assert uids(path, None) == ["a"]

@@ -15,6 +15,7 @@ are removed by the next write or read of the same path (see ``_checkpoint_path``
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -23,7 +24,7 @@ import os
 import pickle
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
@@ -42,6 +43,9 @@ from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
 from .records import Group, Status, new_group, new_trajectory
+
+if TYPE_CHECKING:
+    from ._save_order import SaveTicket
 
 __all__ = ["PayloadCodec", "read_checkpoint", "write_checkpoint"]
 
@@ -62,13 +66,29 @@ _READ = 16 << 20
 # -- writing ------------------------------------------------------------------------------------
 
 
+class _Stopped(Exception):
+    """The write was cancelled, or overtaken by a newer save of the same buffer."""
+
+
 class _Body:
     """Frames written to a file, hashed on the way."""
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], stop: Callable[[], bool]) -> None:
         self.file = file
         self.digest = hashlib.sha256()
         self.length = 0
+        self.stop = stop
+
+    def chunks(self, groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
+        """``groups`` in chunks of ``_CHUNK``, checking before each whether to stop.
+
+        Raises:
+            _Stopped: the write must stop.
+        """
+        for start in range(0, len(groups), _CHUNK):
+            if self.stop():
+                raise _Stopped
+            yield groups[start : start + _CHUNK]
 
     def frame(self, data: bytes | bytearray | memoryview) -> None:
         if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous):
@@ -83,9 +103,16 @@ class _Body:
 
 
 def write_checkpoint(
-    path: str | os.PathLike[str], checkpoint: BufferCheckpoint, codec: PayloadCodec | None
+    path: str | os.PathLike[str],
+    checkpoint: BufferCheckpoint,
+    codec: PayloadCodec | None,
+    ticket: SaveTicket | None = None,
 ) -> None:
     """Write ``checkpoint`` to ``path`` atomically (see the module docs).
+
+    With a ``ticket`` (see ``_save_order``), the write stops when the ticket is cancelled or a
+    newer save of the same buffer has landed at the file, and then returns without renaming;
+    either way its temporary file is removed.
 
     Raises:
         CheckpointError: a value the format cannot hold (named): one pickle cannot hold, or with
@@ -101,22 +128,36 @@ def write_checkpoint(
     mode = plain_file_mode(target)
     remove_stale_temporaries(target)
     handle, temporary = create_temporary(target)
+    stop = (lambda: False) if ticket is None else functools.partial(ticket.must_stop, target)
     try:
-        _write_file(handle, mode, checkpoint, codec)
-        os.replace(temporary, target)
+        try:
+            _write_file(handle, mode, checkpoint, codec, stop)
+            if ticket is None:
+                os.replace(temporary, target)
+                landed = True
+            else:
+                landed = ticket.land(target, functools.partial(os.replace, temporary, target))
+        except _Stopped:
+            landed = False
+        if not landed:  # cancelled, or the file already holds a newer state: nothing to rename
+            os.unlink(temporary)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
     finally:
         forget_temporary(temporary)
-    fsync_directory(os.path.dirname(target))
+    if landed:
+        fsync_directory(os.path.dirname(target))
 
 
-def _write_file(handle: int, mode: int, checkpoint: BufferCheckpoint, codec: PayloadCodec | None) -> None:
+def _write_file(
+    handle: int, mode: int, checkpoint: BufferCheckpoint, codec: PayloadCodec | None, stop: Callable[[], bool]
+) -> None:
     """Write the whole file to the open temporary ``handle`` (closed on return), and fsync it.
 
     Raises:
+        _Stopped: ``stop`` said so between two chunks.
         CheckpointError: as ``write_checkpoint``.
         OSError: the file could not be written.
     """
@@ -127,7 +168,7 @@ def _write_file(handle: int, mode: int, checkpoint: BufferCheckpoint, codec: Pay
             os.fchmod(handle, mode)
     with os.fdopen(handle, "wb") as file:
         file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
-        body = _Body(file)
+        body = _Body(file, stop)
         if codec is None:
             _write_pickled(body, checkpoint)
         else:
@@ -152,7 +193,7 @@ def _write_pickled(body: _Body, checkpoint: BufferCheckpoint) -> None:
         body.frame(pickle.dumps((manifest, len(checkpoint.groups)), protocol=5))
     except Exception as exc:
         raise CheckpointError(f"the config cannot be pickled: {describe_error(exc)}") from exc
-    for chunk in _chunks(checkpoint.groups):
+    for chunk in body.chunks(checkpoint.groups):
         buffers: list[pickle.PickleBuffer] = []
         try:
             data = pickle.dumps(chunk, protocol=5, buffer_callback=buffers.append)
@@ -197,7 +238,7 @@ def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[An
         "groups": len(checkpoint.groups),
     }
     body.frame(_to_json(manifest, "the config"))
-    for chunk in _chunks(checkpoint.groups):
+    for chunk in body.chunks(checkpoint.groups):
         rows = [_group_row(group) for group in chunk]
         for group, row in zip(chunk, rows, strict=True):  # one by one, to name the group at fault
             _check_plain(row, f"group {describe(group.uid)}")
@@ -260,11 +301,6 @@ def _check_plain(value: Any, where: str) -> None:
         f"{where}: a value of type {kind.__name__} ({describe(value)}) cannot be saved as JSON "
         "(a plain format)"
     )
-
-
-def _chunks(groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
-    for start in range(0, len(groups), _CHUNK):
-        yield groups[start : start + _CHUNK]
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@ from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
 import anyio.lowlevel
-import anyio.to_thread
 
-from ._checkpoint_file import PayloadCodec, write_checkpoint
+from ._checkpoint_file import PayloadCodec
 from ._core import EvictCallback
 from ._custom_sampler import build_from_config
 from ._producers import GroupStatus, Producers
 from ._rollout import RolloutGroup, rollout
+from ._save_order import SaveSequencer
 from ._threadsafe import ThreadsafeProducer
 from ._validation import (
     check_partition,
@@ -90,6 +90,7 @@ class ReplayBuffer(Producers):
                 "ReplayBuffer.from_config(config), which loads it"
             )
         super().__init__(config, policy, on_evict, status_log_interval)
+        self._saves = SaveSequencer()  # orders overlapping saves (see save)
 
     @classmethod
     def from_config(
@@ -162,6 +163,7 @@ class ReplayBuffer(Producers):
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Take :meth:`checkpoint` at once, then write it to ``path`` in a worker thread,
         atomically (the previous file or the new one survives a crash, never a torn one).
+        Overlapping saves to one file end with the state of the one called last that succeeded.
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
         the file holds no pickle at all (see the README's trust model).
@@ -172,11 +174,11 @@ class ReplayBuffer(Producers):
                 or ``encode`` failed.
             ConfigError: ``payload_codec`` is not None or a pair ``(encode, decode)`` of
                 callables (as for :meth:`restore`); nothing is written.
-            OSError: the file could not be written.
+            OSError: the file could not be written (PermissionError: ``path`` is read-only).
         """
         check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
-        await anyio.to_thread.run_sync(write_checkpoint, path, checkpoint, payload_codec)
+        await self._saves.write(path, checkpoint, payload_codec)
 
     @property
     def config(self) -> SamplerConfig:
