@@ -6,6 +6,10 @@ on stdin, forks a child that saves A, B, A, B... to PATH in a loop, lets a rando
 of saves complete, SIGKILLs it at a random moment of the next and prints ``killed N``, so the test
 process can check what is at PATH in between. The forking parent never runs an event loop or a
 thread of its own, so forking it is safe.
+
+``python tests/_save_loop_worker.py hang PATH`` saves a buffer whose second chunk of groups never
+finishes pickling: it prints ``writing`` once the first chunk is in the temporary file, then
+blocks until it is killed (a writer killed mid-write, deterministically).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
+from typing import Any
 
 import anyio
 
@@ -29,6 +35,24 @@ def build(which: str) -> ReplayBuffer:
     for i in range(SIZES[which]):
         buf.put_group_nowait(f"{which}{i}", [f"{which}-{i}", i], tags={"which": which})
     return buf
+
+
+class Hang:
+    """A payload whose pickling says ``writing`` and then never returns."""
+
+    def __reduce__(self) -> Any:
+        print("writing", flush=True)
+        threading.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def hang(path: str) -> None:
+    """Save 300 groups (256 to a chunk) whose last one cannot be pickled before a kill."""
+    buf = ReplayBuffer(SamplerConfig(), status_log_interval=None)
+    for i in range(299):
+        buf.put_group_nowait(f"g{i}", [os.urandom(4096)])
+    buf.put_group_nowait("hang", [Hang()])
+    anyio.run(buf.save, path)
 
 
 def child(path: str, buffers: list[ReplayBuffer], forever: bool, started: int | None = None) -> None:
@@ -75,4 +99,7 @@ def main(path: str, rounds: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1] == "hang":
+        hang(sys.argv[2])
+    else:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

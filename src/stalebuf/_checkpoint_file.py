@@ -7,31 +7,45 @@ band, in their own frames), so the writer never holds the GIL for long. Codec fi
 JSON for everything, and one frame per payload made by the user's ``encode``; nothing in them
 is ever unpickled. A write goes to a temporary file in the same directory, is flushed and
 fsynced, then renamed over the target and the directory fsynced: a crash at any moment leaves
-the previous file or the new one, never a torn one.
+the previous file or the new one, never a torn one. A path that is a symlink is resolved first:
+the write replaces the link's target, not the link. Temporary files a killed writer left behind
+are removed by the next write or read of the same path (see ``_checkpoint_path``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import io
 import json
 import math
 import os
 import pickle
-import stat
 import struct
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
+from ._checkpoint_path import (
+    create_temporary,
+    forget_temporary,
+    fsync_directory,
+    open_regular,
+    plain_file_mode,
+    remove_stale_temporaries,
+    resolve_target,
+)
 from ._stored import peek_trajectories
 from ._validation import check_payload_codec, check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
 from .records import Group, Status, new_group, new_trajectory
+
+if TYPE_CHECKING:
+    from ._save_order import SaveTicket
 
 __all__ = ["PayloadCodec", "read_checkpoint", "write_checkpoint"]
 
@@ -45,18 +59,36 @@ _COUNT = struct.Struct(">I")
 _PICKLE, _CODEC = 0, 1
 # Groups per pickled or JSON chunk: small enough that one chunk holds the GIL for milliseconds.
 _CHUNK = 256
+# Bytes per read: a file is read in bounded pieces, after its header and size were checked.
+_READ = 16 << 20
 
 
 # -- writing ------------------------------------------------------------------------------------
 
 
+class _Stopped(Exception):
+    """The write was cancelled, or overtaken by a newer save of the same buffer."""
+
+
 class _Body:
     """Frames written to a file, hashed on the way."""
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], stop: Callable[[], bool]) -> None:
         self.file = file
         self.digest = hashlib.sha256()
         self.length = 0
+        self.stop = stop
+
+    def chunks(self, groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
+        """``groups`` in chunks of ``_CHUNK``, checking before each whether to stop.
+
+        Raises:
+            _Stopped: the write must stop.
+        """
+        for start in range(0, len(groups), _CHUNK):
+            if self.stop():
+                raise _Stopped
+            yield groups[start : start + _CHUNK]
 
     def frame(self, data: bytes | bytearray | memoryview) -> None:
         if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous):
@@ -71,47 +103,82 @@ class _Body:
 
 
 def write_checkpoint(
-    path: str | os.PathLike[str], checkpoint: BufferCheckpoint, codec: PayloadCodec | None
+    path: str | os.PathLike[str],
+    checkpoint: BufferCheckpoint,
+    codec: PayloadCodec | None,
+    ticket: SaveTicket | None = None,
 ) -> None:
     """Write ``checkpoint`` to ``path`` atomically (see the module docs).
+
+    With a ``ticket`` (see ``_save_order``), the write stops when the ticket is cancelled or a
+    newer save of the same buffer has landed at the file, and then returns without renaming;
+    either way its temporary file is removed.
 
     Raises:
         CheckpointError: a value the format cannot hold (named): one pickle cannot hold, or with
             a codec one JSON cannot hold; or ``encode`` failed or returned something other than
-            bytes.
+            bytes; or ``path`` names something other than a regular file (a FIFO, a device).
         ConfigError: ``codec`` is not None or a pair ``(encode, decode)`` of callables.
+        PermissionError: the file at ``path`` is read-only (no write permission for this
+            process, or none for anyone): it is kept, not replaced.
         OSError: the file could not be written (the previous file, if any, is untouched).
     """
     check_payload_codec(codec)
-    target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    mode = _plain_file_mode(target)
-    handle, temporary = tempfile.mkstemp(prefix=".stalebuf-", suffix=".tmp", dir=directory)
+    target = resolve_target(path)
+    mode = plain_file_mode(target)
+    remove_stale_temporaries(target)
+    handle, temporary = create_temporary(target)
+    stop = (lambda: False) if ticket is None else functools.partial(ticket.must_stop, target)
     try:
-        if hasattr(os, "fchmod"):  # POSIX: mkstemp's 0o600 would hide the file from other users
-            # Best effort: a file system without Unix permissions (vfat, some CIFS mounts) refuses
-            # chmod with EPERM, and a plain open there would not have failed either.
-            with contextlib.suppress(OSError):
-                os.fchmod(handle, mode)
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
-            body = _Body(file)
-            if codec is None:
-                _write_pickled(body, checkpoint)
+        try:
+            _write_file(handle, mode, checkpoint, codec, stop)
+            if ticket is None:
+                os.replace(temporary, target)
+                landed = True
             else:
-                _write_plain(body, checkpoint, codec[0])
-            file.seek(len(MAGIC))
-            flags = _PICKLE if codec is None else _CODEC
-            digest = _digest(FORMAT_VERSION, flags, body.length, body.digest)
-            file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, digest))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
+                landed = ticket.land(target, functools.partial(os.replace, temporary, target))
+        except _Stopped:
+            landed = False
+        if not landed:  # cancelled, or the file already holds a newer state: nothing to rename
+            os.unlink(temporary)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
-    _fsync_directory(directory)
+    finally:
+        forget_temporary(temporary)
+    if landed:
+        fsync_directory(os.path.dirname(target))
+
+
+def _write_file(
+    handle: int, mode: int, checkpoint: BufferCheckpoint, codec: PayloadCodec | None, stop: Callable[[], bool]
+) -> None:
+    """Write the whole file to the open temporary ``handle`` (closed on return), and fsync it.
+
+    Raises:
+        _Stopped: ``stop`` said so between two chunks.
+        CheckpointError: as ``write_checkpoint``.
+        OSError: the file could not be written.
+    """
+    if hasattr(os, "fchmod"):  # POSIX: mkstemp's 0o600 would hide the file from other users
+        # Best effort: a file system without Unix permissions (vfat, some CIFS mounts) refuses
+        # chmod with EPERM, and a plain open there would not have failed either.
+        with contextlib.suppress(OSError):
+            os.fchmod(handle, mode)
+    with os.fdopen(handle, "wb") as file:
+        file.write(MAGIC + b"\0" * _HEADER.size)  # the header is filled in at the end
+        body = _Body(file, stop)
+        if codec is None:
+            _write_pickled(body, checkpoint)
+        else:
+            _write_plain(body, checkpoint, codec[0])
+        file.seek(len(MAGIC))
+        flags = _PICKLE if codec is None else _CODEC
+        digest = _digest(FORMAT_VERSION, flags, body.length, body.digest)
+        file.write(_HEADER.pack(FORMAT_VERSION, flags, body.length, digest))
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _digest(version: int, flags: int, length: int, body: hashlib._Hash) -> bytes:
@@ -126,7 +193,7 @@ def _write_pickled(body: _Body, checkpoint: BufferCheckpoint) -> None:
         body.frame(pickle.dumps((manifest, len(checkpoint.groups)), protocol=5))
     except Exception as exc:
         raise CheckpointError(f"the config cannot be pickled: {describe_error(exc)}") from exc
-    for chunk in _chunks(checkpoint.groups):
+    for chunk in body.chunks(checkpoint.groups):
         buffers: list[pickle.PickleBuffer] = []
         try:
             data = pickle.dumps(chunk, protocol=5, buffer_callback=buffers.append)
@@ -171,7 +238,7 @@ def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[An
         "groups": len(checkpoint.groups),
     }
     body.frame(_to_json(manifest, "the config"))
-    for chunk in _chunks(checkpoint.groups):
+    for chunk in body.chunks(checkpoint.groups):
         rows = [_group_row(group) for group in chunk]
         for group, row in zip(chunk, rows, strict=True):  # one by one, to name the group at fault
             _check_plain(row, f"group {describe(group.uid)}")
@@ -236,43 +303,6 @@ def _check_plain(value: Any, where: str) -> None:
     )
 
 
-def _chunks(groups: tuple[Group, ...]) -> Iterator[tuple[Group, ...]]:
-    for start in range(0, len(groups), _CHUNK):
-        yield groups[start : start + _CHUNK]
-
-
-def _plain_file_mode(target: str) -> int:
-    """The permissions a plain ``open(target, "wb")`` would leave: the existing file's, or
-    0o666 less the umask for a new one."""
-    with contextlib.suppress(OSError):
-        return stat.S_IMODE(os.stat(target).st_mode)
-    return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux shows it (another thread
-    creating a file meanwhile would get a wrong mask otherwise)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a platform without directory fds: the rename is as durable as it gets
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- reading ------------------------------------------------------------------------------------
 
 
@@ -281,32 +311,16 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
 
     Raises:
         CheckpointError: the file is truncated, corrupt, not a checkpoint, of a newer format,
-            a codec file read without a codec (or a pickle file read with one), or ``decode``
-            failed.
-        OSError: the file cannot be read (FileNotFoundError for a missing one).
+            not a regular file (a FIFO, a device), a codec file read without a codec (or a
+            pickle file read with one), or ``decode`` failed.
+        OSError: the file cannot be read (FileNotFoundError for a missing one, IsADirectoryError
+            for a directory).
     """
-    with open(path, "rb") as file:
-        data = bytearray(file.read())
     name = os.fspath(path)
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
-    start = len(MAGIC) + _HEADER.size
-    if len(data) < start:
-        raise CheckpointError(f"{name!r} is truncated (no complete header)")
-    version, flags, length, digest = _HEADER.unpack_from(data, len(MAGIC))
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
-            f"{FORMAT_VERSION}: upgrade it"
-        )
-    if len(data) - start != length:
-        raise CheckpointError(
-            f"{name!r} is truncated or has trailing data ({len(data) - start} of {length} bytes)"
-        )
-    body = memoryview(data)[start:]
-    if version < 1 or _digest(version, flags, length, hashlib.sha256(body)) != digest:
-        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
-    frames = _frames(body, name)
+    with contextlib.suppress(OSError, ValueError):
+        remove_stale_temporaries(os.path.realpath(name))
+    flags, body = _read_verified(name)
+    frames = _frames(memoryview(body), name)
     try:
         if flags == _PICKLE:
             if codec is not None:
@@ -327,6 +341,58 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
             f"{name!r} cannot be read: {type(exc).__name__}: {describe_error(exc)}"
         ) from exc
     raise CheckpointError(f"{name!r} has unknown flags {flags}")
+
+
+def _read_verified(name: str) -> tuple[int, bytearray]:
+    """The file's flags and body, its magic, version, size and checksum checked: the header and
+    the size before the body is read (a foreign file of any size costs one small read).
+
+    Raises:
+        CheckpointError: as ``read_checkpoint``, for the file itself.
+        OSError: the file cannot be read.
+    """
+    start = len(MAGIC) + _HEADER.size
+    with open_regular(name) as file:
+        head = file.read(start)
+        if not head.startswith(MAGIC):
+            raise CheckpointError(f"{name!r} is not a stalebuf checkpoint")
+        if len(head) < start:
+            raise CheckpointError(f"{name!r} is truncated (no complete header)")
+        version, flags, length, digest = _HEADER.unpack_from(head, len(MAGIC))
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{name!r} has checkpoint format {version}; this stalebuf reads formats up to "
+                f"{FORMAT_VERSION}: upgrade it"
+            )
+        size = os.fstat(file.fileno()).st_size - start
+        if size != length:
+            raise CheckpointError(f"{name!r} is truncated or has trailing data ({size} of {length} bytes)")
+        body, hashed = _read_body(file, length, name)
+    if version < 1 or _digest(version, flags, length, hashed) != digest:
+        raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")
+    return flags, body
+
+
+def _read_body(file: io.BufferedReader, length: int, name: str) -> tuple[bytearray, hashlib._Hash]:
+    """The next ``length`` bytes of ``file``, read (and hashed) in pieces of at most ``_READ``.
+
+    Raises:
+        CheckpointError: the file is shorter or longer than that (it changed while read).
+        OSError: it cannot be read.
+    """
+    body = bytearray(length)
+    view = memoryview(body)
+    hashed = hashlib.sha256()
+    done = 0
+    while done < length:
+        count = file.readinto(view[done : done + _READ])
+        if not count:
+            break
+        hashed.update(view[done : done + count])
+        done += count
+    if done < length or file.read(1):
+        raise CheckpointError(f"{name!r} is truncated or has trailing data (it changed while read)")
+    return body, hashed
 
 
 def _frames(body: memoryview, name: str) -> Iterator[memoryview]:

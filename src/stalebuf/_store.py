@@ -20,6 +20,7 @@ from ._partition import PartitionState
 from ._rules import Rules
 from ._stored import count_trajectories
 from ._validation import describe
+from ._waiting import LoopBinding
 from .errors import DuplicateTrajectoryError, GroupEvictedError, InvalidTransitionError, UnknownGroupError
 from .records import (
     DEFAULT_KEY_SESSIONS,
@@ -55,12 +56,14 @@ class GroupStore:
             "stale", else the eviction's reason ("restart").
         next_seq: the admission sequence number of the next group (it orders FIFO ties).
         closed: whether the buffer was closed.
+        rules, binding: the buffer's rule book and loop binding (parts the store only reads).
     """
 
-    __slots__ = ("closed", "evicted_in_flight", "groups", "next_seq", "partitions", "rules")
+    __slots__ = ("binding", "closed", "evicted_in_flight", "groups", "next_seq", "partitions", "rules")
 
-    def __init__(self, rules: Rules) -> None:
+    def __init__(self, rules: Rules, binding: LoopBinding) -> None:
         self.rules = rules
+        self.binding = binding  # the loop the buffer is bound to (its own part; read, not written)
         self.groups: dict[str, OpenGroup | Group] = {}
         self.partitions: dict[str, PartitionState] = {}
         self.evicted_in_flight: OrderedDict[str, str | None] = OrderedDict()

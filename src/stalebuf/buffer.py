@@ -28,10 +28,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio.lowlevel
-import anyio.to_thread
 
 from ._admission import Admission
-from ._checkpoint_file import PayloadCodec, write_checkpoint
+from ._checkpoint_file import PayloadCodec
 from ._consumer import Consumer, EvictCallback, SampleObserver
 from ._custom_sampler import build_from_config, refuse_custom_sampler
 from ._eviction import check_on_evict
@@ -40,6 +39,7 @@ from ._open_group import GroupWatch, OpenGroup
 from ._restore import capture, read_restore_arguments, rebuild
 from ._rollout import RolloutGroup, rollout
 from ._rules import build_rules
+from ._save_order import SaveSequencer
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
 from ._validation import (
@@ -125,11 +125,12 @@ class ReplayBuffer:
         rules = build_rules(config, policy, self if overridden else None)
         check_on_evict(on_evict)
         interval = check_status_log_interval(status_log_interval)
-        self.__binding = binding = LoopBinding()
-        self.__store = store = GroupStore(rules)
+        binding = LoopBinding()
+        self.__store = store = GroupStore(rules, binding)
         self.__admission = admission = Admission(store, rules, binding)
         self.__consumer = consumer = Consumer(store, admission, rules, binding, on_evict, interval)
         self.__writer = GroupWriter(store, admission, consumer)
+        self.__saves = SaveSequencer()  # orders overlapping saves (see save)
 
     @classmethod
     def from_config(
@@ -210,12 +211,13 @@ class ReplayBuffer:
             CheckpointError: the buffer's policy was built from another config than the buffer's
                 (``restore`` rebuilds it from the buffer's, so its rules would change).
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         return capture(self.__store, self.__admission)
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Take :meth:`checkpoint` at once, then write it to ``path`` in a worker thread,
         atomically (the previous file or the new one survives a crash, never a torn one).
+        Overlapping saves to one file end with the state of the one called last that succeeded.
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
         the file holds no pickle at all (see the README's trust model).
@@ -226,11 +228,11 @@ class ReplayBuffer:
                 or ``encode`` failed.
             ConfigError: ``payload_codec`` is not None or a pair ``(encode, decode)`` of
                 callables (as for :meth:`restore`); nothing is written.
-            OSError: the file could not be written.
+            OSError: the file could not be written (PermissionError: ``path`` is read-only).
         """
         check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
-        await anyio.to_thread.run_sync(write_checkpoint, path, checkpoint, payload_codec)
+        await self.__saves.write(path, checkpoint, payload_codec)
 
     @property
     def config(self) -> SamplerConfig:
@@ -261,7 +263,7 @@ class ReplayBuffer:
                 the loop of another thread.
             BackendMismatchError: the buffer is bound to another async backend.
         """
-        binding = self.__binding
+        binding = self.__store.binding
         binding.check_thread()
         binding.check_backend()
         try:
@@ -279,7 +281,7 @@ class ReplayBuffer:
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         return type(uid) is str and uid in self.__store.groups
 
     # -- checks -----------------------------------------------------------------------
@@ -290,7 +292,7 @@ class ReplayBuffer:
         Producers inline the cheap test (closed, or bound to another thread) and call this
         only when it holds: the common case costs one ``get_ident()`` comparison.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         if self.__store.closed:
             raise BufferClosedError("the buffer is closed")
 
@@ -315,7 +317,7 @@ class ReplayBuffer:
             BufferFullError: admission control has no slot for it now; nothing changed.
         """
         store = self.__store
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         # The hot path: each check is inlined, the slow helpers only build the error.
@@ -344,7 +346,7 @@ class ReplayBuffer:
             InvalidTransitionError: the group is not PENDING.
         """
         store = self.__store
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         store.start(uid)
@@ -371,7 +373,7 @@ class ReplayBuffer:
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
         """
         store = self.__store
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         if type(session_id) is not int or not 0 <= session_id < 1 << 63:
@@ -391,7 +393,7 @@ class ReplayBuffer:
             InvalidTransitionError: the group is already terminal.
         """
         store = self.__store
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         group = store.groups.get(uid) if type(uid) is str else None
@@ -413,7 +415,7 @@ class ReplayBuffer:
             InvalidTransitionError: the group is already terminal.
         """
         store = self.__store
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         group = store.open_group(uid, "mark failed")
@@ -455,7 +457,7 @@ class ReplayBuffer:
             BufferFullError: the group is new and admission control has no slot for it now.
         """
         store = self.__store
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         part = store.partitions.get(partition) if type(partition) is str else None
@@ -642,7 +644,7 @@ class ReplayBuffer:
         """
         if not isinstance(watch, GroupWatch):
             raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         store = self.__store
         group = watch.group
         if store.closed or store.groups.get(group.uid) is not group:
@@ -664,7 +666,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             The errors of :meth:`put_group_nowait` for values it would refuse.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         return self.__writer.put_back(group)
 
     # -- admission --------------------------------------------------------------------
@@ -690,7 +692,7 @@ class ReplayBuffer:
             TypeError, ValueError: ``partition`` is not a non-empty str.
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         check_partition(partition)
         return self.__admission.capacity(self.__store.partitions.get(partition), partition)
 
@@ -703,7 +705,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``admits`` raised.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         check_partition(partition)
         part = self.__store.partitions.get(partition)
         if part is None:  # an unused partition: every slot at its clock step
@@ -789,7 +791,7 @@ class ReplayBuffer:
         if timeout != 0:
             # A call that may wait needs the bound backend: refuse another one before anything
             # changes. (One with timeout=0 never touches the backend, so any caller may check.)
-            self.__binding.check_backend()
+            self.__store.binding.check_backend()
         part = self.__check_sample(global_steps, batch_size, partition)
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
             part = self.__store.partition(partition)
@@ -819,7 +821,7 @@ class ReplayBuffer:
         part = store.partitions.get(partition) if type(partition) is str else None
         if part is None:
             check_partition(partition)
-        thread = self.__binding.thread
+        thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         return part
@@ -836,7 +838,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``is_stale`` raised.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         check_step(global_steps)
         check_partition(partition)
         part = self.__store.partitions.get(partition)
@@ -855,7 +857,7 @@ class ReplayBuffer:
         """
         if not callable(observer):
             raise TypeError(f"observer must be callable, got {describe_typed(observer)}")
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         observers = self.__consumer.observers
         observers.append(observer)
 
@@ -871,7 +873,7 @@ class ReplayBuffer:
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         return self.__consumer.stats()
 
     # -- closing ----------------------------------------------------------------------
@@ -883,7 +885,7 @@ class ReplayBuffer:
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self.__binding.check_thread()
+        self.__store.binding.check_thread()
         store = self.__store
         if store.closed:
             return
