@@ -7,8 +7,10 @@ batch qualifies under the staleness rules, then returns it oldest first.
 
 from __future__ import annotations
 
+from ._open_group import GroupWatch
 from ._rollout import RolloutGroup
 from ._threadsafe import ThreadsafeProducer
+from ._version import __version__ as __version__
 from .buffer import GroupStatus, ReplayBuffer
 from .checkpoint import BufferCheckpoint, RestoreResult
 from .config import SamplerConfig
@@ -52,6 +54,7 @@ __all__ = [
     "Group",
     "GroupEvictedError",
     "GroupStatus",
+    "GroupWatch",
     "InvalidTransitionError",
     "MissingDependencyError",
     "PartitionStats",
@@ -67,5 +70,3 @@ __all__ = [
     "UnknownGroupError",
     "WrongThreadError",
 ]
-
-__version__ = "0.1.0.dev0"

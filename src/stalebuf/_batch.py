@@ -1,17 +1,16 @@
 """The records of a ``sample`` and an eviction: :class:`Batch` and :class:`EvictionEvent`
-(exported by :mod:`stalebuf.records`, which holds the group and trajectory records)."""
+(exported by :mod:`stalebuf.records`, with the group and trajectory records they hold)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from .records import Group, Trajectory
+from ._group_records import Group, Trajectory
 
 __all__ = ["Batch", "EvictionEvent", "EvictionReason", "new_batch"]
 

@@ -24,7 +24,7 @@ import os
 import pickle
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import attrs
 
@@ -44,10 +44,20 @@ from .config import SamplerConfig
 from .errors import CheckpointError
 from .records import Group, Status, new_group, new_trajectory
 
-if TYPE_CHECKING:
-    from ._save_order import SaveTicket
+__all__ = ["PayloadCodec", "WriteTicket", "read_checkpoint", "write_checkpoint"]
 
-__all__ = ["PayloadCodec", "read_checkpoint", "write_checkpoint"]
+
+class WriteTicket(Protocol):
+    """What a write asks of its place in an ordering of saves (``_save_order.SaveTicket``)."""
+
+    def must_stop(self, target: str) -> bool:
+        """Whether the write should give up now (cancelled, or overtaken on ``target``)."""
+        ...
+
+    def land(self, target: str, rename: Callable[[], None]) -> bool:
+        """Call ``rename`` unless the write must stop; return whether it did."""
+        ...
+
 
 #: ``(encode, decode)``: ``encode(payload) -> bytes`` and ``decode(bytes) -> payload``.
 PayloadCodec = tuple[Callable[[Any], bytes], Callable[[bytes], Any]]
@@ -106,7 +116,7 @@ def write_checkpoint(
     path: str | os.PathLike[str],
     checkpoint: BufferCheckpoint,
     codec: PayloadCodec | None,
-    ticket: SaveTicket | None = None,
+    ticket: WriteTicket | None = None,
 ) -> None:
     """Write ``checkpoint`` to ``path`` atomically (see the module docs).
 

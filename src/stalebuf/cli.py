@@ -24,7 +24,7 @@ from typing import IO, Any, Literal, NoReturn, get_args, get_origin, get_type_hi
 
 import attrs
 
-from . import __version__
+from ._version import __version__
 from .errors import ConfigError, StalebufError
 from .simulate import (
     Latency,

@@ -237,8 +237,9 @@ def register(
     """Export ``buffer``'s stats to ``registry``, read on each scrape; return the collector.
 
     ``buffer`` is a :class:`~stalebuf.ReplayBuffer` or a
-    :class:`~stalebuf.ray.RemoteReplayBuffer`. Its ``sample`` (and ``sample_nowait``) are
-    wrapped on the instance to feed the histograms; ``collector.unregister()`` undoes both.
+    :class:`~stalebuf.ray.RemoteReplayBuffer`. The histograms observe its samples through
+    ``buffer.observe_samples`` (another library's buffer without it has ``sample`` wrapped on
+    the instance); ``collector.unregister()`` undoes both.
     Scrapes may come from any thread. For a local buffer, call ``register`` inside its running
     event loop if they will come from other threads while the loop runs (it then hands each
     read to the loop, waiting at most ``timeout`` seconds); reads on the loop's thread are

@@ -13,11 +13,12 @@ RemoteReplayBuffer's own, in ``_client``.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from .._checkpoint_file import PayloadCodec
+from .._status_log import logger
 from .._validation import materialise
 from ..buffer import GroupStatus
 from ..records import Batch
@@ -93,6 +94,8 @@ class BufferCalls:
 
     def __init__(self, connection: ActorConnection) -> None:
         self._connection = connection
+        # This client's sample observers (observe_samples); each client object has its own.
+        self._observers: list[Callable[[Batch, Mapping[str, float]], object]] = []
 
     # -- producers --------------------------------------------------------------------
 
@@ -293,7 +296,32 @@ class BufferCalls:
             are raised by the client, before it contacts the actor); BufferUnavailableError when
             the actor is gone (also while waiting) or did not start within ``start_timeout``.
         """
-        return await self._connection.sample(global_steps, batch_size, partition, timeout)
+        result = await self._connection.sample(global_steps, batch_size, partition, timeout)
+        for observer in self._observers:
+            try:
+                observer(*result)
+            except Exception:
+                logger.exception("a sample observer raised; the batch is returned all the same")
+        return result
+
+    def observe_samples(self, observer: Callable[[Batch, Mapping[str, float]], object]) -> Callable[[], None]:
+        """Call ``observer(batch, metrics)`` with every batch a ``sample`` through this client
+        returns, before it is returned; return a function that stops it (idempotent). As
+        :meth:`ReplayBuffer.observe_samples`, but only this client's calls are observed.
+
+        Raises:
+            TypeError: ``observer`` is not callable.
+        """
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {type(observer).__name__}")
+        observers = self._observers
+        observers.append(observer)
+
+        def stop() -> None:
+            if observer in observers:
+                observers.remove(observer)
+
+        return stop
 
     async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
         """Return how many groups ``sample`` could select right now, as
