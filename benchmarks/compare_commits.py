@@ -20,18 +20,23 @@ given. Each takes a few seconds:
 - P1: ``p1_wakeup.p1_side_by_side`` on asyncio at B=1, 8 and 64: the wake-up latency of a
   parked ``sample`` and of a bare ``asyncio.Event``, alternated rep by rep; per round the
   median of each and the ratio of the medians (the P1 target's own measure, judged here).
-- P2: ns per ``put_group_nowait`` of a new finished group of 8 (``p2_producer.put_group_cost``,
-  admission control off and on, alternated, GC paused), the ``put_group`` pipeline per group
-  (``workloads.pipeline_stalebuf(groups, put_group=True)``), the 11-call pipeline per group,
-  and an ``asyncio.Queue`` control, which involves no stalebuf code: its head/base shows how
-  much the machine's load moved between the two sides.
+- P2: ns per ``put_group_nowait`` of a new finished group of 8 (the loop of
+  ``p2_producer.put_group_cost``: admission control off and on, GC paused), the ``put_group``
+  pipeline per group (``workloads.pipeline_stalebuf(groups, put_group=True)``) and the 11-call
+  pipeline per group; each next to a control that runs no stalebuf code, timed in turn with it
+  in the same subprocess: a plain-Python ``put_group`` (a dict entry, a per-step count and 8
+  keys per group) for ``put_group_nowait``, ``asyncio.Queue`` put+get of 8 items per group for
+  the pipelines (P2's own baseline).
 
 P2 is timed on two clocks: wall time (``perf_counter_ns``, as ``p2_producer`` reports it) and
 the thread's CPU time (``thread_time_ns``). Nothing in P2 sleeps, so the two agree on an idle
 machine; with more runnable jobs than cores, wall time also counts the time the process waited
-for a core, and the P2 rows are judged on CPU time (wall time is shown, as "info"). Each
-pipeline is also given as a ratio to the ``asyncio.Queue`` control timed right after it (the
-median of those ratios; CPU time), which cancels most of what other jobs do to the caches.
+for a core. Even CPU time moves by tens of percent from one subprocess to the next when other
+jobs share the cores (the controls show it: same code on both sides, yet head/base far from 1);
+the ratio to the control measured alongside (median of the ratios within the subprocess)
+cancels most of that, as P1's ratio to a bare Event does. So the verdicts are on the ratios
+(P1: stalebuf / bare Event; P2: CPU time / its control), and the absolute times are shown as
+"info" (µs, CPU time and wall time) next to their controls.
 
 The table gives per metric the median over the rounds of each side, head/base of those
 medians and the verdict (head/base <= 1.10); then two readings less sensitive to other jobs
@@ -53,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,23 +95,27 @@ def _metrics() -> list[Metric]:
         )
         rows.append(Metric(f"p1_b{b}_stalebuf", f"P1 B={b}: stalebuf wake-up, median", "µs", "info"))
         rows.append(Metric(f"p1_b{b}_bare", f"P1 B={b}: bare asyncio.Event wake-up, median", "µs", "control"))
-    p2 = [
-        ("p2_put_group_off", "P2 put_group_nowait, new group of 8", "judged"),
-        ("p2_put_group_on", "P2 put_group_nowait, admission_batch_size=64", "judged"),
-        ("p2_pipeline_put_group", "P2 put_group pipeline, per group", "judged"),
-        ("p2_pipeline_calls", "P2 11-call pipeline, per group", "judged"),
+    p2 = [  # (key, label, kind of its absolute rows): stalebuf is judged on the ratios below
+        ("p2_put_group_off", "P2 put_group_nowait, new group of 8", "info"),
+        ("p2_put_group_on", "P2 put_group_nowait, admission_batch_size=64", "info"),
+        ("p2_reference", "plain-Python put_group (control), per group", "control"),
+        ("p2_pipeline_put_group", "P2 put_group pipeline, per group", "info"),
+        ("p2_pipeline_calls", "P2 11-call pipeline, per group", "info"),
         ("p2_queue", "asyncio.Queue put+get x 8 (control), per group", "control"),
     ]
-    for clock, shown in (("cpu", "CPU time"), ("wall", "wall time")):
-        for key, label, kind in p2:
-            # Judged on CPU time: with more runnable jobs than cores, wall time also counts
-            # the time this process waited for a core.
-            judged = kind if clock == "cpu" or kind == "control" else "info"
-            rows.append(Metric(f"{key}_{clock}", f"{label} ({shown})", "µs", judged))
-    for key, label, _kind in p2[2:4]:
-        rows.append(
-            Metric(f"{key}_per_queue", f"{label.removesuffix(', per group')} / Queue (CPU)", "x", "info")
-        )
+    rows += [Metric(f"{key}_cpu", f"{label} (CPU time)", "µs", kind) for key, label, kind in p2]
+    rows += [
+        Metric("p2_put_group_off_per_reference", "P2 put_group_nowait / plain-Python control", "x", "judged"),
+        Metric(
+            "p2_put_group_on_per_reference",
+            "P2 put_group_nowait, admission on / plain-Python control",
+            "x",
+            "judged",
+        ),
+        Metric("p2_pipeline_put_group_per_queue", "P2 put_group pipeline / Queue control", "x", "judged"),
+        Metric("p2_pipeline_calls_per_queue", "P2 11-call pipeline / Queue control", "x", "judged"),
+    ]
+    rows += [Metric(f"{key}_wall", f"{label} (wall time)", "µs", kind) for key, label, kind in p2]
     return rows
 
 
@@ -194,8 +203,38 @@ async def _pipelines(groups: int, repeats: int) -> dict[str, list[float]]:
     return runs
 
 
+def _reference_cost(groups: int) -> tuple[int, int]:
+    """(wall ns, CPU ns) of a plain-Python ``put_group`` of ``groups`` new groups of 8, no
+    stalebuf code: per group a record tuple in a dict, a per-step count and 8 keys. Timed next
+    to ``put_group_nowait`` in the same subprocess, it tracks how fast the machine runs Python
+    at that moment, so put_group_nowait / this is steadier than either alone."""
+    from p2_producer import ADMISSION_BATCH
+    from workloads import TRAJECTORIES_PER_GROUP
+
+    groups_by_uid: dict[str, tuple[Any, ...]] = {}
+    per_step: dict[int, int] = {}
+    uids = [f"g{i}" for i in range(groups)]
+    payloads = [None] * TRAJECTORIES_PER_GROUP
+    suffixes = [f"_{session}_0" for session in range(TRAJECTORIES_PER_GROUP)]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        for i, uid in enumerate(uids):
+            step = i // ADMISSION_BATCH
+            keys = [uid + suffix for suffix in suffixes]
+            groups_by_uid[uid] = (uid, "train", step, tuple(payloads), keys)
+            per_step[step] = per_step.get(step, 0) + 1
+        wall, cpu = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
+    finally:
+        if was_enabled:
+            gc.enable()
+    return wall, cpu
+
+
 def measure_p2() -> dict[str, float]:
-    """P2: put_group_nowait off/on and the pipelines; medians of the repeats, ns per group."""
+    """P2: put_group_nowait off/on with its control, and the pipelines; medians of the
+    repeats, ns per group (ratios: medians of the ratios within a repeat)."""
     import anyio
 
     from p2_producer import admission_configs
@@ -204,14 +243,23 @@ def measure_p2() -> dict[str, float]:
     if configs is None:
         raise SystemExit("this stalebuf has no admission control (admission_batch_size)")
     on, off = configs
-    by_name = {"p2_put_group_on": on, "p2_put_group_off": off}
+    parts: list[tuple[str, Callable[[], tuple[int, int]]]] = [
+        ("p2_reference", lambda: _reference_cost(P2_GROUPS)),
+        ("p2_put_group_off", lambda: _put_group_cost(P2_GROUPS, off)),
+        ("p2_put_group_on", lambda: _put_group_cost(P2_GROUPS, on)),
+    ]
     runs: dict[str, list[float]] = {}
     for repeat in range(P2_REPEATS + 1):  # the first is a warm-up
-        for name in sorted(by_name, reverse=bool(repeat % 2)):
-            wall, cpu = _put_group_cost(P2_GROUPS, by_name[name])
+        cpu_of: dict[str, int] = {}
+        for name, run in parts[repeat % 3 :] + parts[: repeat % 3]:  # each goes first in turn
+            wall, cpu = run()
+            cpu_of[name] = cpu
             if repeat:
                 runs.setdefault(f"{name}_wall", []).append(wall / P2_GROUPS)
                 runs.setdefault(f"{name}_cpu", []).append(cpu / P2_GROUPS)
+        if repeat:
+            for name in ("p2_put_group_off", "p2_put_group_on"):
+                runs.setdefault(f"{name}_per_reference", []).append(cpu_of[name] / cpu_of["p2_reference"])
     runs.update(anyio.run(_pipelines, P2_GROUPS, P2_PIPELINE_REPEATS, backend="asyncio"))
     return {name: statistics.median(values) for name, values in runs.items()}
 
@@ -338,11 +386,11 @@ def _round_line(round_no: int, name: str, part: str, values: dict[str, float]) -
             for name in names
         )
         ratios = ", ".join(
-            f"{key.removeprefix('p2_').removesuffix('_per_queue')} {value:.2f}x"
+            f"{key.removeprefix('p2_').replace('_per_', ' / ')} {value:.2f}x"
             for key, value in values.items()
-            if key.endswith("_per_queue")
+            if "_per_" in key
         )
-        shown = f"CPU (wall) µs: {shown}; / Queue: {ratios}"
+        shown = f"CPU (wall) µs: {shown}; CPU ratios: {ratios}"
     return f"round {round_no} {name:4} {part}: {shown}"
 
 

@@ -19,7 +19,7 @@ from ._status_log import logger
 from ._store import GroupStore
 from ._validation import describe
 from ._waiting import LoopBinding, ProducerWaits, Waiter, park
-from .errors import BufferClosedError, BufferFullError
+from .errors import BufferClosedError, BufferFullError, FutureTagError, TagClosedError
 
 __all__ = ["Admission", "ProducerQueue"]
 
@@ -63,8 +63,8 @@ class ProducerQueue:
             self.waits.leave(producers.popleft(), None)
 
 
-def _closed_error(name: str, tag: int, last_sampled: int) -> BufferFullError:
-    return BufferFullError(
+def _closed_error(name: str, tag: int, last_sampled: int) -> TagClosedError:
+    return TagClosedError(
         f"dispatch step {tag} of partition {describe(name)} is closed for good: a group tagged {tag} "
         f"would be stale at the next sample ({last_sampled + 1}); dispatch at the clock "
         "(global_steps=None) or a later step"
@@ -129,10 +129,13 @@ class Admission:
 
         Raises:
             BufferFullError: admission control has no slot at that step for it now (or other
-                producers wait first and ``head`` is False).
+                producers wait first and ``head`` is False); TagClosedError if ``requested`` can
+                never open, FutureTagError if it is ahead of the clock.
+            StalebufError: the policy's ``admission_batch_size`` answered nonsense.
             Exception: whatever the policy's ``admits`` raised.
         """
-        tag = self.clocks.get(name, 0) if requested is None else requested
+        clock = self.clocks.get(name, 0)
+        tag = clock if requested is None else requested
         if part is None:  # not created yet: nothing is resident there, nobody waits
             cap = self.rules.admission_cap(name)
             if cap is None:
@@ -142,6 +145,13 @@ class Admission:
             cap = part.cap
             if cap is None:
                 return tag
+        if tag > clock:
+            raise FutureTagError(
+                f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
+                f"{clock} (the largest global_steps a sample was called with): under admission control "
+                "a group is tagged at most the clock; dispatch at the clock (global_steps=None)"
+            )
+        if part is not None:
             resident, last_sampled = part.resident_at_step(tag), self.last_sampled(name)
             queue = self.queues.get(name)
             if not head and queue is not None and queue.producers:

@@ -11,12 +11,14 @@ question); this module is the only place that does. Every method only *reads*: i
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 from ._partition import PartitionState
+from ._validation import describe, describe_typed
 from .config import SamplerConfig
 from .errors import ConfigError, StalebufError
-from .policy import RuleHooks, StalenessPolicy, SubclassHooks, select_label
+from .policy import RuleHooks, StalenessPolicy, SubclassHooks, hook_label, select_label
 from .records import Group
 from .staleness import drop_span
 
@@ -87,15 +89,30 @@ class Rules:
         """
         policy = self.policy
         return (
-            policy.is_exempt(name),
-            policy.evicts_failures(name),
-            policy.evicts_in_flight(name),
-            policy.admission_batch_size(name),
+            bool(policy.is_exempt(name)),
+            bool(policy.evicts_failures(name)),
+            bool(policy.evicts_in_flight(name)),
+            self.admission_cap(name),
         )
 
     def admission_cap(self, name: str) -> int | None:
-        """The per-dispatch-step cap ``b`` of partition ``name``, or None (no admission control)."""
-        return self.policy.admission_batch_size(name)
+        """The per-dispatch-step cap ``b`` of partition ``name``, or None (no admission control).
+
+        Raises:
+            StalebufError: the policy's ``admission_batch_size`` answered something other than
+                None or an int >= 1 (0, -1, NaN or "3" would make producers wait forever or
+                ``capacity()`` lie).
+            Exception: whatever that hook raised.
+        """
+        cap = self.policy.admission_batch_size(name)
+        if cap is None or (type(cap) is int and 1 <= cap < 1 << 63):
+            return cap
+        if isinstance(cap, numbers.Integral) and not isinstance(cap, bool) and 1 <= int(cap) < 1 << 63:
+            return int(cap)  # numpy's integers, say
+        raise StalebufError(
+            f"{hook_label(self.policy, 'admission_batch_size')}({describe(name)}) must return None or an "
+            f"int >= 1 (below 2**63), got {describe_typed(cap)}"
+        )
 
     # -- drop -------------------------------------------------------------------------
 

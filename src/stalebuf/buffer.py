@@ -69,6 +69,8 @@ from .errors import (
     BufferClosedError,
     BufferFullError,
     DuplicateGroupError,
+    FutureTagError,
+    TagClosedError,
     WrongThreadError,
 )
 from .metrics import SampleMetrics
@@ -502,6 +504,8 @@ class ReplayBuffer:
         try:
             self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
             return
+        except (TagClosedError, FutureTagError):
+            raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
         store = self.__store
@@ -573,6 +577,8 @@ class ReplayBuffer:
                 indices=indices,
                 status=status,
             )
+        except (TagClosedError, FutureTagError):
+            raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
         arguments = (

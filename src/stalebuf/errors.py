@@ -17,10 +17,13 @@ __all__ = [
     "ConfigError",
     "DuplicateGroupError",
     "DuplicateTrajectoryError",
+    "FutureTagError",
+    "GroupCutError",
     "GroupEvictedError",
     "InvalidTransitionError",
     "MissingDependencyError",
     "StalebufError",
+    "TagClosedError",
     "UnknownGroupError",
     "WrongThreadError",
 ]
@@ -89,6 +92,25 @@ class BufferFullError(StalebufError):
 
     Nothing changed; the awaitable form of the call waits for a slot instead.
     """
+
+
+class TagClosedError(BufferFullError):
+    """An explicit dispatch step (``global_steps``) whose admission slots can never open: a group
+    tagged there would be stale at the next ``sample``. Waiting would not help; dispatch at the
+    clock (``global_steps=None``) or a later step."""
+
+
+class FutureTagError(BufferFullError):
+    """Under admission control, an explicit dispatch step (``global_steps``) ahead of the
+    partition's dispatch clock: a producer cannot hold weights of a step the trainer has not
+    reached, and slots at future steps would let residency exceed ``capacity()``. Waiting would
+    not help; dispatch at the clock (``global_steps=None``)."""
+
+
+class GroupCutError(InvalidTransitionError):
+    """The group was cut at its deadline (``group_deadline_seconds``/``group_deadline_factor``)
+    while still in flight: it was finished with what it had (``group_quorum``) or failed. Raised
+    by a producer's next write to it: stop generating for it."""
 
 
 class GroupEvictedError(UnknownGroupError):

@@ -33,7 +33,7 @@ from .config import SamplerConfig
 from .errors import ConfigError
 from .records import Group
 
-__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "select_label"]
+__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "hook_label", "select_label"]
 
 
 class StalenessPolicy:
@@ -183,6 +183,13 @@ class SubclassHooks(StalenessPolicy):
         self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
     ) -> Sequence[Group]:
         return self.owner._select(candidates, batch_size, global_steps, partition)
+
+
+def hook_label(rules: StalenessPolicy, hook: str) -> str:
+    """Name the method ``rules`` runs for ``hook`` (a StalenessPolicy method), for error messages."""
+    if isinstance(rules, SubclassHooks):
+        rules = rules.base
+    return f"{type(rules).__qualname__}.{hook}"
 
 
 def select_label(rules: StalenessPolicy) -> str:
