@@ -34,10 +34,11 @@ def rich(**options: Any) -> ReplayBuffer:
     train (T=2, admission b=3, failures evicted, stale in-flight groups evicted):
     a0 sampled, a2 evicted as failed, a1 and b2 evicted as stale, b0 and b1 evicted in flight
     (remembered), d1 c1 c0 FINISHED out of admission order (FIFO ties at steps 2 and 3), c2
-    RUNNING with 2 trajectories, d0 PENDING with 1, e0 RUNNING dispatched ahead at step 4 with
-    none; clock 3, last sampled step 1. val (exempt): v0 FINISHED, v1 PENDING with 1, v2
-    RUNNING with 2. other: o0 (dispatched at 1) sampled at 2, o1 RUNNING with 1. ghost: only a
-    clock, at 5.
+    RUNNING with 2 trajectories, d0 PENDING with 1, e0 RUNNING dispatched explicitly at step 2
+    with none (admission refuses a step ahead of the clock, 3; step 3 is full); clock 3, last sampled
+    step 1. val (exempt): v0 FINISHED, v1 PENDING with 1, v2 RUNNING with 2. other: o0
+    (dispatched at 1, once a sample moved its clock there) sampled at 2, o1 RUNNING with 1.
+    ghost: only a clock, at 5.
     """
     config = SamplerConfig(
         max_off_policy_threshold=2,
@@ -73,10 +74,12 @@ def rich(**options: Any) -> ReplayBuffer:
     group("d0", 2, 1, "pending")
     group("d1", 2, 3, "finish")
     buf.mark_finished_nowait("c0")
-    group("e0", 4, 0, None)
+    group("e0", 2, 0, None)
     group("v0", None, 1, "finish", "val")
     group("v1", None, 1, "pending", "val")
     group("v2", None, 2, None, "val")
+    with pytest.raises(TimeoutError):
+        sample_now(buf, 1, 1, "other")  # the clock of "other" to 1: its admission takes step 1
     group("o0", 1, 1, "finish", "other")
     sample_now(buf, 2, 1, "other")
     group("o1", None, 1, None, "other")

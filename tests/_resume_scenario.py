@@ -80,7 +80,7 @@ VARIANTS: tuple[Variant, ...] = tuple(
         ("drop", False, 12),
         ("drop", True, 12),
         ("wait", False, 11),
-        ("wait", True, 15),
+        ("wait", True, 17),
     )
     for backend in ("asyncio", "trio")
 )
@@ -154,6 +154,8 @@ class Producer:
         # Mostly at the clock or one ahead (a pipelined trainer); now and then one behind (a late
         # dispatch), which admission refuses once the step before it was sampled.
         shift = rng.choice((-1, 0, 0, 1, 1)) if shift is None else shift
+        if shift > 0 and buf.capacity() is not None:
+            shift = 0  # admission refuses a step ahead of the clock: a pipelined trainer's is the clock
         step = max(0, buf.dispatch_step() + shift)
         try:
             buf.add_prompt_nowait(uid, global_steps=step, tags={"planned": planned})

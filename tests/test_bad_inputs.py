@@ -63,8 +63,10 @@ from stalebuf.errors import (
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    FutureTagError,
     GroupEvictedError,
     InvalidTransitionError,
+    TagClosedError,
     UnknownGroupError,
 )
 
@@ -1097,8 +1099,29 @@ CASES: tuple[Case, ...] = (
     C(
         "full-add-closed-step",
         lambda c: c.buf.add_prompt_nowait("new", global_steps=1),
-        BufferFullError,
+        TagClosedError,
         "dispatch step 1",
+        flow=True,
+    ),
+    C(  # issue 21 item 11: a tag ahead of the clock let residency exceed capacity()
+        "full-add-future-step",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=4),
+        FutureTagError,
+        "dispatch step 4 of partition 'train' is ahead of its dispatch clock 3",
+        flow=True,
+    ),
+    C(
+        "full-add-future-step-async",
+        lambda c: c.buf.add_prompt("new", global_steps=10**18),
+        FutureTagError,
+        "ahead of its dispatch clock 3",
+        flow=True,
+    ),
+    C(
+        "full-put-group-future-step",
+        lambda c: c.buf.put_group("new", [1], global_steps=4),
+        FutureTagError,
+        "ahead of its dispatch clock 3",
         flow=True,
     ),
     C(
@@ -1118,7 +1141,7 @@ CASES: tuple[Case, ...] = (
     C(
         "full-put-group-closed-step",
         lambda c: c.buf.put_group_nowait("new", [1], global_steps=0),
-        BufferFullError,
+        TagClosedError,
         "dispatch step 0",
         flow=True,
     ),
@@ -1346,8 +1369,10 @@ async def populated_flow() -> ReplayBuffer:
     buf.add_prompt_nowait("gone")  # tagged 0 by the clock
     buf.mark_running_nowait("gone")
     buf.put_nowait("gone", "g0")
-    buf.put_group_nowait("took", ["t0", "t1"], global_steps=2)
-    batch, _ = await buf.sample(3, 1, timeout=0)  # evicts "gone" in flight (s = 4 > 2)
+    with pytest.raises(TimeoutError):  # moves the clock to 2: evicts "gone" in flight (s = 3 > 2)
+        await buf.sample(2, 1, timeout=0)
+    buf.put_group_nowait("took", ["t0", "t1"], global_steps=2)  # at the clock, not ahead of it
+    batch, _ = await buf.sample(3, 1, timeout=0)
     assert batch.uids == ["took"]
     buf.add_prompt_nowait("fa")  # tagged 3 by the clock
     buf.mark_running_nowait("fa")
@@ -1495,6 +1520,8 @@ def test_the_table_is_big_and_distinct() -> None:
         InvalidTransitionError,
         BufferClosedError,
         BufferFullError,
+        TagClosedError,
+        FutureTagError,
         GroupEvictedError,
     ):
         assert required in errors, f"no row raises {required.__name__}"

@@ -36,7 +36,7 @@ import pytest
 
 from _ckpt_helpers import checkpoint_content, rich
 from _helpers import LIMIT, add_group, make, snapshot
-from stalebuf import ReplayBuffer, SamplerConfig, StalenessPolicy
+from stalebuf import BatchNotReadyError, ReplayBuffer, SamplerConfig, StalenessPolicy
 from stalebuf._checkpoint_path import STALE_AFTER_SECONDS, _host, _prefix
 from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint
 from stalebuf.errors import CheckpointError, ConfigError
@@ -270,6 +270,8 @@ def test_a_numpy_only_codec_round_trips_and_nothing_is_unpickled(
     config = SamplerConfig(sampler_kwargs={}, exempt_partitions={"val", "test"}, admission_batch_size=8)
     buf = ReplayBuffer(config, status_log_interval=None)
     tags = {"s": "x", "i": 1, "f": 0.5, "b": True, "none": None, "list": [1, [2, "3"]], "map": {"k": [1.5]}}
+    with pytest.raises(BatchNotReadyError):  # the clock to 2: admission refuses a step ahead of it
+        buf.sample_nowait(2, 1)
     for step in range(3):
         uid = f"g{step}"
         buf.add_prompt_nowait(uid, global_steps=step, tags=tags)

@@ -17,7 +17,7 @@ import pytest
 
 from _ckpt_helpers import checkpoint_content, group_content, rich
 from _helpers import sample_now, snapshot
-from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
+from stalebuf import Batch, BatchNotReadyError, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
 from stalebuf.checkpoint import BufferCheckpoint
 
 PROTOCOLS = range(2, pickle.HIGHEST_PROTOCOL + 1)
@@ -94,6 +94,8 @@ def test_records_and_the_config_pickle_with_read_only_tags(protocol: int) -> Non
     assert_read_only(copy.sampler_kwargs)
 
     buf = ReplayBuffer(config, status_log_interval=None)
+    with pytest.raises(BatchNotReadyError):  # the clock to 1: admission refuses a step ahead of it
+        buf.sample_nowait(1, 1)
     buf.add_prompt_nowait("g", global_steps=1, tags={"kind": "math", "n": 2})
     buf.put_nowait("g", np.arange(3), session_id=0, tags={"reward": 1.5})
     buf.put_nowait("g", {"text": "hi"}, session_id=1)
