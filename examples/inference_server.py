@@ -24,7 +24,8 @@ arguments, a uid or partition that UTF-8 cannot encode (a lone surrogate such as
 or a partition not served (``UnknownPartitionError``); 404/405 for an unknown path or method;
 409 for a uid already in the buffer; 429 with ``Retry-After`` when admission control refuses
 the group (``/groups_sync``: no slot now; ``/groups`` waits for a slot, so there only for an
-explicit ``global_steps`` closed for good: resend with a later one or null); 503 once closed.
+explicit ``global_steps`` closed for good or ahead of the clock, errors ``TagClosedError`` and
+``FutureTagError``: resend with null); 503 once closed.
 
 Run: ``pip install 'stalebuf[examples]'`` then ``python examples/inference_server.py --port 8000``.
 """

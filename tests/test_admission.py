@@ -84,6 +84,8 @@ def test_after_sample_c_minus_1_exactly_the_last_T_S_steps_are_open(T: int, S: i
     be trained at s <= T are c+1-T*S .. c, b groups each: T*S*b = capacity() in all."""
     c = 6
     buf = make(max_off_policy_threshold=T, parameter_sync_step=S, admission_batch_size=b)
+    with pytest.raises(BatchNotReadyError):  # the clock to c-1: a step ahead of it is refused
+        buf.sample_nowait(c - 1, 1)
     add_group(buf, "seed", c - 1)
     batch, _ = buf.sample_nowait(c - 1, 1)
     assert batch.uids == ["seed"]
@@ -91,7 +93,7 @@ def test_after_sample_c_minus_1_exactly_the_last_T_S_steps_are_open(T: int, S: i
         buf.sample_nowait(c, 1)
     assert buf.dispatch_step() == c
     admitted = {}
-    for tag in range(c + 1):
+    for tag in range(c + 1):  # (c + 1 and later: ahead of the clock, refused as FutureTagError)
         admitted[tag] = 0
         for i in range(b + 1):
             try:
@@ -208,13 +210,15 @@ async def test_groups_without_global_steps_are_tagged_with_their_partitions_cloc
             assert group.global_steps == group.dispatch_step == 4
         buf.add_prompt_nowait("v", partition="val")  # exempt, but tagged by its own clock
         await buf.put_group("w", [1], partition="val")
-        buf.add_prompt_nowait("x", global_steps=9)  # an explicit int keeps working
+        # An explicit int keeps working: any step without admission, at most the clock with it.
+        explicit = 9 if admission is None else 3
+        buf.add_prompt_nowait("x", global_steps=explicit)
         await buf.put_group("y", [1], global_steps=1)
-    assert steps_of(buf, "a", "b", "c", "d", "e", "v", "w", "x", "y") == [4, 4, 4, 4, 4, 2, 2, 9, 1]
+    assert steps_of(buf, "a", "b", "c", "d", "e", "v", "w", "x", "y") == [4, 4, 4, 4, 4, 2, 2, explicit, 1]
 
 
 async def test_finish_step_and_the_generation_queue_split_of_sampled_staleness() -> None:
-    buf = make(admission_batch_size=4)
+    buf = make()  # without admission, which refuses a step ahead of the clock
     buf.add_prompt_nowait("a")  # dispatched at 0
     buf.add_prompt_nowait("b", global_steps=7)  # dispatched ahead of the clock
     with pytest.raises(BatchNotReadyError):
@@ -296,6 +300,8 @@ async def test_admission_metrics_free_slots_and_producer_wait_seconds() -> None:
             await settle()
             assert waiting.returned
     assert metrics["training/admission/free_slots"] == 0.0  # d is about to take the slot
+    with pytest.raises(BatchNotReadyError):  # the clock to 1: admission refuses a step ahead of it
+        buf.sample_nowait(1, 9)
     add_group(buf, "e", 1)
     _, metrics = buf.sample_nowait(1, 1)
     assert metrics["training/admission/producer_wait_seconds"] > 0  # d waited since the last sample
@@ -355,9 +361,12 @@ def test_the_buffer_asks_the_policy_for_the_admission_rule(cls: type[ReplayBuffe
     buf.add_prompt_nowait("a")
     with pytest.raises(BufferFullError):
         buf.add_prompt_nowait("b")
+    with pytest.raises(BatchNotReadyError):  # the clock to 2: steps 1 and 2 are not ahead of it
+        buf.sample_nowait(2, 1)
     buf.add_prompt_nowait("c", global_steps=1)
-    with pytest.raises(BufferFullError):
+    with pytest.raises(BufferFullError) as refused:
         buf.add_prompt_nowait("d", global_steps=2)
+    assert type(refused.value) is BufferFullError  # refused by the policy, not as a future step
 
 
 def test_config_fields_are_accepted_from_a_mapping() -> None:
@@ -426,6 +435,8 @@ async def test_a_tag_the_policy_calls_stale_at_the_next_sample_is_refused_for_go
     slot that can never open)."""
     config = SamplerConfig(admission_batch_size=1, max_off_policy_threshold=1)
     buf = ReplayBuffer(policy=StalePastOne(config), status_log_interval=None)
+    with pytest.raises(BatchNotReadyError):  # the clock to 1: admission refuses a step ahead of it
+        buf.sample_nowait(1, 1)
     add_group(buf, "a", 1)
     buf.sample_nowait(1, 1)  # last_sampled 1: tag 0 is stale at the next sample (2 - 0 > 1)
     with anyio.fail_after(LIMIT), pytest.raises(BufferFullError, match="closed for good"):

@@ -377,17 +377,20 @@ async def test_producer_wait_seconds_counts_producers_still_blocked_at_the_sampl
 async def test_producer_wait_seconds_of_a_producer_waiting_across_samples_is_split_between_them() -> None:
     """The same sentence for a wait that spans samples: the part of a long wait before a sample
     belongs to that sample, the rest to the samples after it (none of them reports 0)."""
-    buf = make(admission_batch_size=1, max_off_policy_threshold=3)
+    buf = make(admission_batch_size=2, max_off_policy_threshold=3)
+    with pytest.raises(BatchNotReadyError):  # the clock to 1: steps 0 and 1 open, 2 slots each
+        buf.sample_nowait(1, 1)
     buf.put_group_nowait("a0", [1], global_steps=0)
-    buf.put_group_nowait("a1", [1], global_steps=1)
-    buf.add_prompt_nowait("f", global_steps=5)  # holds tag 5's only slot
+    buf.put_group_nowait("a1", [1], global_steps=0)
+    buf.add_prompt_nowait("f", global_steps=1)  # f and g hold tag 1's slots while b waits there
+    buf.add_prompt_nowait("g", global_steps=1)
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
-            waiting = await start_call(tg, lambda: buf.add_prompt("b", global_steps=5))
+            waiting = await start_call(tg, lambda: buf.add_prompt("b", global_steps=1))
             await anyio.sleep(0.05)
-            _, metrics0 = buf.sample_nowait(0, 1)
+            _, metrics0 = buf.sample_nowait(1, 1)  # a0 (its slot at tag 0 is not b's)
             await anyio.sleep(0.05)
-            _, metrics1 = buf.sample_nowait(1, 1)
+            _, metrics1 = buf.sample_nowait(1, 1)  # a1
             assert not waiting.done
             tg.cancel_scope.cancel()
     assert metrics0[WAIT_METRIC] > 0
@@ -526,8 +529,10 @@ async def test_a_waiting_producer_whose_tag_a_sample_closes_raises_and_frees_the
     open; a sample at step 3 then closes it for good (s = 4 > 2 at the next sample, 4). The
     producer waiting there must raise instead of holding up the queue."""
     buf = make(admission_batch_size=1, max_off_policy_threshold=2, max_off_policy_strategy="drop")
+    with pytest.raises(BatchNotReadyError):  # the clock to 2: a step ahead of it is refused
+        buf.sample_nowait(2, 1)
     buf.put_group_nowait("full", [1], global_steps=1)
-    buf.put_group_nowait("ready", [1], global_steps=3)
+    buf.put_group_nowait("ready", [1], global_steps=2)
     with anyio.fail_after(LIMIT):
         async with anyio.create_task_group() as tg:
             waiting = await start_call(tg, lambda: buf.add_prompt("late", global_steps=1))

@@ -307,7 +307,8 @@ async def test_an_old_global_steps_under_admission_is_429_with_retry_after(examp
                 step = response.json()["dispatch_step"]
         for path in ENDPOINTS:
             response = await post(client, path, {"uid": "late", "payloads": [1], "global_steps": 0})
-            assert "closed for good" in refused(response, 429, "BufferFullError")["detail"]
+            # The error names the subclass: a client can tell "closed for good" from "full now".
+            assert "closed for good" in refused(response, 429, "TagClosedError")["detail"]
             assert response.headers["retry-after"] == example.RETRY_AFTER
         await still_answers(client)
 

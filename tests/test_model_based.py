@@ -56,8 +56,10 @@ from stalebuf.errors import (
     BufferFullError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    FutureTagError,
     GroupEvictedError,
     InvalidTransitionError,
+    TagClosedError,
     UnknownGroupError,
 )
 
@@ -199,6 +201,21 @@ class Model:
         return (
             self.cap(partition) is not None
             and self.last_sampled.get(partition, -1) + 1 - step + 1 > self.limit()
+        )
+
+    def refusal(self, partition: str, step: int | None) -> type[Exception] | None:
+        """The error ``add_prompt_nowait`` at ``step`` (None: the clock) raises now, or None: a
+        step ahead of the clock under admission is a FutureTagError, one that can never open a
+        TagClosedError (both only for an explicit step), no slot now a BufferFullError."""
+        tag = self.tag(partition, step)
+        if self.cap(partition) is None:
+            return None
+        if tag > self.clock.get(partition, 0):
+            return FutureTagError
+        if self.admits(partition, tag):
+            return None
+        return (
+            TagClosedError if step is not None and self.closed_for_good(partition, step) else BufferFullError
         )
 
     def free_slots(self, partition: str) -> int | None:
@@ -486,9 +503,10 @@ class BufferMachine(RuleBasedStateMachine):
             check_error(exc, BufferClosedError, "add_prompt on closed buffer")
             return None
         tag = self.m.tag(name, step)
-        if not self.m.admits(name, tag):
-            check_error(exc, BufferFullError, f"add_prompt({uid!r}) at step {tag} of {name!r}")
-            note("add_prompt: refused, no admission slot")
+        refusal = self.m.refusal(name, step)
+        if refusal is not None:
+            check_error(exc, refusal, f"add_prompt({uid!r}) at step {tag} of {name!r}")
+            note(f"add_prompt: refused, {refusal.__name__}")
             return None
         check_error(exc, None, f"add_prompt({uid!r}) at step {tag} of {name!r}")
         self.m.add(uid, tag, name)
@@ -582,9 +600,10 @@ class BufferMachine(RuleBasedStateMachine):
             check_error(exc, BufferClosedError, "put_group on closed buffer")
             return multiple()
         tag = self.m.tag(name, step)
-        if not self.m.admits(name, tag):
-            check_error(exc, BufferFullError, f"put_group({uid!r}) at step {tag} of {name!r}")
-            note("put_group: refused, no admission slot")
+        refusal = self.m.refusal(name, step)
+        if refusal is not None:
+            check_error(exc, refusal, f"put_group({uid!r}) at step {tag} of {name!r}")
+            note(f"put_group: refused, {refusal.__name__}")
             return multiple()
         check_error(exc, None, f"put_group({uid!r}) at step {tag} of {name!r}")
         assert keys == [f"{uid}_{i}_0" for i in range(n)]
@@ -656,7 +675,7 @@ class BufferMachine(RuleBasedStateMachine):
         step = self.step_for(lag, by_clock=by_clock)
         if m.closed or m.cap(name) is None or name not in m.counters or m.admits(name, m.tag(name, step)):
             return multiple()
-        if step is not None and m.closed_for_good(name, step):
+        if step is not None and (m.closed_for_good(name, step) or step > m.clock.get(name, 0)):
             return multiple()  # it would raise at once instead of parking (tests/test_admission.py)
         # Usually past the clock: a new step alone must wake the producer (with fresh slots).
         self.trainer_step = max(self.trainer_step, m.clock.get(name, 0)) + advance
@@ -702,7 +721,7 @@ class BufferMachine(RuleBasedStateMachine):
         expected = m.admits(name, tag, head=True)
         assert admitted == expected, f"waiting producer admitted={admitted}, model says {expected} at {tag}"
         if step is not None and not expected and m.closed_for_good(name, step):  # the sample closed it
-            check_error(error, BufferFullError, f"a producer waiting at step {step}, closed for good")
+            check_error(error, TagClosedError, f"a producer waiting at step {step}, closed for good")
             note("waiting producer: its tag closed for good, it raised")
             return made
         assert error is None, f"the waiting producer raised {error!r}"

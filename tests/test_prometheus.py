@@ -135,6 +135,8 @@ async def busy_buffer() -> ReplayBuffer:
         exempt_partitions=frozenset({"val"}),
     )
     buffer = ReplayBuffer(config, status_log_interval=None)
+    with pytest.raises(BatchNotReadyError):  # the clock to 1: admission refuses a step ahead of it
+        buffer.sample_nowait(1, 1)
     buffer.put_group_nowait("old", [1, 2], global_steps=0)
     buffer.add_prompt_nowait("flying", global_steps=0)
     buffer.mark_running_nowait("flying")

@@ -116,11 +116,15 @@ async def test_eviction_in_flight_cancels_the_body_and_the_block_exits_quietly()
             tg.start_soon(produce, "old", None)
             await settle()
             assert status_of(buf, "old") is Status.RUNNING
-            add_group(buf, "fresh", 2)
-            batch, _ = buf.sample_nowait(2, 1)  # s = 3 > T: no later sample could return "old"
-            assert batch.uids == ["fresh"]
+            with pytest.raises(BatchNotReadyError):
+                buf.sample_nowait(2, 1)  # s = 3 > T: no later sample could return "old"
             await settle()
-            # (T*S = 1 and sample(2) returned: step 2 is closed, step 3 is open.)
+            add_group(buf, "fresh", 2)  # at the clock (admission refuses a step ahead of it)
+            batch, _ = buf.sample_nowait(2, 1)
+            assert batch.uids == ["fresh"]
+            # T*S = 1 and sample(2) returned: step 2 is closed; step 3 opens with the clock.
+            with pytest.raises(BatchNotReadyError):
+                buf.sample_nowait(3, 1)
             tg.start_soon(produce, "new", 3)  # a body the eviction did not touch finishes
     assert reached == ["old after block", "new body end", "new after block"]
     assert groups["old"].evicted
