@@ -960,6 +960,74 @@ async def test_a_remote_rollout_block_ends_its_group_like_the_local_one(remote: 
         assert (await remote.info())["watched_rollouts"] == 0
 
 
+async def _until_abandon_reached(buffer: RemoteReplayBuffer) -> None:
+    """Return once the actor has handled the one abandon a cancelled block sent without waiting
+    (its group had already ended, so the actor keeps the token as abandoned early)."""
+    while True:  # a one-way message to another process: poll
+        if (await buffer.info())["admissions"]["abandoned_early"] == 1:
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["returns", "raises", "cancelled"])
+@pytest.mark.asyncio
+async def test_a_remote_rollout_exit_never_ends_a_later_group_that_reuses_its_uid(
+    remote: RemoteReplayBuffer, how: str
+) -> None:
+    """Issue 21 item 1, remotely: a body ends its own group, the trainer samples it, and another
+    producer's rollout admits a new group under the same uid; when the first block exits (its
+    body returns, raises, or it is cancelled from outside) the new group stays RUNNING, still
+    watched, and its producer's next put and its own exit work."""
+    ended_own, reused, entered, go = (asyncio.Event() for _ in range(4))
+
+    async def first() -> RemoteRolloutGroup:
+        async with remote.rollout("u") as group:
+            await group.put("first")
+            await remote.mark_finished("u")  # the body ends its own group (supported)
+            ended_own.set()
+            await reused.wait()
+            if how == "raises":
+                raise Boom
+            if how == "cancelled":
+                await asyncio.sleep(60)
+        return group
+
+    async def second() -> RemoteRolloutGroup:
+        async with remote.rollout("u") as group:
+            entered.set()
+            await go.wait()
+            await group.put("second")
+        return group
+
+    with anyio.fail_after(STEP_TIMEOUT):
+        block = asyncio.ensure_future(first())
+        await ended_own.wait()
+        batch, _ = await remote.sample(0, 1)  # the trainer samples the first group
+        assert [(g.uid, g.status) for g in batch.groups] == [("u", Status.FINISHED)]
+        other = asyncio.ensure_future(second())
+        await entered.wait()
+        reused.set()
+        if how == "cancelled":
+            block.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await block
+            await _until_abandon_reached(remote)
+        elif how == "raises":
+            with pytest.raises(Boom):
+                await block
+        else:
+            assert not (await block).evicted
+        total = (await remote.stats()).total
+        assert (total.running, total.finished, total.failure) == (1, 0, 0)
+        assert (await remote.info())["watched_rollouts"] == 1  # the new group's watch is intact
+        go.set()
+        assert not (await other).evicted
+        batch, _ = await remote.sample(0, 1)
+        assert [(g.uid, g.status) for g in batch.groups] == [("u", Status.FINISHED)]
+        assert (await resolve(batch)).payloads == ["second"]
+        assert (await remote.info())["watched_rollouts"] == 0
+
+
 # -- checkpoint and resume ------------------------------------------------------------------------
 
 
@@ -1313,7 +1381,7 @@ def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
         MarkFailed("a"),
         PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed"),
         OpenRollout("t2", "c", None, "train", {"k": 2}),
-        EndRollout("c", False),
+        EndRollout("t2", False),
     ]
     for op in ops:
         wire = encode(op)
@@ -1368,6 +1436,38 @@ def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
         while loop.is_running():
             time.sleep(0.01)
         loop.close()
+
+
+def test_an_end_message_that_crosses_the_eviction_answer_still_hears_evicted() -> None:
+    """The block's end message can cross the watch's "evicted" answer on the wire (the body
+    returned as the group was evicted): after the watch call collected it, the end still hears
+    "evicted", and it ends nothing, not even a group that reuses the uid by then. A block whose
+    body ended its own group hears "gone", as does an unknown token."""
+    from stalebuf.ray._watches import RolloutWatches
+
+    async def main() -> None:
+        config = SamplerConfig(max_off_policy_threshold=1, evict_stale_in_flight=True)
+        buffer = ReplayBuffer(config, status_log_interval=None)
+        watches = RolloutWatches(buffer)
+        for uid in ("old", "own"):
+            buffer.add_prompt_nowait(uid, global_steps=0)
+            buffer.mark_running_nowait(uid)
+            watches.open(f"t-{uid}", uid)
+        buffer.mark_finished_nowait("own")  # the body ends its group; the actor then says so:
+        watches.ended("own")
+        buffer.put_group_nowait("fresh", ["f"], global_steps=2)
+        batch, _ = buffer.sample_nowait(2, 1)  # "old" can never be trained: evicted in flight
+        assert batch.uids == ["fresh"]
+        assert await watches.watch("t-old") == "evicted"
+        buffer.add_prompt_nowait("old", global_steps=2)  # another producer reuses the uid
+        assert watches.end("t-old", finished=True) == "evicted"
+        assert watches.end("t-own", finished=True) == "gone"
+        assert watches.end("t-unknown", finished=False) == "gone"
+        total = buffer.stats().total
+        assert (total.pending, total.finished, total.failure) == (1, 0, 0)
+        assert len(watches) == 0
+
+    asyncio.run(main())
 
 
 # -- the remote restore result ----------------------------------------------------------------------

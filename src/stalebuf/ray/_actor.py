@@ -95,8 +95,8 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {
 }
 #: The flow-control queries ``flow`` answers (ReplayBuffer methods taking a partition).
 FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full"})
-# Producer operations that end a group (a watched rollout's watch is then released).
-_ENDING = (MarkFinished, MarkFailed, PutGroup, EndRollout)
+# Producer operations that end a group by uid (a watched rollout's watch is then released).
+_ENDING = (MarkFinished, MarkFailed, PutGroup)
 _IN_FLIGHT = (Status.PENDING, Status.RUNNING)
 
 
@@ -216,6 +216,8 @@ class BufferHost:
         return await self._on_home(lambda: [self._apply(op) for op in decoded])
 
     def _apply(self, op: Op) -> Outcome:
+        if isinstance(op, EndRollout):  # by the block's token: only the group it entered
+            return Outcome(True, self._watches.end(op.token, finished=op.finished))
         token = op.token if isinstance(op, (AddPrompt, PutGroup, OpenRollout)) else None
         if token is not None and not self._admissions.arrived(token):
             return Outcome(False, AdmissionAbandonedError(f"operation {token!r} was abandoned"))
