@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import pickle
 import random
@@ -1097,6 +1098,53 @@ async def test_save_and_restore_round_trip_with_object_ref_payloads(tmp_path: An
         buffer.kill()
         if restored is not None:
             restored.kill()
+
+
+def _gated_encode(signals: str, value: Any) -> bytes:
+    """A payload codec's encode that holds the payload "slow" until the file ``release`` appears
+    in ``signals`` (it runs in the actor's process, so only a file can reach it); bounded."""
+    if value == "slow":
+        open(os.path.join(signals, "started"), "w").close()
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while not os.path.exists(os.path.join(signals, "release")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never released the slow save")
+            time.sleep(0.01)
+    return pickle.dumps(value)
+
+
+async def _until_exists(path: Any) -> None:
+    """Return once ``path`` exists."""
+    while True:  # another process creates it: poll
+        if await anyio.Path(path).exists():
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_overlapping_remote_saves_end_with_the_state_of_the_later_one(
+    remote: RemoteReplayBuffer, tmp_path: Any
+) -> None:
+    """Issue 21 item 2, in the actor: a slow save started first and a later save of a newer
+    state overlap on one file; the later one lands first, and the slow one, when it ends, must
+    not replace it (the file holds the newer state and no temporary file is left)."""
+    codec = (functools.partial(_gated_encode, str(tmp_path)), pickle.loads)
+    path = tmp_path / "buffer.ckpt"
+    with anyio.fail_after(2 * STEP_TIMEOUT):
+        await remote.put_group("a", ["slow"])
+        slow = asyncio.ensure_future(remote.save(path, payload_codec=codec))
+        await _until_exists(tmp_path / "started")  # its checkpoint holds "a"; it is writing
+        batch, _ = await remote.sample(0, 1)
+        assert batch.uids == ["a"]
+        await remote.put_group("b", ["fast"])
+        await remote.save(path, payload_codec=codec)  # a newer state, landed first
+        (tmp_path / "release").touch()
+        await slow  # overtaken: it lands nothing, and that is no error
+        result = ReplayBuffer.restore(path, payload_codec=codec)
+        assert result.buffer.stats().total.groups == 1
+        batch, _ = result.buffer.sample_nowait(0, 1)
+        assert (batch.uids, batch.payloads) == (["b"], ["fast"])
+        assert sorted(os.listdir(tmp_path)) == ["buffer.ckpt", "release", "started"]
 
 
 @pytest.mark.asyncio
