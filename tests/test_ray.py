@@ -866,8 +866,10 @@ async def test_in_flight_eviction_cancels_a_remote_rollout_body_in_another_proce
             stream = buffer.evictions(from_oldest=True)
             report = rollout_producer.remote(buffer, "old")
             await _until_stats(buffer, "trajectories", 1)
-            await buffer.put_group_nowait("fresh", ["f"], global_steps=2)
-            batch, metrics = await buffer.sample(2, 1)  # s = 2 > T: "old" can never be trained
+            sampling = asyncio.ensure_future(buffer.sample(2, 1))  # s = 2 > T: "old" can never train
+            await _wait_parked(buffer, 1)  # the clock is at 2: "fresh" is tagged 2 (never ahead of it)
+            await buffer.put_group_nowait("fresh", ["f"])
+            batch, metrics = await sampling
             assert batch.uids == ["fresh"]
             assert metrics["training/off_policy/evicted_in_flight_groups"] == 1
             assert await report == {"evicted": True, "reached_end": False, "step": 0}
