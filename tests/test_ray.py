@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import pickle
 import random
@@ -830,9 +831,9 @@ async def test_nowait_producers_raise_buffer_full_error_and_flow_queries_are_cor
             assert await buffer.dispatch_step() == 1
             await buffer.add_prompt_nowait("d")  # tagged with the clock: 1
             await buffer.put_group("d", ["x"])
-            await buffer.put_group("e", ["y"], global_steps=2)  # an explicit tag still works
+            await buffer.put_group("e", ["y"], global_steps=1)  # an explicit tag (never ahead of it)
             batch, _ = await buffer.sample(2, 2)
-            assert [(g.uid, g.dispatch_step) for g in batch.groups] == [("d", 1), ("e", 2)]
+            assert [(g.uid, g.dispatch_step) for g in batch.groups] == [("d", 1), ("e", 1)]
     finally:
         buffer.kill()
 
@@ -865,8 +866,10 @@ async def test_in_flight_eviction_cancels_a_remote_rollout_body_in_another_proce
             stream = buffer.evictions(from_oldest=True)
             report = rollout_producer.remote(buffer, "old")
             await _until_stats(buffer, "trajectories", 1)
-            await buffer.put_group_nowait("fresh", ["f"], global_steps=2)
-            batch, metrics = await buffer.sample(2, 1)  # s = 2 > T: "old" can never be trained
+            sampling = asyncio.ensure_future(buffer.sample(2, 1))  # s = 2 > T: "old" can never train
+            await _wait_parked(buffer, 1)  # the clock is at 2: "fresh" is tagged 2 (never ahead of it)
+            await buffer.put_group_nowait("fresh", ["f"])
+            batch, metrics = await sampling
             assert batch.uids == ["fresh"]
             assert metrics["training/off_policy/evicted_in_flight_groups"] == 1
             assert await report == {"evicted": True, "reached_end": False, "step": 0}
@@ -960,6 +963,74 @@ async def test_a_remote_rollout_block_ends_its_group_like_the_local_one(remote: 
         assert (await remote.info())["watched_rollouts"] == 0
 
 
+async def _until_abandon_reached(buffer: RemoteReplayBuffer) -> None:
+    """Return once the actor has handled the one abandon a cancelled block sent without waiting
+    (its group had already ended, so the actor keeps the token as abandoned early)."""
+    while True:  # a one-way message to another process: poll
+        if (await buffer.info())["admissions"]["abandoned_early"] == 1:
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["returns", "raises", "cancelled"])
+@pytest.mark.asyncio
+async def test_a_remote_rollout_exit_never_ends_a_later_group_that_reuses_its_uid(
+    remote: RemoteReplayBuffer, how: str
+) -> None:
+    """Issue 21 item 1, remotely: a body ends its own group, the trainer samples it, and another
+    producer's rollout admits a new group under the same uid; when the first block exits (its
+    body returns, raises, or it is cancelled from outside) the new group stays RUNNING, still
+    watched, and its producer's next put and its own exit work."""
+    ended_own, reused, entered, go = (asyncio.Event() for _ in range(4))
+
+    async def first() -> RemoteRolloutGroup:
+        async with remote.rollout("u") as group:
+            await group.put("first")
+            await remote.mark_finished("u")  # the body ends its own group (supported)
+            ended_own.set()
+            await reused.wait()
+            if how == "raises":
+                raise Boom
+            if how == "cancelled":
+                await asyncio.sleep(60)
+        return group
+
+    async def second() -> RemoteRolloutGroup:
+        async with remote.rollout("u") as group:
+            entered.set()
+            await go.wait()
+            await group.put("second")
+        return group
+
+    with anyio.fail_after(STEP_TIMEOUT):
+        block = asyncio.ensure_future(first())
+        await ended_own.wait()
+        batch, _ = await remote.sample(0, 1)  # the trainer samples the first group
+        assert [(g.uid, g.status) for g in batch.groups] == [("u", Status.FINISHED)]
+        other = asyncio.ensure_future(second())
+        await entered.wait()
+        reused.set()
+        if how == "cancelled":
+            block.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await block
+            await _until_abandon_reached(remote)
+        elif how == "raises":
+            with pytest.raises(Boom):
+                await block
+        else:
+            assert not (await block).evicted
+        total = (await remote.stats()).total
+        assert (total.running, total.finished, total.failure) == (1, 0, 0)
+        assert (await remote.info())["watched_rollouts"] == 1  # the new group's watch is intact
+        go.set()
+        assert not (await other).evicted
+        batch, _ = await remote.sample(0, 1)
+        assert [(g.uid, g.status) for g in batch.groups] == [("u", Status.FINISHED)]
+        assert (await resolve(batch)).payloads == ["second"]
+        assert (await remote.info())["watched_rollouts"] == 0
+
+
 # -- checkpoint and resume ------------------------------------------------------------------------
 
 
@@ -1029,6 +1100,53 @@ async def test_save_and_restore_round_trip_with_object_ref_payloads(tmp_path: An
         buffer.kill()
         if restored is not None:
             restored.kill()
+
+
+def _gated_encode(signals: str, value: Any) -> bytes:
+    """A payload codec's encode that holds the payload "slow" until the file ``release`` appears
+    in ``signals`` (it runs in the actor's process, so only a file can reach it); bounded."""
+    if value == "slow":
+        open(os.path.join(signals, "started"), "w").close()
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while not os.path.exists(os.path.join(signals, "release")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never released the slow save")
+            time.sleep(0.01)
+    return pickle.dumps(value)
+
+
+async def _until_exists(path: Any) -> None:
+    """Return once ``path`` exists."""
+    while True:  # another process creates it: poll
+        if await anyio.Path(path).exists():
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_overlapping_remote_saves_end_with_the_state_of_the_later_one(
+    remote: RemoteReplayBuffer, tmp_path: Any
+) -> None:
+    """Issue 21 item 2, in the actor: a slow save started first and a later save of a newer
+    state overlap on one file; the later one lands first, and the slow one, when it ends, must
+    not replace it (the file holds the newer state and no temporary file is left)."""
+    codec = (functools.partial(_gated_encode, str(tmp_path)), pickle.loads)
+    path = tmp_path / "buffer.ckpt"
+    with anyio.fail_after(2 * STEP_TIMEOUT):
+        await remote.put_group("a", ["slow"])
+        slow = asyncio.ensure_future(remote.save(path, payload_codec=codec))
+        await _until_exists(tmp_path / "started")  # its checkpoint holds "a"; it is writing
+        batch, _ = await remote.sample(0, 1)
+        assert batch.uids == ["a"]
+        await remote.put_group("b", ["fast"])
+        await remote.save(path, payload_codec=codec)  # a newer state, landed first
+        (tmp_path / "release").touch()
+        await slow  # overtaken: it lands nothing, and that is no error
+        result = ReplayBuffer.restore(path, payload_codec=codec)
+        assert result.buffer.stats().total.groups == 1
+        batch, _ = result.buffer.sample_nowait(0, 1)
+        assert (batch.uids, batch.payloads) == (["b"], ["fast"])
+        assert sorted(os.listdir(tmp_path)) == ["buffer.ckpt", "release", "started"]
 
 
 @pytest.mark.asyncio
@@ -1313,7 +1431,7 @@ def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
         MarkFailed("a"),
         PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed"),
         OpenRollout("t2", "c", None, "train", {"k": 2}),
-        EndRollout("c", False),
+        EndRollout("t2", False),
     ]
     for op in ops:
         wire = encode(op)
@@ -1368,6 +1486,38 @@ def test_host_without_a_running_loop_uses_a_private_home_loop() -> None:
         while loop.is_running():
             time.sleep(0.01)
         loop.close()
+
+
+def test_an_end_message_that_crosses_the_eviction_answer_still_hears_evicted() -> None:
+    """The block's end message can cross the watch's "evicted" answer on the wire (the body
+    returned as the group was evicted): after the watch call collected it, the end still hears
+    "evicted", and it ends nothing, not even a group that reuses the uid by then. A block whose
+    body ended its own group hears "gone", as does an unknown token."""
+    from stalebuf.ray._watches import RolloutWatches
+
+    async def main() -> None:
+        config = SamplerConfig(max_off_policy_threshold=1, evict_stale_in_flight=True)
+        buffer = ReplayBuffer(config, status_log_interval=None)
+        watches = RolloutWatches(buffer)
+        for uid in ("old", "own"):
+            buffer.add_prompt_nowait(uid, global_steps=0)
+            buffer.mark_running_nowait(uid)
+            watches.open(f"t-{uid}", uid)
+        buffer.mark_finished_nowait("own")  # the body ends its group; the actor then says so:
+        watches.ended("own")
+        buffer.put_group_nowait("fresh", ["f"], global_steps=2)
+        batch, _ = buffer.sample_nowait(2, 1)  # "old" can never be trained: evicted in flight
+        assert batch.uids == ["fresh"]
+        assert await watches.watch("t-old") == "evicted"
+        buffer.add_prompt_nowait("old", global_steps=2)  # another producer reuses the uid
+        assert watches.end("t-old", finished=True) == "evicted"
+        assert watches.end("t-own", finished=True) == "gone"
+        assert watches.end("t-unknown", finished=False) == "gone"
+        total = buffer.stats().total
+        assert (total.pending, total.finished, total.failure) == (1, 0, 0)
+        assert len(watches) == 0
+
+    asyncio.run(main())
 
 
 # -- the remote restore result ----------------------------------------------------------------------

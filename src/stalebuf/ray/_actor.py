@@ -27,18 +27,19 @@ from typing import Any, TypeVar, cast
 
 import attrs
 import ray
-from ray.exceptions import RayError
 
-from .._checkpoint_file import PayloadCodec, read_checkpoint, write_checkpoint
-from .._validation import describe, describe_error, int_at_least
+from .._checkpoint_file import PayloadCodec, read_checkpoint
+from .._save_order import SaveSequencer, SaveTicket
+from .._validation import describe, int_at_least
 from ..buffer import ReplayBuffer
+from ..checkpoint import BufferCheckpoint
 from ..config import SamplerConfig
-from ..errors import BufferFullError, CheckpointError, ConfigError
+from ..errors import BufferFullError, ConfigError
 from ..records import Batch, EvictionEvent, Group, Status
 from ..stats import BufferStats
 from ._admission import AdmissionAbandonedError, AdmissionLedger
 from ._ledger import SampleLedger, SampleResult
-from ._payloads import fetch_values, stored
+from ._payloads import checkpoint_values, stored
 from ._protocol import (
     PROTOCOL_VERSION,
     AddPrompt,
@@ -95,14 +96,14 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {
 }
 #: The flow-control queries ``flow`` answers (ReplayBuffer methods taking a partition).
 FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full"})
-# Producer operations that end a group (a watched rollout's watch is then released).
-_ENDING = (MarkFinished, MarkFailed, PutGroup, EndRollout)
+# Producer operations that end a group by uid (a watched rollout's watch is then released).
+_ENDING = (MarkFinished, MarkFailed, PutGroup)
 _IN_FLIGHT = (Status.PENDING, Status.RUNNING)
 
 
 class BufferHost:
     """The actor's state: a ReplayBuffer on the home loop, the eviction-event ring, the sample
-    requests, the producers waiting for admission and the watched rollouts.
+    requests, the producers waiting for admission, the watched rollouts and the save order.
 
     Not used directly: :func:`actor_class` wraps it with ``ray.remote`` and
     :class:`~stalebuf.ray.RemoteReplayBuffer` is its client.
@@ -123,6 +124,7 @@ class BufferHost:
         self._ledger = SampleLedger(self._readmit_batch)
         self._admissions = AdmissionLedger()
         self._reissue: tuple[Group, ...] = ()
+        self._saves = SaveSequencer()  # orders this actor's overlapping saves (see save)
         # (interval,) when the client gave one, () to leave the built class's own default.
         options: dict[str, Any] = (
             {"status_log_interval": status_log_interval[0]} if status_log_interval else {}
@@ -216,6 +218,8 @@ class BufferHost:
         return await self._on_home(lambda: [self._apply(op) for op in decoded])
 
     def _apply(self, op: Op) -> Outcome:
+        if isinstance(op, EndRollout):  # by the block's token: only the group it entered
+            return Outcome(True, self._watches.end(op.token, finished=op.finished))
         token = op.token if isinstance(op, (AddPrompt, PutGroup, OpenRollout)) else None
         if token is not None and not self._admissions.arrived(token):
             return Outcome(False, AdmissionAbandonedError(f"operation {token!r} was abandoned"))
@@ -300,25 +304,35 @@ class BufferHost:
     @_method(CONTROL_GROUP)
     async def save(self, path: str, payload_codec: PayloadCodec | None) -> None:
         """Checkpoint the buffer at once (on the home loop), fetch every payload held as an object
-        reference, and write the file at ``path`` (on this node) in a worker thread, atomically.
+        reference, and write ``path`` (on this node) in a worker thread, atomically, in the order
+        the saves started (see ``_save_order``).
 
         Raises:
             CheckpointError: a payload object is lost, or the codec's format cannot hold a value.
             OSError: the file could not be written.
         """
         self._check_ready()
-        checkpoint = await self._on_home(self._buffer.checkpoint)
+        checkpoint, ticket = await self._checkpoint_with_ticket()
         try:
-            groups = await fetch_values(checkpoint.groups)
-        except RayError as exc:
-            raise CheckpointError(
-                f"cannot save the buffer: a payload it holds is lost ({type(exc).__name__}: "
-                f"{describe_error(exc)}); nothing was written"
-            ) from exc
-        if groups is not checkpoint.groups:
-            checkpoint = attrs.evolve(checkpoint, groups=groups)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, write_checkpoint, path, checkpoint, payload_codec)
+            checkpoint = await checkpoint_values(checkpoint)
+        except BaseException:
+            ticket.end()  # drawn and never written: leave the order, or it holds landings for good
+            raise
+        await self._saves.write(path, checkpoint, payload_codec, ticket)
+
+    async def _checkpoint_with_ticket(self) -> tuple[BufferCheckpoint, SaveTicket]:
+        """Take the checkpoint, then its save ticket, in one step of the home loop (tickets follow states)."""
+
+        def take() -> tuple[BufferCheckpoint, SaveTicket]:
+            checkpoint = self._buffer.checkpoint()  # first: a refused checkpoint draws no ticket
+            return checkpoint, self._saves.ticket()
+
+        taking = asyncio.ensure_future(self._on_home(take))
+        try:
+            return await asyncio.shield(taking)
+        except asyncio.CancelledError:  # the ticket may be drawn all the same: end it then
+            taking.add_done_callback(_end_drawn_ticket)
+            raise
 
     @_method(CONTROL_GROUP)
     async def reissued(self) -> tuple[Group, ...]:
@@ -422,6 +436,12 @@ class BufferHost:
         """
         self._check_ready()
         return await self._await_on_home(self._ring.poll(cursor, from_oldest, limit, wait))
+
+
+def _end_drawn_ticket(taking: asyncio.Future[tuple[BufferCheckpoint, SaveTicket]]) -> None:
+    """End the ticket a cancelled save drew, if it drew one (nothing will write it)."""
+    if not taking.cancelled() and taking.exception() is None:
+        taking.result()[1].end()
 
 
 def _restored(

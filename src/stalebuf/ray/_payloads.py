@@ -10,7 +10,7 @@ group has left the buffer and nobody else holds its references. A producer may a
 its own ``ray.ObjectRef`` as a payload; it is kept as it is.
 
 A reference means nothing after a restart, so a checkpoint holds values: the actor's ``save``
-fetches them (:func:`fetch_values`), and a restored group's payloads go back into the object
+fetches them (:func:`checkpoint_values`), and a restored group's payloads go back into the object
 store, one object per group (:func:`stored`).
 """
 
@@ -23,13 +23,18 @@ from typing import Any, NamedTuple
 import anyio
 import attrs
 import ray
+from ray.exceptions import RayError
 
 from .._stored import map_payloads, peek_trajectories
+from .._validation import describe_error
+from ..checkpoint import BufferCheckpoint
+from ..errors import CheckpointError
 from ..records import Batch, Group, new_trajectory
 
 __all__ = [
     "PackedRun",
     "PayloadRef",
+    "checkpoint_values",
     "fetch_values",
     "resolve",
     "resolve_sync",
@@ -167,6 +172,22 @@ async def fetch_values(groups: tuple[Group, ...]) -> tuple[Group, ...]:
     values = await asyncio.gather(*refs)
     by_ref = dict(zip(refs, values, strict=True))
     return tuple(with_values(group, by_ref) for group in groups)
+
+
+async def checkpoint_values(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
+    """Return ``checkpoint`` with its payloads by value (see :func:`fetch_values`), ready to save.
+
+    Raises:
+        CheckpointError: a payload object is lost (e.g. its owner, a producer, died).
+    """
+    try:
+        groups = await fetch_values(checkpoint.groups)
+    except RayError as exc:
+        raise CheckpointError(
+            f"cannot save the buffer: a payload it holds is lost ({type(exc).__name__}: "
+            f"{describe_error(exc)}); nothing was written"
+        ) from exc
+    return checkpoint if groups is checkpoint.groups else attrs.evolve(checkpoint, groups=groups)
 
 
 def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:

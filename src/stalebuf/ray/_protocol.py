@@ -5,7 +5,8 @@ The client builds records (:class:`AddPrompt`, :class:`Put`, ..., :class:`Sample
 actor's :func:`decode_op` / :func:`decode_sample` turn it back, refusing a code or a field count
 they do not know (a client and an actor of different stalebuf versions) with a clear error.
 Each producer record's ``apply`` runs it on the actor's buffer, so what a remote call carries
-and what it does are written in one place.
+and what it does are written in one place; :class:`EndRollout` is the exception, as it names the
+group by the rollout's token and the actor ends it through its watch of that very group.
 
 Operations that add a group (:class:`AddPrompt`, :class:`PutGroup`, :class:`OpenRollout`) may carry
 a *token*: when admission control has no slot for one, the actor parks it under that token instead
@@ -25,13 +26,7 @@ import attrs
 from .._checkpoint_file import PayloadCodec
 from ..buffer import GroupStatus, ReplayBuffer
 from ..checkpoint import InFlightMode
-from ..errors import (
-    BufferClosedError,
-    GroupEvictedError,
-    InvalidTransitionError,
-    StalebufError,
-    UnknownGroupError,
-)
+from ..errors import StalebufError
 from ._payloads import PackedRun, store_group
 
 __all__ = [
@@ -59,7 +54,7 @@ __all__ = [
 ]
 
 #: Bumped whenever a record changes; the client compares it with the actor's on first contact.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
@@ -211,26 +206,12 @@ class OpenRollout(NamedTuple):
 
 
 class EndRollout(NamedTuple):
-    """Leave a remote ``rollout()``: finish or fail the group if it is still in flight."""
+    """Leave a remote ``rollout()``: finish or fail the group the block entered under ``token``
+    if that very group is still in flight (never a later group that reuses its uid). The actor
+    applies it through its watch of the group (``RolloutWatches.end``), so it has no ``apply``."""
 
-    uid: str
+    token: str
     finished: bool
-
-    def apply(self, buffer: ReplayBuffer) -> str:
-        """End the group; return "ended", or why not: "evicted" (in flight), "closed" (the
-        buffer), "gone" (the body ended it itself, or it is unknown). Never raises for those."""
-        try:
-            if self.finished:
-                buffer.mark_finished_nowait(self.uid)
-            else:
-                buffer.mark_failed_nowait(self.uid)
-        except GroupEvictedError:
-            return "evicted"
-        except BufferClosedError:
-            return "closed"
-        except (InvalidTransitionError, UnknownGroupError):
-            return "gone"
-        return "ended"
 
 
 class SampleRequest(NamedTuple):

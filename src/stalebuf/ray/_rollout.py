@@ -6,7 +6,8 @@ when the group is evicted in flight or the buffer closes: the body is then cance
 anyio cancel scope, as in the local ``rollout()``, so a producer learns of the eviction without
 polling. Leaving the block finishes (the body returned) or fails (the body raised) the group if it
 is still in flight; a block cancelled from outside tells the actor without waiting, which fails
-the group.
+the group. Either way the actor is told the block's token, never the uid: it ends only the very
+group the block entered, not a later group that reuses the uid once the body ended its own.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RemoteRolloutGroup", "rollout"]
 
-# What the actor answers when the group is no longer ours to end (see EndRollout.apply).
+# What the actor answers when the group is no longer ours to end (see RolloutWatches.end).
 _EVICTED = ("evicted", "closed")
 # What a body raises when it writes to a group that was evicted or whose buffer closed: the
 # eviction's doing, so the block still exits quietly.
@@ -116,7 +117,7 @@ async def rollout(
             if not await _quiet_after(connection, token, group, exc):
                 raise
         else:
-            if not group.evicted and await _end(connection, token, uid, finished=True) in _EVICTED:
+            if not group.evicted and await _end(connection, token, finished=True) in _EVICTED:
                 group.evicted = True  # evicted as the body returned: its work is lost
         finally:
             block.running = False
@@ -143,16 +144,17 @@ async def _quiet_after(
     if not isinstance(exc, Exception):  # cancelled from outside: tell the actor, don't wait
         connection.abandon(token)
         return False
-    if await _end(connection, token, group.uid, finished=False) in _EVICTED:
+    if await _end(connection, token, finished=False) in _EVICTED:
         group.evicted = True  # the watch's answer is on its way: the body heard first
         return isinstance(exc, _EVICTION_ERRORS)
     return False
 
 
-async def _end(connection: ActorConnection, token: str, uid: str, *, finished: bool) -> str:
-    """Finish or fail ``uid`` if it is still in flight; return the actor's answer."""
+async def _end(connection: ActorConnection, token: str, *, finished: bool) -> str:
+    """Finish or fail the group the block entered under ``token`` if that very group is still in
+    flight (never a later one that reuses its uid); return the actor's answer."""
     try:
-        answer: str = await connection.submit(EndRollout(uid, finished))
+        answer: str = await connection.submit(EndRollout(token, finished))
     except BaseException:
         connection.abandon(token)  # it still fails the group if it is in flight
         raise
