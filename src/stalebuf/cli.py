@@ -35,7 +35,7 @@ from .simulate import (
     simulate,
     write_plot,
 )
-from .simulate._config import Strategy
+from .simulate._config import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS, Strategy
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
 
@@ -53,9 +53,20 @@ _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "threshold": ("T", "max_off_policy_threshold"),
     "parameter_sync_step": ("S", "parameter_sync_step"),
     "steps": ("N", "trainer steps to simulate"),
-    "batch_size": ("B", "groups per trainer step"),
-    "group_size": ("N", "trajectories per group (GRPO n)"),
-    "workers": ("W", "rollout workers, one group at a time each"),
+    "batch_size": (
+        "B",
+        f"groups per trainer step, at most {MAX_BATCH_SIZE} (the simulator keeps a record of every "
+        "prompt it dispatches, and a few KB per group in flight)",
+    ),
+    "group_size": (
+        "N",
+        f"trajectories per group (GRPO n), at most {MAX_GROUP_SIZE}, and batch-size * group-size at "
+        f"most {MAX_STEP_TRAJECTORIES} (each trajectory in flight takes about 200 B of memory)",
+    ),
+    "workers": (
+        "W",
+        f"rollout workers, one group at a time each, at most {MAX_WORKERS} (each is a task of about 10 KB)",
+    ),
     "dispatch_ahead": (
         "K",
         "without admission: prompts dispatched beyond the batch being filled, in batches",
