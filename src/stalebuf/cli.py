@@ -36,6 +36,7 @@ from .simulate import (
     write_plot,
 )
 from .simulate._config import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS, Strategy
+from .simulate._empirical import MAX_FILE_BYTES
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
 
@@ -117,7 +118,7 @@ def _latency_option(text: str) -> Latency:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_MODEL = """\
+_MODEL = f"""\
 the model:
   Each step the trainer calls sample(g, batch-size) on the real ReplayBuffer
   (idle time) and trains for train-step-seconds (busy time). Each prompt's
@@ -145,7 +146,8 @@ empirical latencies:
   header row, or that field of a .json file (an array of objects or an object
   of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
   must be a number > 0 and at most 1e12. Each prompt's time is drawn from
-  them uniformly, with --seed. A file that cannot be read is one error line
+  them uniformly, with --seed. PATH must be a regular file (not a FIFO or a
+  device) of at most {MAX_FILE_BYTES // 2**20} MiB. A file that cannot be read is one error line
   and exit status 2.
 
 reading the report:
