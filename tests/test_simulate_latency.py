@@ -167,15 +167,96 @@ def test_a_bad_file_is_one_line_and_exit_2(
         else:
             path.write_text(text, encoding="utf-8")
         target = str(path) + (f"#{column}" if column else "")
+    assert_refused(target, needle.format(target=target), capsys)
+
+
+def assert_refused(target: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--latency empirical:TARGET`` is one error line holding ``needle``, with exit status 2;
+    ``Latency.parse`` raises the same as a ConfigError."""
     assert main(["simulate", *SMALL, "--latency", f"empirical:{target}"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # it fails before simulating
     assert captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("stalebuf simulate: error: argument --latency: empirical latency")
-    assert needle.format(target=target) in captured.err
+    assert needle in captured.err
     assert "Traceback" not in captured.err
     with pytest.raises(ConfigError, match=r"^empirical latency"):
         Latency.parse(f"empirical:{target}")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+NESTED_TOO_DEEPLY: dict[str, tuple[str, str, str]] = {
+    # id: (file name + "#column" if any; contents; text the error line must hold)
+    "json": ("t.json", DEEP, "t.json' nests arrays or objects too deeply to read"),
+    "json#column": ("t.json#s", f'{{"s": {DEEP}}}', "t.json' nests arrays or objects too deeply"),
+    "jsonl": ("t.jsonl", f"1\n{DEEP}\n", "t.jsonl' line 2 nests arrays or objects too deeply"),
+    "jsonl#column": ("t.jsonl#s", f'{{"s": 1}}\n{{"s": {DEEP}}}\n', "t.jsonl' line 2 nests arrays"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"), list(NESTED_TOO_DEEPLY.values()), ids=list(NESTED_TOO_DEEPLY)
+)
+def test_json_nested_too_deeply_is_one_line_and_exit_2(
+    tmp_path: Path, name: str, text: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 7: a deeply nested .json or .jsonl ("[[[[...") made the JSON parser raise
+    RecursionError, which escaped as a traceback with exit status 1."""
+    file_name, _, column = name.partition("#")
+    path = write(tmp_path, file_name, text)
+    assert_refused(path + (f"#{column}" if column else ""), needle, capsys)
+
+
+def test_json_nested_within_reason_is_read(tmp_path: Path) -> None:
+    """The fix of issue 21 item 7 refuses only what the parser cannot read: records with nested
+    fields a few levels deep are read as before."""
+    meta = "[" * 50 + "]" * 50
+    path = write(tmp_path, "t.jsonl", "".join(f'{{"s": {t}, "meta": {meta}}}\n' for t in TIMES))
+    assert Latency.parse(f"empirical:{path}#s").params == TIMES
+
+
+HUGE = "9" * 5000  # more digits than int() converts (4,300 by default)
+AT_MOST = "expected at most 1e+12 seconds, got"
+HUGE_NUMBERS: dict[str, tuple[str, str, str]] = {
+    # id: (file name + "#column" if any; contents; text the error line must hold)
+    "json array": ("t.json", f"[1, {HUGE}]", f"item 1: {AT_MOST} a number of 5,000 digits"),
+    "json array, negative": (
+        "t.json",
+        f"[1, -{HUGE}]",
+        "item 1: expected a number of seconds > 0, got a number of 5,000 digits",
+    ),
+    "json records#column": ("t.json#s", f'[{{"s": {HUGE}}}]', f"item 0, field 's': {AT_MOST} a number of"),
+    "json columns#column": ("t.json#s", f'{{"s": [2, {HUGE}]}}', f"s[1]: {AT_MOST} a number of 5,000"),
+    "jsonl#column": ("t.jsonl#s", f'{{"s": 1}}\n{{"s": {HUGE}}}\n', f"line 2, field 's': {AT_MOST} a number"),
+    "jsonl": ("t.jsonl", f"1\n{HUGE}\n", f"line 2: {AT_MOST} a number of 5,000 digits"),
+    # Fewer digits than that: an int, but too large for a float. It was called "not > 0".
+    "json, an int of 400 digits": ("t.json", f"[{'9' * 400}]", f"item 0: {AT_MOST} an int of 1329 bits"),
+    # As text, float() reads any length, as inf. It was called "not > 0" too.
+    "lines": ("t.txt", f"1\n{HUGE}\n", f"line 2: {AT_MOST} '99999"),
+    "csv#column": ("t.csv#s", f"s\n{HUGE}\n", f"line 2, column 's': {AT_MOST} '99999"),
+}
+
+
+@pytest.mark.parametrize(("name", "text", "needle"), list(HUGE_NUMBERS.values()), ids=list(HUGE_NUMBERS))
+def test_a_number_of_thousands_of_digits_is_one_line_and_exit_2(
+    tmp_path: Path, name: str, text: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 7: a JSON number of more than 4,300 digits made int() raise inside the
+    parser, and the line said only "invalid _latency_option value"; now it says where the
+    number is and that it is too large (a huge number was also called "not > 0")."""
+    file_name, _, column = name.partition("#")
+    path = write(tmp_path, file_name, text)
+    assert_refused(path + (f"#{column}" if column else ""), needle, capsys)
+
+
+def test_a_huge_number_in_another_field_is_ignored(tmp_path: Path) -> None:
+    """Issue 21 item 7: a number of thousands of digits in a field that is not the column (an id)
+    is none of the times: the file is read (it made the whole file unreadable)."""
+    records = "".join(f'{{"id": {HUGE}, "s": {t}}}\n' for t in TIMES)
+    jsonl = write(tmp_path, "t.jsonl", records)
+    array = write(tmp_path, "t.json", "[" + records.strip().replace("\n", ",") + "]")
+    assert Latency.parse(f"empirical:{jsonl}#s").params == TIMES
+    assert Latency.parse(f"empirical:{array}#s").params == TIMES
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:

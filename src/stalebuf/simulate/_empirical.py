@@ -4,7 +4,8 @@ latency specs (see :meth:`~._latency.Latency.parse` for the formats).
 The file is checked before it is read: it must be a regular file (a FIFO would block the read
 forever, a device may never end) of at most :data:`MAX_FILE_BYTES`, and it is read in bounded
 chunks. Every error is a :class:`~stalebuf.errors.ConfigError` whose message is one line naming
-the file (and where in it), so that the command line can print it as is.
+the file (and where in it), so that the command line can print it as is: JSON nested too deeply
+for the parser, or a number of more digits than ``int()`` converts, too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .._validation import describe, is_finite_number
+from .._validation import describe
 from ..errors import ConfigError
 from ._latency import MAX_SECONDS
 
@@ -45,6 +46,21 @@ _FILE_KINDS = (
 _O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
 # O_BINARY: on Windows, os.open would otherwise translate line ends and stop at a Ctrl-Z.
 _OPEN_FLAGS = os.O_RDONLY | _O_NONBLOCK | getattr(os, "O_BINARY", 0)
+
+
+class _HugeNumber:
+    """A JSON int with more digits than ``int()`` converts (4,300 by default), kept as its text:
+    it is no generation time, but the message must say where it is."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"a number of {len(self.text.lstrip('-')):,} digits"
+
+    __repr__ = __str__  # in the description of a record that holds it
 
 
 def split_column(text: str) -> tuple[str, str | None]:
@@ -174,23 +190,40 @@ def _choose(path: str, names: Iterable[object]) -> str:
 
 
 def _seconds(path: str, where: str, cell: object, from_text: bool) -> float:
-    """One generation time: a finite number > 0, parsed from text or a JSON number."""
-    number = math.nan
-    if from_text and isinstance(cell, str):
-        with contextlib.suppress(ValueError):
-            number = float(cell)
-    elif is_finite_number(cell):
-        number = float(cell)
-    if not (math.isfinite(number) and number > 0.0):
+    """One generation time: a number > 0 and at most ``MAX_SECONDS``, parsed from text or a
+    JSON number.
+
+    Raises:
+        ConfigError: naming ``where``, if ``cell`` is not such a number.
+    """
+    number = _number(cell, from_text)
+    shown = str(cell) if isinstance(cell, _HugeNumber) else describe(cell)
+    if not number > 0.0:  # nan too: not a number at all
         raise ConfigError(
-            f"empirical latency: {path!r} {where}: expected a number of seconds > 0, got {describe(cell)}"
+            f"empirical latency: {path!r} {where}: expected a number of seconds > 0, got {shown}"
         )
-    if number > MAX_SECONDS:
+    if number > MAX_SECONDS:  # inf too: a number too large for a float is too long as well
         raise ConfigError(
-            f"empirical latency: {path!r} {where}: expected at most {MAX_SECONDS:g} seconds, "
-            f"got {describe(cell)}"
+            f"empirical latency: {path!r} {where}: expected at most {MAX_SECONDS:g} seconds, got {shown}"
         )
     return number
+
+
+def _number(cell: object, from_text: bool) -> float:
+    """``cell`` as a float: -inf or inf if it is a number too large for one, nan if no number."""
+    if isinstance(cell, _HugeNumber):
+        return -math.inf if cell.text.startswith("-") else math.inf
+    if from_text:
+        if isinstance(cell, str):
+            with contextlib.suppress(ValueError):
+                return float(cell)  # a long number is inf here, never an error
+        return math.nan
+    if isinstance(cell, bool) or not isinstance(cell, (int, float)):
+        return math.nan  # a JSON string, true or false, null, an array or an object
+    try:
+        return float(cell)
+    except OverflowError:  # an int of more than 308 digits
+        return math.inf if cell > 0 else -math.inf
 
 
 def _csv_rows(text: str) -> Any:
@@ -227,11 +260,47 @@ def _csv_cells(path: str, text: str, column: str) -> Iterator[tuple[str, object]
         raise _csv_error(path, reader.line_num, exc) from None
 
 
-def _json_cells(path: str, text: str, column: str | None) -> Iterable[tuple[str, object]]:
+def _parse_json(path: str, text: str, line: int | None = None) -> object:
+    """Parse ``text``, the whole file or its line ``line``.
+
+    Raises:
+        ConfigError: if it is not JSON, or is nested too deeply for the parser.
+    """
+    part = repr(path) if line is None else f"{path!r} line {line}"
     try:
-        document = json.loads(text)
+        return _loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"empirical latency: {path!r} is not valid JSON: {exc}") from None
+        raise ConfigError(f"empirical latency: {part} is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[...": valid JSON, too deep for the parser, and no list of times
+        raise ConfigError(f"empirical latency: {part} nests arrays or objects too deeply to read") from None
+
+
+def _loads(text: str) -> object:
+    """``json.loads(text)``, with any int of more digits than ``int()`` converts as a _HugeNumber.
+
+    Raises:
+        json.JSONDecodeError: if it is not JSON.
+        RecursionError: if it is nested too deeply for the parser.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        # int() refused a number's digits, and the error says neither where nor which field:
+        # parse again keeping such ints as text. Only this parse pays for a Python hook per int.
+        return json.loads(text, parse_int=_json_int)
+
+
+def _json_int(text: str) -> int | _HugeNumber:
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts
+        return _HugeNumber(text)
+
+
+def _json_cells(path: str, text: str, column: str | None) -> Iterable[tuple[str, object]]:
+    document = _parse_json(path, text)
     if column is None:
         if isinstance(document, list) and not any(isinstance(item, dict) for item in document):
             return ((f"item {n}", item) for n, item in enumerate(document))
@@ -255,10 +324,7 @@ def _json_lines_cells(path: str, text: str, column: str | None) -> Iterator[tupl
     for n, line in enumerate(_lines(text), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"empirical latency: {path!r} line {n} is not valid JSON: {exc}") from None
+        record = _parse_json(path, line, n)
         if column is None:
             if isinstance(record, dict):
                 raise ConfigError(f"empirical latency: {path!r} holds objects: {_choose(path, record)}")

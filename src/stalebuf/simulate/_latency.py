@@ -141,8 +141,9 @@ class Latency:
 
         Raises:
             ConfigError: if ``spec`` is not of one of those forms, a parameter is invalid, or the
-                file cannot be read, is not a regular file, is larger than 32 MiB or holds
-                anything but numbers > 0 (the message is one line).
+                file cannot be read, is not a regular file, is larger than 32 MiB, is JSON nested
+                too deeply to parse or holds anything but numbers > 0 and at most ``MAX_SECONDS``
+                (the message is one line).
         """
         kind, sep, rest = str(spec).partition(":")
         kind = kind.strip().lower()
