@@ -24,7 +24,7 @@ import stalebuf.simulate
 from stalebuf.cli import main
 from stalebuf.errors import ConfigError
 from stalebuf.simulate import Latency, MissingDependencyError, SimulationConfig, _model, simulate
-from stalebuf.simulate._config import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS
+from stalebuf.simulate._bounds import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS
 
 SMALL = ["--steps", "30", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
 # Tight enough that drop evicts something and wait has to wait.

@@ -21,6 +21,7 @@ import pytest
 from stalebuf.cli import main
 from stalebuf.errors import ConfigError
 from stalebuf.simulate import Latency, SimulationConfig, _empirical, simulate
+from stalebuf.simulate._bounds import MAX_FILE_BYTES
 
 SMALL = ["--steps", "10", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
 TIMES = (12.5, 30.0, 45.25, 200.0, 8.0)
@@ -345,7 +346,7 @@ def test_a_huge_file_is_refused_unread(
         "times (one number per line is the smallest form)\n"
     )
     largest = tmp_path / "times.txt"  # the largest file read: one time, then blanks
-    largest.write_bytes(b"1.5\n".ljust(_empirical.MAX_FILE_BYTES, b" "))
+    largest.write_bytes(b"1.5\n".ljust(MAX_FILE_BYTES, b" "))
     assert Latency.parse(f"empirical:{largest}").params == (1.5,)
     assert reads
     assert max(reads) <= 2**20  # read in chunks

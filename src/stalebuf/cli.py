@@ -35,8 +35,14 @@ from .simulate import (
     simulate,
     write_plot,
 )
-from .simulate._config import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS, Strategy
-from .simulate._empirical import MAX_FILE_BYTES
+from .simulate._bounds import (
+    MAX_BATCH_SIZE,
+    MAX_FILE_BYTES,
+    MAX_GROUP_SIZE,
+    MAX_STEP_TRAJECTORIES,
+    MAX_WORKERS,
+)
+from .simulate._config import Strategy
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
 

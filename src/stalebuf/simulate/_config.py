@@ -15,38 +15,12 @@ import attrs
 from .._validation import a_bool, describe, finite_in, int_at_least, is_finite_number, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ._latency import LATENCY_KINDS, MAX_SECONDS, Latency, LatencyKind
+from ._bounds import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_SECONDS, MAX_STEP_TRAJECTORIES, MAX_WORKERS
+from ._latency import LATENCY_KINDS, Latency, LatencyKind
 
-__all__ = [
-    "LATENCY_KINDS",
-    "MAX_BATCH_SIZE",
-    "MAX_GROUP_SIZE",
-    "MAX_STEP_TRAJECTORIES",
-    "MAX_WORKERS",
-    "FailureStrategy",
-    "Latency",
-    "LatencyKind",
-    "SimulationConfig",
-    "Strategy",
-]
+__all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
 
 Strategy = Literal["drop", "wait"]
-# The bounds on the pipeline's sizes. The simulator holds everything it models in memory, so
-# each bound is what keeps one run within a few GB (measured on CPython 3.11, with the other
-# settings at their defaults), and far above any real pipeline's.
-
-#: The most groups per trainer step: the simulator keeps a record of every prompt it dispatches
-#: (about 250 B each, ``steps * batch_size`` of them at least) and a few KB per group in flight
-#: (``batch_size * (1 + dispatch_ahead)`` of them without admission).
-MAX_BATCH_SIZE = 16_384
-#: The most trajectories per group: each trajectory in flight costs about 200 B.
-MAX_GROUP_SIZE = 4_096
-#: The most trajectories per trainer step, ``batch_size * group_size`` (about 200 MB of them in
-#: flight per step's worth): each bound alone does not keep their product in memory.
-MAX_STEP_TRAJECTORIES = 2**20
-#: The most rollout workers: each is a task of about 10 KB (1 GB for all of them).
-MAX_WORKERS = 100_000
-
 # The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
 FailureStrategy = Literal["evict", "sample"]
 

@@ -1,5 +1,5 @@
 """Generation times read from a file: the ``empirical:PATH`` and ``empirical:PATH#COLUMN``
-latency specs (see :meth:`~._latency.Latency.parse` for the formats).
+latency specs (see :meth:`~._latency.Latency.parse` for the formats, :mod:`._bounds` for the bound on size).
 
 The file is checked before it is read: it must be a regular file (a FIFO would block the read
 forever, a device may never end) of at most :data:`MAX_FILE_BYTES`, and it is read in bounded
@@ -22,16 +22,10 @@ from typing import Any
 
 from .._validation import describe
 from ..errors import ConfigError
-from ._latency import MAX_SECONDS
+from ._bounds import MAX_FILE_BYTES, MAX_SECONDS
 
-__all__ = ["MAX_FILE_BYTES", "read_times", "split_column"]
+__all__ = ["read_times", "split_column"]
 
-#: The largest ``empirical:`` file read, in bytes: 32 MiB holds millions of generation times
-#: (three million of ten characters a line), and at worst (one character a value) its values
-#: take about 0.8 GB once parsed. A larger file is refused before it is read, so that a file
-#: given by mistake (a 3 GB checkpoint) costs neither memory nor minutes; one that grows past it
-#: while it is read is refused there.
-MAX_FILE_BYTES = 32 * 2**20
 # Files are read, and their lines split, in chunks of about this many bytes (characters).
 _CHUNK_BYTES = 2**20
 # What a file that is not a regular one is, for the message that refuses it.

@@ -26,6 +26,8 @@ import numpy as np
 
 from .._validation import describe, finite_in, is_finite_number, one_of
 from ..errors import ConfigError
+from ._bounds import MAX_SECONDS
+from ._empirical import read_times, split_column
 
 __all__ = ["LATENCY_KINDS", "MAX_SECONDS", "Latency", "LatencyKind"]
 
@@ -38,12 +40,6 @@ _FORMS = (
     "lognormal:MU,SIGMA, lognormal-fit:MEDIAN,P95, exponential:MEAN, fixed:SECONDS, "
     "empirical:PATH or empirical:PATH#COLUMN"
 )
-
-#: The longest time, in seconds, a fixed or exponential latency, an empirical value or a train step
-#: may be (about 31,700 years). The virtual clock is a float: much larger times lose the train
-#: step to rounding (the run never ends) or overflow to infinity (it fails).
-MAX_SECONDS = 1e12
-
 
 # Each parametric kind's parameters, by the names its spec uses, and their checks in the same order.
 _PARAM_NAMES: dict[str, tuple[str, ...]] = {
@@ -137,7 +133,7 @@ class Latency:
         (an array of objects, or an object of arrays), of a ``.jsonl``/``.ndjson`` file (one object
         per line), or else that column of a CSV file with a header row. If ``PATH#COLUMN`` names an
         existing file, it is read whole, as a path. The file must be a regular file of at most
-        32 MiB (``_empirical.MAX_FILE_BYTES``).
+        32 MiB (``_bounds.MAX_FILE_BYTES``).
 
         Raises:
             ConfigError: if ``spec`` is not of one of those forms, a parameter is invalid, or the
@@ -148,9 +144,6 @@ class Latency:
         kind, sep, rest = str(spec).partition(":")
         kind = kind.strip().lower()
         if kind == "empirical" and sep:
-            # Imported here: reading a file is its own module, which takes MAX_SECONDS from this one.
-            from ._empirical import read_times, split_column
-
             path, column = split_column(rest)
             return cls("empirical", read_times(path, column), spec=f"empirical:{rest}")
         if not sep or kind not in (*_PARAM_NAMES, "lognormal-fit"):
