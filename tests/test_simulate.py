@@ -24,6 +24,7 @@ import stalebuf.simulate
 from stalebuf.cli import main
 from stalebuf.errors import ConfigError
 from stalebuf.simulate import Latency, MissingDependencyError, SimulationConfig, _model, simulate
+from stalebuf.simulate._bounds import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS
 
 SMALL = ["--steps", "30", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
 # Tight enough that drop evicts something and wait has to wait.
@@ -464,6 +465,62 @@ def test_a_value_the_config_rejects_is_one_line_and_exit_2(
     assert captured.err == f"stalebuf simulate: error: argument {option}: {rejected.value}\n"
 
 
+# Each size just past its bound, with the others small: without the bound the run would go
+# ahead (and finish, at these sizes), so only the bound can make these exit 2.
+PAST_THE_SIZE_BOUNDS = [
+    ("--group-size", MAX_GROUP_SIZE + 1, "group_size must be an int from 1 to 4096"),
+    ("--batch-size", MAX_BATCH_SIZE + 1, "batch_size must be an int from 1 to 16384"),
+    ("--workers", MAX_WORKERS + 1, "workers must be an int from 1 to 100000"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "needle"), PAST_THE_SIZE_BOUNDS)
+def test_a_size_past_its_bound_is_one_line_and_exit_2(
+    option: str, value: int, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 12: --group-size, --batch-size and --workers were accepted up to 2**63-1,
+    and a large one ran out of memory with a traceback; each is bounded to what fits."""
+    tiny = ["--steps", "1", "--batch-size", "1", "--group-size", "1", "--workers", "1"]
+    argv = ["simulate", *tiny, "--strategy", "drop", "--admission", "off", "--no-progress"]
+    assert main([*argv, option, str(value)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"stalebuf simulate: error: argument {option}: {needle}, got {value}\n"
+    assert main(["simulate", option, str(2**63 - 1)]) == 2  # the value the issue found accepted
+    assert f"argument {option}: " in capsys.readouterr().err
+
+
+def test_batch_size_times_group_size_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21 item 12: each size within its bound can still multiply to more trajectories
+    than fit in memory (16384 groups of 4096); their product is bounded too, in one line."""
+    argv = ["simulate", "--steps", "1", "--workers", "1", "--no-progress"]
+    assert main([*argv, "--batch-size", "257", "--group-size", "4096"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "stalebuf simulate: error: batch_size * group_size must be at most 1048576 trajectories "
+        "per trainer step, got 257 * 4096 = 1052672\n"
+    )
+    assert SimulationConfig(batch_size=256, group_size=MAX_GROUP_SIZE).group_size == MAX_GROUP_SIZE
+    assert SimulationConfig(batch_size=MAX_BATCH_SIZE, group_size=64).batch_size == MAX_BATCH_SIZE
+
+
+def test_the_size_bounds_are_in_the_help_and_the_readme(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21 item 12: the bounds are documented where the options are."""
+    assert main(["simulate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    for option, bound in (
+        ("--batch-size B groups per trainer step, at most", MAX_BATCH_SIZE),
+        ("--group-size N trajectories per group (GRPO n), at most", MAX_GROUP_SIZE),
+        ("batch-size * group-size at most", MAX_STEP_TRAJECTORIES),
+        ("--workers W rollout workers, one group at a time each, at most", MAX_WORKERS),
+    ):
+        assert re.search(rf"{re.escape(option)} {bound}(?!\d)", text), option
+    for bound in (MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_STEP_TRAJECTORIES, MAX_WORKERS):
+        assert f"{bound:,}" in readme, bound
+
+
 def test_a_rule_across_fields_is_one_line_naming_no_single_option(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -573,6 +630,14 @@ def test_simulate_module_imports_without_trio() -> None:
         {"train_step_seconds": 0},
         {"train_step_seconds": 10**400},  # too large for a float: still a ConfigError
         {"failure_rate": float("nan")},
+        # Issue 21 item 12: the sizes the simulator allocates memory by are bounded.
+        {"batch_size": MAX_BATCH_SIZE + 1},
+        {"batch_size": 2**63 - 1},
+        {"group_size": MAX_GROUP_SIZE + 1},
+        {"group_size": 2**63 - 1},
+        {"workers": MAX_WORKERS + 1},
+        {"workers": 2**63 - 1},
+        {"workers": True},
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
@@ -584,6 +649,8 @@ def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
 def test_config_accepts_its_boundaries_and_stores_floats() -> None:
     low = SimulationConfig(dispatch_ahead=0, train_step_seconds=1e-9, failure_rate=0, seed=0)
     high = SimulationConfig(dispatch_ahead=1000, failure_rate=0.999, threshold=2**63 - 1)
+    widest = SimulationConfig(batch_size=MAX_BATCH_SIZE, group_size=1, workers=MAX_WORKERS)
+    assert (widest.batch_size, widest.workers) == (MAX_BATCH_SIZE, MAX_WORKERS)
     assert (low.dispatch_ahead, low.failure_rate, high.dispatch_ahead) == (0.0, 0.0, 1000.0)
     assert all(type(v) is float for v in (low.dispatch_ahead, low.failure_rate, high.dispatch_ahead))
 

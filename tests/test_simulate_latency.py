@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -16,7 +20,8 @@ import pytest
 
 from stalebuf.cli import main
 from stalebuf.errors import ConfigError
-from stalebuf.simulate import Latency, SimulationConfig, simulate
+from stalebuf.simulate import Latency, SimulationConfig, _empirical, simulate
+from stalebuf.simulate._bounds import MAX_FILE_BYTES
 
 SMALL = ["--steps", "10", "--batch-size", "4", "--group-size", "2", "--workers", "8"]
 TIMES = (12.5, 30.0, 45.25, 200.0, 8.0)
@@ -142,7 +147,8 @@ BAD_FILES: dict[str, tuple[str | None, str, str]] = {
     "jsonl, invalid line": ("t.jsonl#s", '{"s": 1}\n{"s": \n', "line 2 is not valid JSON"),
     "jsonl, missing field": ("t.jsonl#s", '{"s": 1}\n{"t": 2}\n', "line 2 has no field 's'"),
     "jsonl without a column": ("t.jsonl", '{"s": 1}\n', "holds objects: choose a column"),
-    "a directory": ("", "", "cannot read"),
+    # Issue 21 item 10: a directory is refused by its kind, before it is opened.
+    "a directory": ("", "", "cannot read {target!r}: it is a directory, not a regular file"),
 }
 
 
@@ -162,6 +168,12 @@ def test_a_bad_file_is_one_line_and_exit_2(
         else:
             path.write_text(text, encoding="utf-8")
         target = str(path) + (f"#{column}" if column else "")
+    assert_refused(target, needle.format(target=target), capsys)
+
+
+def assert_refused(target: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--latency empirical:TARGET`` is one error line holding ``needle``, with exit status 2;
+    ``Latency.parse`` raises the same as a ConfigError."""
     assert main(["simulate", *SMALL, "--latency", f"empirical:{target}"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # it fails before simulating
@@ -171,6 +183,189 @@ def test_a_bad_file_is_one_line_and_exit_2(
     assert "Traceback" not in captured.err
     with pytest.raises(ConfigError, match=r"^empirical latency"):
         Latency.parse(f"empirical:{target}")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+NESTED_TOO_DEEPLY: dict[str, tuple[str, str, str]] = {
+    # id: (file name + "#column" if any; contents; text the error line must hold)
+    "json": ("t.json", DEEP, "t.json' nests arrays or objects too deeply to read"),
+    "json#column": ("t.json#s", f'{{"s": {DEEP}}}', "t.json' nests arrays or objects too deeply"),
+    "jsonl": ("t.jsonl", f"1\n{DEEP}\n", "t.jsonl' line 2 nests arrays or objects too deeply"),
+    "jsonl#column": ("t.jsonl#s", f'{{"s": 1}}\n{{"s": {DEEP}}}\n', "t.jsonl' line 2 nests arrays"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"), list(NESTED_TOO_DEEPLY.values()), ids=list(NESTED_TOO_DEEPLY)
+)
+def test_json_nested_too_deeply_is_one_line_and_exit_2(
+    tmp_path: Path, name: str, text: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 7: a deeply nested .json or .jsonl ("[[[[...") made the JSON parser raise
+    RecursionError, which escaped as a traceback with exit status 1."""
+    file_name, _, column = name.partition("#")
+    path = write(tmp_path, file_name, text)
+    assert_refused(path + (f"#{column}" if column else ""), needle, capsys)
+
+
+def test_json_nested_within_reason_is_read(tmp_path: Path) -> None:
+    """The fix of issue 21 item 7 refuses only what the parser cannot read: records with nested
+    fields a few levels deep are read as before."""
+    meta = "[" * 50 + "]" * 50
+    path = write(tmp_path, "t.jsonl", "".join(f'{{"s": {t}, "meta": {meta}}}\n' for t in TIMES))
+    assert Latency.parse(f"empirical:{path}#s").params == TIMES
+
+
+HUGE = "9" * 5000  # more digits than int() converts (4,300 by default)
+AT_MOST = "expected at most 1e+12 seconds, got"
+HUGE_NUMBERS: dict[str, tuple[str, str, str]] = {
+    # id: (file name + "#column" if any; contents; text the error line must hold)
+    "json array": ("t.json", f"[1, {HUGE}]", f"item 1: {AT_MOST} a number of 5,000 digits"),
+    "json array, negative": (
+        "t.json",
+        f"[1, -{HUGE}]",
+        "item 1: expected a number of seconds > 0, got a number of 5,000 digits",
+    ),
+    "json records#column": ("t.json#s", f'[{{"s": {HUGE}}}]', f"item 0, field 's': {AT_MOST} a number of"),
+    "json columns#column": ("t.json#s", f'{{"s": [2, {HUGE}]}}', f"s[1]: {AT_MOST} a number of 5,000"),
+    "jsonl#column": ("t.jsonl#s", f'{{"s": 1}}\n{{"s": {HUGE}}}\n', f"line 2, field 's': {AT_MOST} a number"),
+    "jsonl": ("t.jsonl", f"1\n{HUGE}\n", f"line 2: {AT_MOST} a number of 5,000 digits"),
+    # Fewer digits than that: an int, but too large for a float. It was called "not > 0".
+    "json, an int of 400 digits": ("t.json", f"[{'9' * 400}]", f"item 0: {AT_MOST} an int of 1329 bits"),
+    # As text, float() reads any length, as inf. It was called "not > 0" too.
+    "lines": ("t.txt", f"1\n{HUGE}\n", f"line 2: {AT_MOST} '99999"),
+    "csv#column": ("t.csv#s", f"s\n{HUGE}\n", f"line 2, column 's': {AT_MOST} '99999"),
+}
+
+
+@pytest.mark.parametrize(("name", "text", "needle"), list(HUGE_NUMBERS.values()), ids=list(HUGE_NUMBERS))
+def test_a_number_of_thousands_of_digits_is_one_line_and_exit_2(
+    tmp_path: Path, name: str, text: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 7: a JSON number of more than 4,300 digits made int() raise inside the
+    parser, and the line said only "invalid _latency_option value"; now it says where the
+    number is and that it is too large (a huge number was also called "not > 0")."""
+    file_name, _, column = name.partition("#")
+    path = write(tmp_path, file_name, text)
+    assert_refused(path + (f"#{column}" if column else ""), needle, capsys)
+
+
+def test_a_huge_number_in_another_field_is_ignored(tmp_path: Path) -> None:
+    """Issue 21 item 7: a number of thousands of digits in a field that is not the column (an id)
+    is none of the times: the file is read (it made the whole file unreadable)."""
+    records = "".join(f'{{"id": {HUGE}, "s": {t}}}\n' for t in TIMES)
+    jsonl = write(tmp_path, "t.jsonl", records)
+    array = write(tmp_path, "t.json", "[" + records.strip().replace("\n", ",") + "]")
+    assert Latency.parse(f"empirical:{jsonl}#s").params == TIMES
+    assert Latency.parse(f"empirical:{array}#s").params == TIMES
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m stalebuf`` in a subprocess that cannot outlive 60 s: a read that blocks
+    fails the test instead of hanging the suite."""
+    return subprocess.run(
+        [sys.executable, "-m", "stalebuf", *argv], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    """Issue 21 item 10: a FIFO was opened and read like a file, which waits for a writer:
+    forever, for one nobody writes to. It is refused from its kind, one line, exit 2."""
+    fifo = tmp_path / "times.txt"
+    os.mkfifo(fifo)
+    proc = run_cli("simulate", *SMALL, "--latency", f"empirical:{fifo}")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr == (
+        f"stalebuf simulate: error: argument --latency: empirical latency: cannot read {str(fifo)!r}: "
+        "it is a FIFO (named pipe), not a regular file\n"
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_a_fifo_that_replaced_the_file_after_its_check_does_not_block(tmp_path: Path) -> None:
+    """Issue 21 item 10: the kind is checked again on what was opened, and the open does not
+    wait for a writer: a FIFO swapped in between the check and the open is refused at once."""
+    fifo, regular = tmp_path / "times.txt", write(tmp_path, "regular.txt", "1\n")
+    os.mkfifo(fifo)
+    # The path's check sees a regular file (as if the FIFO came just after it); the open gets the FIFO.
+    code = (
+        "import os, sys\n"
+        "from stalebuf.cli import main\n"
+        "real_stat = os.stat\n"
+        "os.stat = lambda path, *args, **kwargs: real_stat(sys.argv[2], *args, **kwargs)\n"
+        "sys.exit(main(['simulate', '--latency', 'empirical:' + sys.argv[1]]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(fifo), regular],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith(": it is a FIFO (named pipe), not a regular file\n")
+    assert proc.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null")
+def test_a_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21 item 10: a device was read like a file (/dev/null as an empty one, /dev/zero
+    without end); it is refused from its kind, one line, exit 2."""
+    assert main(["simulate", *SMALL, "--latency", "empirical:/dev/null"]) == 2
+    assert capsys.readouterr().err == (
+        "stalebuf simulate: error: argument --latency: empirical latency: cannot read '/dev/null': "
+        "it is a character device, not a regular file\n"
+    )
+
+
+def test_a_huge_file_is_refused_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 10: the whole file was read before it was checked, so a 3 GB file given
+    by mistake raised MemoryError (or took minutes). It is refused from its size, unread."""
+    path = tmp_path / "model.json"
+    with open(path, "wb") as file:
+        file.truncate(3 * 2**30)  # sparse: it takes no disk
+    reads: list[int] = []
+    real_read = os.read
+
+    def counted_read(fd: int, size: int) -> bytes:
+        reads.append(size)
+        return real_read(fd, size)
+
+    monkeypatch.setattr(os, "read", counted_read)
+    start = time.monotonic()
+    assert main(["simulate", *SMALL, "--latency", f"empirical:{path}"]) == 2
+    assert time.monotonic() - start < 10  # reading 3 GB would take longer; refusing takes no time
+    assert reads == []
+    assert capsys.readouterr().err == (
+        f"stalebuf simulate: error: argument --latency: empirical latency: {str(path)!r} is "
+        "3,221,225,472 bytes, more than the 32 MiB a latency file may hold; keep only the generation "
+        "times (one number per line is the smallest form)\n"
+    )
+    largest = tmp_path / "times.txt"  # the largest file read: one time, then blanks
+    largest.write_bytes(b"1.5\n".ljust(MAX_FILE_BYTES, b" "))
+    assert Latency.parse(f"empirical:{largest}").params == (1.5,)
+    assert reads
+    assert max(reads) <= 2**20  # read in chunks
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_a_file_longer_than_its_size_is_read_only_up_to_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21 item 10: a file's size is not always its length (a /proc file says 0 bytes, a log
+    grows while it is read), so the bound is also kept while reading: it stops past it."""
+    monkeypatch.setattr(_empirical, "MAX_FILE_BYTES", 100)
+    with pytest.raises(ConfigError, match=r"^empirical latency: '/proc/self/status' holds more than "):
+        Latency.parse("empirical:/proc/self/status")
+
+
+def test_a_path_with_a_nul_is_a_config_error() -> None:
+    """A NUL in the path made Latency.parse raise the bare ValueError of open (not OSError);
+    checked before it is opened now, it is a ConfigError like every other unreadable path."""
+    with pytest.raises(ConfigError, match=r"^empirical latency: cannot read 'a\\x00b': embedded null byte$"):
+        Latency.parse("empirical:a\0b")
 
 
 @pytest.mark.parametrize("spec", ["empirical:", "empirical:#seconds", "empirical:t.csv#"])

@@ -35,6 +35,13 @@ from .simulate import (
     simulate,
     write_plot,
 )
+from .simulate._bounds import (
+    MAX_BATCH_SIZE,
+    MAX_FILE_BYTES,
+    MAX_GROUP_SIZE,
+    MAX_STEP_TRAJECTORIES,
+    MAX_WORKERS,
+)
 from .simulate._config import Strategy
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
@@ -53,9 +60,20 @@ _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "threshold": ("T", "max_off_policy_threshold"),
     "parameter_sync_step": ("S", "parameter_sync_step"),
     "steps": ("N", "trainer steps to simulate"),
-    "batch_size": ("B", "groups per trainer step"),
-    "group_size": ("N", "trajectories per group (GRPO n)"),
-    "workers": ("W", "rollout workers, one group at a time each"),
+    "batch_size": (
+        "B",
+        f"groups per trainer step, at most {MAX_BATCH_SIZE} (the simulator keeps a record of every "
+        "prompt it dispatches, and a few KB per group in flight)",
+    ),
+    "group_size": (
+        "N",
+        f"trajectories per group (GRPO n), at most {MAX_GROUP_SIZE}, and batch-size * group-size at "
+        f"most {MAX_STEP_TRAJECTORIES} (each trajectory in flight takes about 200 B of memory)",
+    ),
+    "workers": (
+        "W",
+        f"rollout workers, one group at a time each, at most {MAX_WORKERS} (each is a task of about 10 KB)",
+    ),
     "dispatch_ahead": (
         "K",
         "without admission: prompts dispatched beyond the batch being filled, in batches",
@@ -106,7 +124,7 @@ def _latency_option(text: str) -> Latency:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_MODEL = """\
+_MODEL = f"""\
 the model:
   Each step the trainer calls sample(g, batch-size) on the real ReplayBuffer
   (idle time) and trains for train-step-seconds (busy time). Each prompt's
@@ -134,7 +152,8 @@ empirical latencies:
   header row, or that field of a .json file (an array of objects or an object
   of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
   must be a number > 0 and at most 1e12. Each prompt's time is drawn from
-  them uniformly, with --seed. A file that cannot be read is one error line
+  them uniformly, with --seed. PATH must be a regular file (not a FIFO or a
+  device) of at most {MAX_FILE_BYTES // 2**20} MiB. A file that cannot be read is one error line
   and exit status 2.
 
 reading the report:

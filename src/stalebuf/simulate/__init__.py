@@ -24,8 +24,9 @@ order, with admission) from one ``random.Random(seed)``, so a seed reproduces a 
 whatever order trio's scheduler runs simultaneous tasks in. trio is imported only when a
 simulation runs.
 
-The package reads top-down: :mod:`._latency` (generation-time distributions, parametric, fitted
-or read from a file), :mod:`._config` (the validated settings), :mod:`._model` (the
+The package reads top-down: :mod:`._bounds` (what it accepts, and why), :mod:`._latency`
+(generation-time distributions, parametric, fitted or read from a file by :mod:`._empirical`),
+:mod:`._config` (the validated settings), :mod:`._model` (the
 simulation), :mod:`._result` (what a run returns) and :mod:`._report` (the text report and the
 plot that ``stalebuf simulate`` prints and writes).
 """

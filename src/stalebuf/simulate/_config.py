@@ -15,13 +15,24 @@ import attrs
 from .._validation import a_bool, describe, finite_in, int_at_least, is_finite_number, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ._latency import LATENCY_KINDS, MAX_SECONDS, Latency, LatencyKind
+from ._bounds import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_SECONDS, MAX_STEP_TRAJECTORIES, MAX_WORKERS
+from ._latency import LATENCY_KINDS, Latency, LatencyKind
 
 __all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
 
 Strategy = Literal["drop", "wait"]
 # The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
 FailureStrategy = Literal["evict", "sample"]
+
+
+def _int_in(label: str, low: int, high: int) -> Any:
+    """Return a validator accepting an int in ``[low, high]`` (bool rejected)."""
+
+    def check(_instance: object, _attribute: object, value: object) -> None:
+        if type(value) is not int or not low <= value <= high:
+            raise ConfigError(f"{label} must be an int from {low} to {high}, got {describe(value)}")
+
+    return check
 
 
 def _as_float(value: object) -> object:
@@ -44,9 +55,11 @@ class SimulationConfig:
         failure_strategy: the buffer's ``failure_strategy``, "evict" (failed groups are
             evicted and replaced) or "sample" (they are trained like finished ones).
         steps: trainer steps to simulate (int >= 1).
-        batch_size: groups per trainer step (int >= 1).
-        group_size: trajectories per group, the GRPO ``n`` (int >= 1).
-        workers: concurrent rollout workers, each generating one group at a time (int >= 1).
+        batch_size: groups per trainer step, in ``[1, MAX_BATCH_SIZE]`` (16,384).
+        group_size: trajectories per group, the GRPO ``n``, in ``[1, MAX_GROUP_SIZE]`` (4,096);
+            ``batch_size * group_size`` is at most ``MAX_STEP_TRAJECTORIES`` (2**20).
+        workers: concurrent rollout workers, each generating one group at a time, in
+            ``[1, MAX_WORKERS]`` (100,000).
         dispatch_ahead: without admission, prompts dispatched beyond the batch being collected,
             in batches, in ``[0, 1000]``: the trainer keeps ``round(batch_size * (1 +
             dispatch_ahead))`` prompts dispatched.
@@ -57,7 +70,8 @@ class SimulationConfig:
         seed: the seed of the run's ``random.Random`` (int >= 0).
 
     Raises:
-        ConfigError: on construction, for any invalid value (the message names the field).
+        ConfigError: on construction, for any invalid value (the message names the field), or
+            if ``batch_size * group_size`` is over ``MAX_STEP_TRAJECTORIES``.
     """
 
     strategy: Strategy = attrs.field(default="drop", validator=one_of("strategy", get_args(Strategy)))
@@ -68,9 +82,9 @@ class SimulationConfig:
         default="evict", validator=one_of("failure_strategy", get_args(FailureStrategy))
     )
     steps: int = attrs.field(default=200, validator=int_at_least("steps", 1))
-    batch_size: int = attrs.field(default=32, validator=int_at_least("batch_size", 1))
-    group_size: int = attrs.field(default=8, validator=int_at_least("group_size", 1))
-    workers: int = attrs.field(default=64, validator=int_at_least("workers", 1))
+    batch_size: int = attrs.field(default=32, validator=_int_in("batch_size", 1, MAX_BATCH_SIZE))
+    group_size: int = attrs.field(default=8, validator=_int_in("group_size", 1, MAX_GROUP_SIZE))
+    workers: int = attrs.field(default=64, validator=_int_in("workers", 1, MAX_WORKERS))
     dispatch_ahead: float = attrs.field(
         default=1.0, converter=_as_float, validator=finite_in("dispatch_ahead", 0.0, 1000.0)
     )
@@ -89,6 +103,14 @@ class SimulationConfig:
     def _check_latency(self, _attribute: object, value: object) -> None:
         if not isinstance(value, Latency):
             raise ConfigError(f"latency must be a Latency, got {describe(value)}")
+
+    def __attrs_post_init__(self) -> None:
+        trajectories = self.batch_size * self.group_size
+        if trajectories > MAX_STEP_TRAJECTORIES:
+            raise ConfigError(
+                f"batch_size * group_size must be at most {MAX_STEP_TRAJECTORIES} trajectories per "
+                f"trainer step, got {self.batch_size} * {self.group_size} = {trajectories}"
+            )
 
     @property
     def label(self) -> str:

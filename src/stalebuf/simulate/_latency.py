@@ -7,7 +7,7 @@ A spec is one of:
   know only those two numbers;
 - ``empirical:PATH`` or ``empirical:PATH#COLUMN``: generation times in seconds read from a file
   (one number per line, a JSON array, or a column of a CSV, JSON or JSON Lines file), resampled
-  uniformly with the run's seed.
+  uniformly with the run's seed; :mod:`._empirical` reads the file.
 
 Every error is a :class:`~stalebuf.errors.ConfigError` whose message is one line, so that the
 command line can print it as is.
@@ -15,14 +15,9 @@ command line can print it as is.
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import io
-import json
 import math
-import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from statistics import NormalDist
 from typing import Any, Literal, get_args
 
@@ -31,6 +26,8 @@ import numpy as np
 
 from .._validation import describe, finite_in, is_finite_number, one_of
 from ..errors import ConfigError
+from ._bounds import MAX_SECONDS
+from ._empirical import read_times, split_column
 
 __all__ = ["LATENCY_KINDS", "MAX_SECONDS", "Latency", "LatencyKind"]
 
@@ -43,11 +40,6 @@ _FORMS = (
     "lognormal:MU,SIGMA, lognormal-fit:MEDIAN,P95, exponential:MEAN, fixed:SECONDS, "
     "empirical:PATH or empirical:PATH#COLUMN"
 )
-
-#: The longest time, in seconds, a fixed or exponential latency, an empirical value or a train step
-#: may be (about 31,700 years). The virtual clock is a float: much larger times lose the train
-#: step to rounding (the run never ends) or overflow to infinity (it fails).
-MAX_SECONDS = 1e12
 
 # Each parametric kind's parameters, by the names its spec uses, and their checks in the same order.
 _PARAM_NAMES: dict[str, tuple[str, ...]] = {
@@ -140,17 +132,20 @@ class Latency:
         array of numbers if it ends in ``.json``; with ``#COLUMN``, that field of a ``.json`` file
         (an array of objects, or an object of arrays), of a ``.jsonl``/``.ndjson`` file (one object
         per line), or else that column of a CSV file with a header row. If ``PATH#COLUMN`` names an
-        existing file, it is read whole, as a path.
+        existing file, it is read whole, as a path. The file must be a regular file of at most
+        32 MiB (``_bounds.MAX_FILE_BYTES``).
 
         Raises:
             ConfigError: if ``spec`` is not of one of those forms, a parameter is invalid, or the
-                file cannot be read or holds anything but numbers > 0 (the message is one line).
+                file cannot be read, is not a regular file, is larger than 32 MiB, is JSON nested
+                too deeply to parse or holds anything but numbers > 0 and at most ``MAX_SECONDS``
+                (the message is one line).
         """
         kind, sep, rest = str(spec).partition(":")
         kind = kind.strip().lower()
         if kind == "empirical" and sep:
-            path, column = _split_column(rest)
-            return cls("empirical", _read_times(path, column), spec=f"empirical:{rest}")
+            path, column = split_column(rest)
+            return cls("empirical", read_times(path, column), spec=f"empirical:{rest}")
         if not sep or kind not in (*_PARAM_NAMES, "lognormal-fit"):
             raise ConfigError(f"latency must look like {_FORMS}; got {spec!r}")
         try:
@@ -221,157 +216,3 @@ def _fit_lognormal(params: tuple[float, ...]) -> Latency:
         return Latency("lognormal", (mu, sigma), spec=spec)
     except ConfigError as exc:
         raise ConfigError(f"{spec} fits MU={mu:.4f}, SIGMA={sigma:.4f}, out of range: {exc}") from None
-
-
-# -- empirical latencies: reading generation times from a file --------------------------------
-
-
-def _split_column(text: str) -> tuple[str, str | None]:
-    """Split ``PATH#COLUMN`` at its last ``#``, unless the whole text names an existing file."""
-    if not text:
-        raise ConfigError("empirical latency needs a file: empirical:PATH or empirical:PATH#COLUMN")
-    if "#" not in text or os.path.isfile(text):
-        return text, None
-    path, _, column = text.rpartition("#")
-    if not path or not column:
-        raise ConfigError(f"empirical latency needs PATH#COLUMN with both parts, got {text!r}")
-    return path, column
-
-
-def _read_times(path: str, column: str | None) -> tuple[float, ...]:
-    """Read the generation times of ``path`` (``column`` of it, if given); see :meth:`Latency.parse`."""
-    try:
-        # utf-8-sig: spreadsheets often start a CSV export with a byte-order mark.
-        with open(path, encoding="utf-8-sig", newline="") as file:
-            text = file.read()
-    except UnicodeDecodeError:
-        raise ConfigError(f"empirical latency: {path!r} is not a UTF-8 text file") from None
-    except OSError as exc:
-        raise ConfigError(f"empirical latency: cannot read {path!r}: {exc.strerror or exc}") from None
-    suffix = os.path.splitext(path)[1].lower()
-    cells: Iterable[tuple[str, object]]
-    if suffix in (".jsonl", ".ndjson"):
-        cells = _json_lines_cells(path, text, column)
-    elif suffix == ".json":
-        cells = _json_cells(path, text, column)
-    elif column is not None:
-        cells = _csv_cells(path, text, column)
-    elif suffix == ".csv":
-        header = _csv_header(path, text)
-        raise ConfigError(f"empirical latency: {path!r} is a CSV file: {_choose(path, header)}")
-    else:
-        cells = ((f"line {n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip())
-    # Text cells are parsed; JSON ones must already be numbers.
-    from_text = suffix not in (".json", ".jsonl", ".ndjson")
-    times = tuple(_seconds(path, where, cell, from_text) for where, cell in cells)
-    if not times:
-        where = f"column {column!r} of {path!r}" if column is not None else repr(path)
-        raise ConfigError(f"empirical latency: {where} holds no generation times")
-    return times
-
-
-def _choose(path: str, names: Iterable[object]) -> str:
-    listed = ", ".join(describe(name) for name in list(names)[:20])
-    return f"choose a column with empirical:{path}#COLUMN (it has: {listed or 'none'})"
-
-
-def _seconds(path: str, where: str, cell: object, from_text: bool) -> float:
-    """One generation time: a finite number > 0, parsed from text or a JSON number."""
-    number = math.nan
-    if from_text and isinstance(cell, str):
-        with contextlib.suppress(ValueError):
-            number = float(cell)
-    elif is_finite_number(cell):
-        number = float(cell)
-    if not (math.isfinite(number) and number > 0.0):
-        raise ConfigError(
-            f"empirical latency: {path!r} {where}: expected a number of seconds > 0, got {describe(cell)}"
-        )
-    if number > MAX_SECONDS:
-        raise ConfigError(
-            f"empirical latency: {path!r} {where}: expected at most {MAX_SECONDS:g} seconds, "
-            f"got {describe(cell)}"
-        )
-    return number
-
-
-def _csv_rows(text: str) -> Any:
-    # newline="": a lone "\r" ends a row too (old spreadsheet exports), and quoted newlines stay.
-    return csv.reader(io.StringIO(text, newline=""))
-
-
-def _csv_error(path: str, line: int, exc: csv.Error) -> ConfigError:
-    return ConfigError(f"empirical latency: {path!r} line {max(line, 1)} is not valid CSV: {exc}")
-
-
-def _csv_header(path: str, text: str) -> list[str]:
-    reader = _csv_rows(text)
-    try:
-        return next(reader, [])
-    except csv.Error as exc:
-        raise _csv_error(path, reader.line_num, exc) from None
-
-
-def _csv_cells(path: str, text: str, column: str) -> Iterator[tuple[str, object]]:
-    reader = _csv_rows(text)
-    try:
-        header: list[str] = next(reader, [])
-        if column not in header:
-            choose = _choose(path, header)
-            raise ConfigError(f"empirical latency: {path!r} has no column {column!r}; {choose}")
-        index = header.index(column)
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue  # a blank line
-            where = f"line {reader.line_num}, column {column!r}"
-            yield where, row[index] if index < len(row) else ""
-    except csv.Error as exc:  # a field over csv's size limit, a NUL byte (before Python 3.11)
-        raise _csv_error(path, reader.line_num, exc) from None
-
-
-def _json_cells(path: str, text: str, column: str | None) -> list[tuple[str, object]]:
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"empirical latency: {path!r} is not valid JSON: {exc}") from None
-    if column is None:
-        if isinstance(document, list) and not any(isinstance(item, dict) for item in document):
-            return [(f"item {n}", item) for n, item in enumerate(document)]
-        items = document if isinstance(document, list) else [document]
-        objects = [item for item in items if isinstance(item, dict)]
-        if objects:
-            raise ConfigError(f"empirical latency: {path!r} holds objects: {_choose(path, objects[0])}")
-        raise ConfigError(f"empirical latency: {path!r} must hold a JSON array of numbers")
-    if isinstance(document, dict):
-        if column not in document or not isinstance(document[column], list):
-            raise ConfigError(
-                f"empirical latency: {path!r} has no array {column!r}; {_choose(path, document)}"
-            )
-        return [(f"{column}[{n}]", item) for n, item in enumerate(document[column])]
-    if isinstance(document, list):
-        return [_field(path, f"item {n}", item, column) for n, item in enumerate(document)]
-    raise ConfigError(f"empirical latency: {path!r} must hold an array of objects or an object of arrays")
-
-
-def _json_lines_cells(path: str, text: str, column: str | None) -> Iterator[tuple[str, object]]:
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"empirical latency: {path!r} line {n} is not valid JSON: {exc}") from None
-        if column is None:
-            if isinstance(record, dict):
-                raise ConfigError(f"empirical latency: {path!r} holds objects: {_choose(path, record)}")
-            yield f"line {n}", record
-        else:
-            yield _field(path, f"line {n}", record, column)
-
-
-def _field(path: str, where: str, record: object, column: str) -> tuple[str, object]:
-    if not isinstance(record, dict):
-        raise ConfigError(f"empirical latency: {path!r} {where}: expected an object, got {describe(record)}")
-    if column not in record:
-        raise ConfigError(f"empirical latency: {path!r} {where} has no field {column!r}")
-    return f"{where}, field {column!r}", record[column]

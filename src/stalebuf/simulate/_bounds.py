@@ -1,0 +1,42 @@
+"""The bounds on what the simulator accepts, and why: times, sizes and latency files.
+
+The simulator holds everything it models in memory and runs on a float virtual clock, so each
+bound is what keeps one run finite and within a few GB (sizes measured on CPython 3.11, with
+the other settings at their defaults), far above any real pipeline's. :mod:`._latency`,
+:mod:`._empirical` and :mod:`._config` check them; the command line quotes them in its help.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_BATCH_SIZE",
+    "MAX_FILE_BYTES",
+    "MAX_GROUP_SIZE",
+    "MAX_SECONDS",
+    "MAX_STEP_TRAJECTORIES",
+    "MAX_WORKERS",
+]
+
+#: The longest time, in seconds, a fixed or exponential latency, an empirical value or a train step
+#: may be (about 31,700 years). The virtual clock is a float: much larger times lose the train
+#: step to rounding (the run never ends) or overflow to infinity (it fails).
+MAX_SECONDS = 1e12
+
+#: The largest ``empirical:`` file read, in bytes: 32 MiB holds millions of generation times
+#: (three million of ten characters a line), and at worst (one character a value) its values
+#: take about 0.8 GB once parsed. A larger file is refused before it is read, so that a file
+#: given by mistake (a 3 GB checkpoint) costs neither memory nor minutes; one that grows past it
+#: while it is read is refused there.
+MAX_FILE_BYTES = 32 * 2**20
+
+#: The most groups per trainer step: the simulator keeps a record of every prompt it dispatches
+#: (about 250 B each, ``steps * batch_size`` of them at least) and a few KB per group in flight
+#: (``batch_size * (1 + dispatch_ahead)`` of them without admission).
+MAX_BATCH_SIZE = 16_384
+#: The most trajectories per group: each trajectory in flight costs about 200 B.
+MAX_GROUP_SIZE = 4_096
+#: The most trajectories per trainer step, ``batch_size * group_size`` (about 200 MB of them in
+#: flight per step's worth): each bound alone does not keep their product in memory.
+MAX_STEP_TRAJECTORIES = 2**20
+#: The most rollout workers: each is a task of about 10 KB (1 GB for all of them).
+MAX_WORKERS = 100_000
