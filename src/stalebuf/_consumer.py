@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
+from time import monotonic
 from types import MappingProxyType
 
+import anyio
+
 from ._admission import Admission
+from ._deadlines import Deadlines
 from ._eviction import Eviction
 from ._partition import PartitionState
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
@@ -23,11 +27,15 @@ from ._store import GroupStore
 from ._validation import describe
 from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
-from .metrics import SampleMetrics
+from .metrics import SampleMetrics, metric_prefix
 from .records import Batch, EvictionEvent, Group, new_batch
 from .stats import BufferStats, PartitionStats
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
+
+#: What a parked sample's attempt returns to set its deadline timer again (never a batch: a
+#: batch holds at least one group).
+_RESCHEDULE: list[Group] = []
 
 EvictCallback = Callable[[EvictionEvent], object]
 #: Called with every batch a sample returns and its metrics (see ``observe_samples``).
@@ -46,6 +54,7 @@ class Consumer:
     __slots__ = (
         "admission",
         "binding",
+        "deadlines",
         "evaluations",
         "eviction",
         "observers",
@@ -70,6 +79,7 @@ class Consumer:
         self.rules = rules
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
+        self.deadlines = Deadlines(store, admission, rules)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None
         self.waiting: dict[str, deque[Waiter]] = {}
@@ -97,6 +107,10 @@ class Consumer:
             head = waiters[0]
         try:
             wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
+            if not wake and part.deadlines:  # a new head, or a deadline moved earlier: set the timer
+                cut_at = self.deadlines.next_cut(part)
+                if cut_at is not None and cut_at < head.cut_at:
+                    head.reschedule = wake = True
         except Exception:
             logger.exception("a staleness policy hook raised while checking a waiting sample")
             wake = True
@@ -155,6 +169,8 @@ class Consumer:
             Exception: whatever a policy hook or ``on_evict`` raised, the buffer consistent.
         """
         self.evaluations += 1
+        if part.deadlines:
+            self.deadlines.cut_overdue(part)
         verdict = self.rules.quick_verdict(part, global_steps, batch_size)
         if verdict != NEEDS_RULES:  # the common case: the default rules and nothing to evict
             if verdict == NO_BATCH:
@@ -203,6 +219,14 @@ class Consumer:
                 free = math.nan
             admission = (free, self.admission.take_producer_wait(part.name))
         rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission)
+        if part.deadlines:  # the cuts since the partition's previous batch
+            cut_groups, cut_trajectories, cut_seconds = self.store.take_recent_cuts(part)
+            prefix = f"{metric_prefix(part.name)}/rollout"
+            rendered[f"{prefix}/cut_groups"] = float(cut_groups)
+            rendered[f"{prefix}/cut_trajectories"] = float(cut_trajectories)
+            rendered[f"{prefix}/cut_generation_seconds/mean"] = (
+                cut_seconds / cut_groups if cut_groups else 0.0
+            )
         for observer in self.observers:
             try:
                 observer(batch, rendered)
@@ -260,7 +284,9 @@ class Consumer:
 
         waiters.append(waiter)  # from here on, the finally below must remove it
         try:
-            if timeout is None and (interval is None or timer_logs):
+            if part.deadlines:
+                groups = await self._park_with_cuts(part, waiter, attempt, started, timeout, timer_logs)
+            elif timeout is None and (interval is None or timer_logs):
                 groups = await park(waiter, attempt)  # no deadline: no cancel scope
             else:
                 groups = await self._park_with_deadlines(part, waiter, attempt, started, timeout, timer_logs)
@@ -285,11 +311,11 @@ class Consumer:
         deadline = math.inf if timeout is None else started + timeout
         next_log = math.inf if timer_logs or interval is None else started + interval
 
-        def log_line(now: float) -> float:
+        def log_line(now: float) -> tuple[float, bool]:
             nonlocal next_log
             log_waiting(part, waiter, next_log - started)
             next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
-            return next_log
+            return next_log, False
 
         groups = await park_with_deadline(waiter, attempt, backend, deadline, log_line, next_log)
         if groups is None:
@@ -297,6 +323,60 @@ class Consumer:
                 f"no batch of {waiter.batch_size} in partition {describe(part.name)} within {timeout} s"
             )
         return groups
+
+    async def _park_with_cuts(
+        self,
+        part: PartitionState,
+        waiter: Waiter,
+        attempt: Callable[[], list[Group] | None],
+        started: float,
+        timeout: float | None,
+        timer_logs: bool,
+    ) -> list[Group]:
+        """Park on a partition with group deadlines: as :meth:`_park_with_deadlines`, and the
+        head also wakes when the first straggler reaches its deadline, to cut it and evaluate.
+        A producer whose change moves that time earlier asks it to set its timer again
+        (``waiter.reschedule``), so the cut is on time without any background task.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            Exception: what :meth:`evaluate` raises, or a deadline hook.
+        """
+        backend = self.binding.backend
+        assert backend is not None  # bound before any wait
+        interval = self.status_interval
+        deadline = math.inf if timeout is None else started + timeout
+        next_log = math.inf if timer_logs or interval is None else started + interval
+
+        def attempt_or_reschedule() -> list[Group] | None:
+            if waiter.reschedule:
+                waiter.reschedule = False
+                return _RESCHEDULE
+            return attempt()
+
+        while True:
+            now = backend.current_time()
+            cut_at = self.deadlines.next_cut(part) if self.waiting[part.name][0] is waiter else None
+            waiter.cut_at = math.inf if cut_at is None else cut_at
+            wake_at = now + max(0.0, waiter.cut_at - monotonic())  # monotonic() to the loop's clock
+            with anyio.CancelScope(deadline=min(deadline, next_log, wake_at)):
+                groups = await park(waiter, attempt_or_reschedule)
+                if groups is not _RESCHEDULE:
+                    return groups
+                continue
+            now = backend.current_time()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"no batch of {waiter.batch_size} in partition {describe(part.name)} within {timeout} s"
+                )
+            waiter.rearm_if_cancelled()  # the scope's cancellation may have cancelled the signal
+            if now >= next_log:
+                log_waiting(part, waiter, next_log - started)
+                next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
+            if now >= wake_at:  # a straggler's deadline: cut it and evaluate (as the head)
+                taken = attempt()
+                if taken is not None:
+                    return taken
 
 
 def _drop_abandoned(waiters: deque[Waiter], everywhere: bool = False) -> None:

@@ -100,6 +100,7 @@ class GroupWriter:
         keys, rows = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
         store = self.store
         group: OpenGroup | Group | None = store.groups.get(uid)
+        measured = group is not None  # in flight before this call: its generation time is real
         if group is not None:
             group = store.open_group(uid, "put a group into")
             _check_same_group(group, global_steps, partition, keys)
@@ -115,7 +116,7 @@ class GroupWriter:
             # Everything is valid: from here on nothing raises, so the group lands whole.
             group = store.admit(uid, step, store.partition(partition), group_tags)
         store.fill(group, rows)
-        part = store.end(group, terminal, self.admission.clocks.get(partition, 0))
+        part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured)
         self.consumer.notify(part)
         return keys
 

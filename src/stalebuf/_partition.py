@@ -7,6 +7,8 @@ is written only by the group store that owns it.
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from operator import attrgetter
 
 from ._index import InFlightIndex, ReadyIndex
@@ -15,7 +17,11 @@ from ._stored import count_trajectories, stored_trajectories
 from .records import Group, Status
 from .stats import PartitionStats
 
-__all__ = ["PartitionState"]
+__all__ = ["GENERATION_WINDOW", "MEDIAN_AFTER", "PartitionState"]
+
+#: How many generation times of groups that finished uncut in flight a partition keeps, and how
+#: many it needs before ``group_deadline_factor`` gives a deadline.
+GENERATION_WINDOW, MEDIAN_AFTER = 256, 16
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 _status_of = attrgetter("status")
@@ -31,9 +37,13 @@ class PartitionState:
     """
 
     __slots__ = (
+        "_median",
         "admitted_groups",
         "admitted_trajectories",
         "cap",
+        "cut_groups",
+        "cut_trajectories",
+        "deadlines",
         "evict_failures",
         "evict_in_flight",
         "evicted_failure_groups",
@@ -47,16 +57,19 @@ class PartitionState:
         "failed",
         "failure",
         "finished",
+        "generation",
         "in_flight",
         "name",
         "pending",
         "ready",
+        "recent_cuts",
         "reissued_groups",
         "reissued_trajectories",
         "resident_at",
         "running",
         "sampled_groups",
         "sampled_trajectories",
+        "starts",
         "trajectories",
     )
 
@@ -68,6 +81,7 @@ class PartitionState:
         evict_failures: bool,
         evict_in_flight: bool = False,
         cap: int | None = None,
+        deadlines: bool = False,
     ) -> None:
         self.name = name
         self.exempt = exempt
@@ -80,6 +94,15 @@ class PartitionState:
         # Resident groups per dispatch step, kept only under admission control. Every group
         # leaves through _forget or _release, which decrement it: it cannot drift from the truth.
         self.resident_at: dict[int, int] | None = None if self.cap is None else {}
+        # Group deadlines (only when the rules give this partition any): the in-flight groups by
+        # when their deadline clock started (a lazily cleaned heap), the generation times of the
+        # last 256 groups that finished uncut in flight, and the cuts since the last batch.
+        self.deadlines = deadlines and not exempt
+        self.starts: list[tuple[float, int, OpenGroup]] = []
+        self.generation: deque[float] = deque(maxlen=GENERATION_WINDOW)
+        self._median: float | None = None
+        self.recent_cuts: list[float] = [0, 0, 0.0]  # groups, trajectories, generation seconds
+        self.cut_groups = self.cut_trajectories = 0
         self.pending = self.running = self.finished = self.failure = 0
         self.trajectories = 0
         self.admitted_groups = self.admitted_trajectories = 0
@@ -101,6 +124,44 @@ class PartitionState:
         resident_at = self.resident_at
         if resident_at is not None:
             resident_at[step] = resident_at.get(step, 0) + 1
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def track(self, group: OpenGroup) -> None:
+        """Remember when the in-flight ``group``'s deadline clock started (with deadlines)."""
+        heapq.heappush(self.starts, (group.started_at, group.seq, group))
+
+    def first_started(self) -> OpenGroup | None:
+        """The in-flight group whose deadline clock started first (ended ones are dropped)."""
+        starts, in_flight = self.starts, self.in_flight.groups
+        while starts:
+            group = starts[0][2]
+            at_step = in_flight.get(group.dispatch_step)
+            if at_step is not None and at_step.get(group.uid) is group:
+                return group
+            heapq.heappop(starts)
+        return None
+
+    def record_generation(self, seconds: float) -> None:
+        """Count the generation time of a group that finished uncut, seen in flight."""
+        self.generation.append(seconds)
+        self._median = None
+
+    def median_generation(self) -> float | None:
+        """The median of the recorded generation times; None before :data:`MEDIAN_AFTER`."""
+        if len(self.generation) < MEDIAN_AFTER:
+            return None
+        if self._median is None:
+            times = sorted(self.generation)
+            middle = len(times) // 2
+            self._median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+        return self._median
+
+    def take_recent_cuts(self) -> tuple[int, int, float]:
+        """Return the cuts since the last call (groups, trajectories, generation seconds)."""
+        groups, trajectories, seconds = self.recent_cuts
+        self.recent_cuts = [0, 0, 0.0]
+        return int(groups), int(trajectories), seconds
 
     def start(self) -> None:
         """Record that a PENDING group became RUNNING."""
@@ -251,5 +312,7 @@ class PartitionState:
             reissued_groups=self.reissued_groups,
             reissued_trajectories=self.reissued_trajectories,
             waiting_producers=waiting_producers,
+            cut_groups=self.cut_groups,
+            cut_trajectories=self.cut_trajectories,
             capacity=capacity,
         )

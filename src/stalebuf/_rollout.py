@@ -2,9 +2,9 @@
 
 One ``async with`` admits a group (waiting for admission), marks it RUNNING, and ends it when
 the block ends: FINISHED when the body returns, FAILED when it raises. If the group is evicted
-while the body runs (stale in flight, or the buffer closes), the body is cancelled through an
-anyio cancel scope and the block exits quietly, so a producer never keeps generating for a
-group nobody can train.
+while the body runs (stale in flight, or the buffer closes) or cut at its deadline, the body is
+cancelled through an anyio cancel scope and the block exits quietly, so a producer never keeps
+generating for a group nobody can train (or that was already ended for it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import anyio
 
 from ._open_group import GroupWatch
-from .errors import BufferClosedError, GroupEvictedError
+from .errors import BufferClosedError, GroupCutError, GroupEvictedError
 
 __all__ = ["RolloutBuffer", "RolloutGroup", "rollout"]
 
@@ -46,10 +46,13 @@ class RolloutGroup:
         uid: the group's uid.
         partition: its partition.
         global_steps: its dispatch step (the tag admission gave it); also ``dispatch_step``.
-        evicted: True once the group was evicted while the block ran (its body was cancelled).
+        evicted: True once the group was evicted while the block ran (its body was cancelled):
+            in flight as stale, by ``close()``, or failed and evicted at its deadline.
+        cut: True once the group was cut at its deadline (``group_deadline_seconds`` or
+            ``group_deadline_factor``) while the block ran; its body was cancelled at the cut.
     """
 
-    __slots__ = ("_buffer", "evicted", "global_steps", "partition", "uid")
+    __slots__ = ("_buffer", "cut", "evicted", "global_steps", "partition", "uid")
 
     def __init__(self, buffer: RolloutBuffer, uid: str, partition: str, global_steps: int) -> None:
         self._buffer = buffer
@@ -57,6 +60,7 @@ class RolloutGroup:
         self.partition = partition
         self.global_steps = global_steps
         self.evicted = False
+        self.cut = False
 
     @property
     def dispatch_step(self) -> int:
@@ -107,7 +111,9 @@ async def rollout(
 
         def evicted() -> None:
             assert group is not None  # watched below, before anything can evict it
-            group.evicted = True
+            ending = watch.ending
+            group.cut = ending in ("cut", "cut-evicted")
+            group.evicted = ending != "cut"  # stale in flight, closed, or cut and evicted
             scope.cancel()
 
         # Just admitted and marked running, nothing ran since: the watch is on this very group,
@@ -117,7 +123,7 @@ async def rollout(
         try:
             yield group
         except BaseException as exc:
-            if not group.evicted:
+            if not group.evicted and not group.cut:
                 buffer.end_watched(watch, finished=False)
                 raise
             # It wrote after the eviction, before its cancellation arrived (perhaps from tasks
@@ -127,11 +133,11 @@ async def rollout(
                 raise
             if rest is not None:
                 raise rest from None  # what is left (cancellations, other errors) goes on
-        if not group.evicted:
+        if not group.evicted and not group.cut:
             buffer.end_watched(watch, finished=True)
 
 
-_REFUSALS = (GroupEvictedError, BufferClosedError)
+_REFUSALS = (GroupEvictedError, GroupCutError, BufferClosedError)
 
 
 def _without_refusals(exc: BaseException) -> BaseException | None:

@@ -11,15 +11,16 @@ question); this module is the only place that does. Every method only *reads*: i
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
 
 from ._partition import PartitionState
-from ._validation import describe, describe_typed
+from ._validation import describe, describe_typed, is_finite_number
 from .config import SamplerConfig
 from .errors import ConfigError, StalebufError
 from .policy import RuleHooks, StalenessPolicy, SubclassHooks, hook_label, select_label
-from .records import Group
+from .records import Group, Status
 from .staleness import drop_span
 
 __all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules", "build_rules"]
@@ -80,19 +81,26 @@ class Rules:
 
     # -- per partition, asked once ------------------------------------------------------
 
-    def settings(self, name: str) -> tuple[bool, bool, bool, int | None]:
-        """Return ``(exempt, evicts_failures, evicts_in_flight, admission cap)`` for a new
-        partition ``name``.
+    def settings(self, name: str) -> tuple[bool, bool, bool, int | None, bool]:
+        """Return ``(exempt, evicts_failures, evicts_in_flight, admission cap, deadlines)`` for a
+        new partition ``name`` (deadlines: whether its groups may ever be cut).
 
         Raises:
             Exception: whatever a policy hook raised.
         """
-        policy = self.policy
+        policy, config = self.policy, self.config
+        exempt = bool(policy.is_exempt(name))
+        deadlines = not exempt and (
+            config.group_deadline_seconds is not None
+            or config.group_deadline_factor is not None
+            or not asks_defaults(policy, ("group_deadline",))
+        )
         return (
-            bool(policy.is_exempt(name)),
+            exempt,
             bool(policy.evicts_failures(name)),
             bool(policy.evicts_in_flight(name)),
             self.admission_cap(name),
+            deadlines,
         )
 
     def admission_cap(self, name: str) -> int | None:
@@ -112,6 +120,41 @@ class Rules:
         raise StalebufError(
             f"{hook_label(self.policy, 'admission_batch_size')}({describe(name)}) must return None or an "
             f"int >= 1 (below 2**63), got {describe_typed(cap)}"
+        )
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def deadline(self, part: PartitionState) -> float | None:
+        """The deadline of ``part``'s in-flight groups in seconds (the policy's
+        ``group_deadline``), or None for none now.
+
+        Raises:
+            StalebufError: the hook answered something other than None or a number > 0.
+            Exception: whatever the hook raised.
+        """
+        seconds = self.policy.group_deadline(part.name, part.median_generation())
+        if seconds is None or (type(seconds) is float and 0 < seconds < math.inf):
+            return seconds
+        if is_finite_number(seconds) and seconds > 0:
+            return float(seconds)
+        raise StalebufError(
+            f"{hook_label(self.policy, 'group_deadline')}({describe(part.name)}, ...) must return None "
+            f"or a finite number > 0, got {describe_typed(seconds)}"
+        )
+
+    def cut_status(self, part: PartitionState, trajectories: int) -> Status:
+        """What a group of ``part`` cut with ``trajectories`` becomes (FINISHED or FAILURE).
+
+        Raises:
+            StalebufError: the policy's ``cut_status`` answered another value.
+            Exception: whatever the hook raised.
+        """
+        status = self.policy.cut_status(part.name, trajectories)
+        if status is Status.FINISHED or status is Status.FAILURE:
+            return status
+        raise StalebufError(
+            f"{hook_label(self.policy, 'cut_status')}({describe(part.name)}, {trajectories}) must return "
+            f"Status.FINISHED or Status.FAILURE, got {describe_typed(status)}"
         )
 
     # -- drop -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Mapping
 from operator import attrgetter
 from time import monotonic
+from types import MappingProxyType
 from typing import Any
 
 from ._lazy_group import LazyGroup
@@ -21,7 +22,13 @@ from ._rules import Rules
 from ._stored import count_trajectories
 from ._validation import describe
 from ._waiting import LoopBinding
-from .errors import DuplicateTrajectoryError, GroupEvictedError, InvalidTransitionError, UnknownGroupError
+from .errors import (
+    DuplicateTrajectoryError,
+    GroupCutError,
+    GroupEvictedError,
+    InvalidTransitionError,
+    UnknownGroupError,
+)
 from .records import (
     DEFAULT_KEY_SESSIONS,
     DEFAULT_KEY_SUFFIXES,
@@ -33,7 +40,10 @@ from .records import (
     new_trajectory,
 )
 
-__all__ = ["EVICTED_UIDS_REMEMBERED", "GroupStore"]
+__all__ = ["CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
+
+#: The group tag every group cut at its deadline carries (True), finished or failed.
+CUT_TAG = "stalebuf_cut"
 
 #: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
 #: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
@@ -52,8 +62,8 @@ class GroupStore:
     Attributes (read them; change them only through the methods):
         groups: every resident group, in flight (:class:`OpenGroup`) or terminal (a record).
         partitions: every partition used so far.
-        evicted_in_flight: uids of groups evicted in flight, most recent last: None for
-            "stale", else the eviction's reason ("restart").
+        evicted_in_flight: uids of groups the buffer ended in flight, most recent last: None
+            for evicted as stale, else the reason ("restart", or "cut at its deadline of ...").
         next_seq: the admission sequence number of the next group (it orders FIFO ties).
         closed: whether the buffer was closed.
         rules, binding: the buffer's rule book and loop binding (parts the store only reads).
@@ -80,13 +90,14 @@ class GroupStore:
         """
         part = self.partitions.get(name)
         if part is None:
-            exempt, evict_failures, evict_in_flight, cap = self.rules.settings(name)
+            exempt, evict_failures, evict_in_flight, cap, deadlines = self.rules.settings(name)
             part = PartitionState(
                 name,
                 exempt=exempt,
                 evict_failures=evict_failures,
                 evict_in_flight=evict_in_flight,
                 cap=cap,
+                deadlines=deadlines,
             )
             self.partitions[name] = part
         return part
@@ -96,6 +107,7 @@ class GroupStore:
 
         Raises:
             TypeError: ``uid`` is not a str.
+            GroupCutError: it was cut at its deadline (and not added again since).
             GroupEvictedError: it was evicted in flight (and not added again since).
             UnknownGroupError: no such group.
             InvalidTransitionError: it is terminal (a late write).
@@ -105,9 +117,12 @@ class GroupStore:
             return group
         if type(uid) is not str:
             raise TypeError(f"uid must be a str, got {type(uid).__name__}")
+        reason = self.evicted_in_flight.get(uid, "") if self.evicted_in_flight else ""
+        if reason and reason.startswith("cut"):  # the cut group, resident or gone, not a new one
+            raise GroupCutError(f"group {describe(uid)} was {reason} while in flight: stop generating")
         if group is None:
-            if uid in self.evicted_in_flight:
-                how = "as stale" if self.evicted_in_flight[uid] is None else "by a restart"
+            if reason != "":
+                how = "as stale" if reason is None else "by a restart"
                 raise GroupEvictedError(
                     f"group {describe(uid)} was evicted {how} while in flight: stop generating"
                 )
@@ -130,6 +145,8 @@ class GroupStore:
         self.next_seq = seq + 1
         group = self.groups[uid] = OpenGroup(uid, part.name, step, seq, tags, monotonic())
         part.admit(group)
+        if part.deadlines:
+            part.track(group)
         if self.evicted_in_flight:
             self.evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
         return group
@@ -174,12 +191,15 @@ class GroupStore:
         part.admitted_trajectories += 1
         return key
 
-    def end(self, group: OpenGroup, status: Status, clock: int) -> PartitionState:
+    def end(self, group: OpenGroup, status: Status, clock: int, measured: bool = True) -> PartitionState:
         """Make the in-flight ``group`` terminal with ``status``; return its partition.
         ``clock`` is the partition's dispatch clock (the record's finish step, not before
-        its dispatch step)."""
+        its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
+        in one call), so a FINISHED one counts towards the median generation time."""
         part = self.partitions[group.partition]
         step = group.dispatch_step
+        if part.deadlines and measured and status is _FINISHED:
+            part.record_generation(monotonic() - group.admitted_at)
         record = _tuple_new(  # records.new_group, without the call
             Group,
             (
@@ -251,8 +271,30 @@ class GroupStore:
             records.append(self.snapshot(group, clock, now))
             del self.groups[group.uid]
             self.remember_evicted(group.uid, None)
-            group.notify_watchers()
+            group.notify_watchers("evicted")
         return records
+
+    def cut(self, group: OpenGroup, status: Status, clock: int, deadline: float) -> None:
+        """End the in-flight ``group``, past its ``deadline`` (seconds), with ``status`` and the
+        tag ``stalebuf_cut``; remember it, so its producer's next write raises GroupCutError, and
+        tell its watchers (a ``rollout()`` body is cancelled)."""
+        part = self.partitions[group.partition]
+        seconds = monotonic() - group.admitted_at
+        count = len(group.trajectories)
+        group.tags = MappingProxyType({**group.tags, CUT_TAG: True})
+        self.end(group, status, clock, measured=False)
+        part.cut_groups += 1
+        part.cut_trajectories += count
+        recent = part.recent_cuts
+        recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + count, recent[2] + seconds
+        self.remember_evicted(group.uid, f"cut at its deadline of {deadline:.6g} s")
+        evicted = status is not _FINISHED and part.evict_failures
+        group.notify_watchers("cut-evicted" if evicted else "cut")
+
+    @staticmethod
+    def take_recent_cuts(part: PartitionState) -> tuple[int, int, float]:
+        """Return ``part``'s cuts since the last call: groups, trajectories, generation seconds."""
+        return part.take_recent_cuts()
 
     def remember_evicted(self, uid: str, reason: str | None) -> None:
         """Remember that ``uid`` was evicted in flight (``reason`` None: as stale), boundedly."""
@@ -265,7 +307,7 @@ class GroupStore:
         """Mark the store closed and tell every in-flight group's watchers."""
         self.closed = True
         for group in list(self.in_flight()):
-            group.notify_watchers()
+            group.notify_watchers("closed")
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -290,13 +332,16 @@ class GroupStore:
 
     def restore_in_flight(self, part: PartitionState, group: Group, seq: int, keep: bool) -> None:
         """Put back an in-flight ``group`` at position ``seq``: exactly (``keep``), or as
-        PENDING with no trajectories (to be generated again)."""
+        PENDING with no trajectories (to be generated again). Its deadline clock starts now: an
+        outage must not cut a group before its producer could go on with it."""
         now = monotonic()
         state = OpenGroup(
-            group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds
+            group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now
         )
         self.groups[group.uid] = state
         part.admit(state)
+        if part.deadlines:
+            part.track(state)
         if keep:
             if group.status is _RUNNING:
                 state.status = _RUNNING

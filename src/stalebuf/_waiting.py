@@ -31,7 +31,7 @@ class Waiter:
     Subclasses hold the backend's primitive; ``arm`` makes a fresh one before each park.
     """
 
-    __slots__ = ("batch_size", "global_steps", "log_due", "now", "started")
+    __slots__ = ("batch_size", "cut_at", "global_steps", "log_due", "now", "reschedule", "started")
 
     #: The running loop's clock (the backend's ``current_time``), for timing the wait.
     now: Callable[[], float]
@@ -42,6 +42,10 @@ class Waiter:
         # When it started waiting, in loop time (set when the status reporter logs for a
         # sample, or when a producer parks), and when its next status line is due.
         self.started = self.log_due = math.inf
+        # A sample waiting on a partition with group deadlines: when (monotonic()) its timer
+        # will cut the first straggler, and whether a producer asked it to set the timer again.
+        self.cut_at = math.inf
+        self.reschedule = False
 
     def arm(self) -> None:
         """Prepare a fresh, unset signal for the next park."""
@@ -50,6 +54,9 @@ class Waiter:
     def wake(self) -> None:
         """Signal the waiter (idempotent; harmless if it was cancelled or its loop closed)."""
         raise NotImplementedError
+
+    def rearm_if_cancelled(self) -> None:
+        """Arm a fresh signal if the park that ended was cancelled with its signal."""
 
     def parked(self) -> Awaitable[object]:
         """Return what to await until :meth:`wake` is called."""
@@ -113,6 +120,12 @@ class FutureWaiter(Waiter):
 
     def parked(self) -> Awaitable[object]:
         return self.future
+
+    def rearm_if_cancelled(self) -> None:
+        # Cancelling the task that awaits a bare future cancels the future too: awaiting it again
+        # would raise CancelledError at once.
+        if self.future.cancelled():
+            self.arm()
 
     def abandoned(self) -> bool:
         return self.loop.is_closed()
@@ -259,11 +272,12 @@ async def park_with_deadline(
     attempt: Callable[[], _T | None],
     backend: type[AsyncBackend],
     deadline: float,
-    on_interval: Callable[[float], float] | None = None,
+    on_timer: Callable[[float], tuple[float, bool]] | None = None,
     next_call: float = math.inf,
 ) -> _T | None:
-    """Like :func:`park`, but return None at ``deadline``; call ``on_interval(now)`` at
-    ``next_call`` and then at the time it returns (how trio logs status lines).
+    """Like :func:`park`, but return None at ``deadline``; at ``next_call`` call
+    ``on_timer(now)``, which returns the next time to call it and whether to call ``attempt``
+    at once (how trio logs status lines, and how a sample wakes to cut a group at its deadline).
 
     One cancel scope covers a whole interval, not each park: entering and leaving a scope
     costs about as much as the rest of a wake-up.
@@ -275,5 +289,10 @@ async def park_with_deadline(
         now = backend.current_time()
         if now >= deadline:
             return None
-        if on_interval is not None:
-            next_call = on_interval(now)
+        waiter.rearm_if_cancelled()  # the scope's cancellation may have cancelled the signal
+        if on_timer is not None:
+            next_call, retry = on_timer(now)
+            if retry:
+                result = attempt()
+                if result is not None:
+                    return result

@@ -53,6 +53,8 @@ COUNTERS: tuple[str, ...] = (
     "evicted_restart_trajectories",
     "reissued_groups",
     "reissued_trajectories",
+    "cut_groups",
+    "cut_trajectories",
 )
 InFlightMode = Literal["reissue", "keep", "evict"]
 _IN_FLIGHT_MODES = ("reissue", "keep", "evict")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._validation import describe, int_at_least, one_of
+from ._validation import describe, finite_in, int_at_least, one_of
 from .errors import ConfigError
 
 __all__ = ["FAILURE_STRATEGIES", "STRATEGIES", "SamplerConfig"]
@@ -84,6 +84,31 @@ def _check_evict_stale_in_flight(instance: SamplerConfig, _attribute: object, va
         )
 
 
+def _check_deadline_seconds(
+    _instance: object, _attribute: attrs.Attribute[float | None], value: object
+) -> None:
+    if value is not None:
+        finite_in("group_deadline_seconds", 0.0, open_low=True)(_instance, _attribute, value)
+
+
+def _check_deadline_factor(
+    instance: SamplerConfig, _attribute: attrs.Attribute[float | None], value: object
+) -> None:
+    if value is None:
+        return
+    finite_in("group_deadline_factor", 1.0, open_low=True)(instance, _attribute, value)
+    if instance.group_deadline_seconds is not None:
+        raise ConfigError(
+            "group_deadline_seconds and group_deadline_factor are exclusive: give a fixed deadline "
+            "or a multiple of the median generation time, not both"
+        )
+
+
+def _check_quorum(_instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
+    if value is not None:
+        int_at_least("group_quorum", 1)(_instance, attribute, value)
+
+
 @attrs.frozen(kw_only=True)
 class SamplerConfig:
     """How ``sample`` treats stale and failed groups.
@@ -106,6 +131,14 @@ class SamplerConfig:
             ``b`` resident groups per dispatch step (see the README's "Flow control").
         evict_stale_in_flight: with "drop" only: ``sample`` also evicts PENDING/RUNNING groups
             that no later sample could return (their staleness already exceeds ``T``).
+        group_deadline_seconds: None, or a finite number > 0: a PENDING/RUNNING group older than
+            this (from its admission) is cut when a ``sample`` evaluates its partition (see the
+            README's "Deadlines"). Exclusive with ``group_deadline_factor``.
+        group_deadline_factor: None, or a finite number > 1: the deadline is this multiple of
+            the rolling median generation time of the partition's last 256 groups that the
+            buffer saw in flight and that finished uncut; no deadline before 16 have counted.
+        group_quorum: None, or an int >= 1: a cut group holding at least this many trajectories
+            is finished with what it has; one with fewer is failed (None: every cut group fails).
 
     Raises:
         ConfigError: on construction, for any invalid value (the message names the field).
@@ -128,6 +161,9 @@ class SamplerConfig:
     )
     admission_batch_size: int | None = attrs.field(default=None, validator=_check_admission_batch_size)
     evict_stale_in_flight: bool = attrs.field(default=False, validator=_check_evict_stale_in_flight)
+    group_deadline_seconds: float | None = attrs.field(default=None, validator=_check_deadline_seconds)
+    group_deadline_factor: float | None = attrs.field(default=None, validator=_check_deadline_factor)
+    group_quorum: int | None = attrs.field(default=None, validator=_check_quorum)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: rebuilt through the constructor (and so validated again)."""

@@ -31,7 +31,7 @@ from typing import Protocol
 from . import staleness
 from .config import SamplerConfig
 from .errors import ConfigError
-from .records import Group
+from .records import Group, Status
 
 __all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "hook_label", "select_label"]
 
@@ -43,7 +43,9 @@ class StalenessPolicy:
       staleness exceeds the threshold, ``s > T``;
     - wait: a ``sample`` may not return while an in-flight group has ``s >= T``;
     - failed groups are sampleable (``failure_strategy="sample"``) or evicted ("evict");
-    - exempt partitions (``exempt_partitions``) have no eviction and no wait gate.
+    - exempt partitions (``exempt_partitions``) have no eviction and no wait gate;
+    - group deadlines (``group_deadline_seconds``/``group_deadline_factor``) cut a straggler,
+      which is finished (``group_quorum``) or failed.
 
     Subclass it and override any method to change a rule; keep the monotonicity the module
     docs describe. A subclass named by ``custom_sampler`` is built as
@@ -97,6 +99,29 @@ class StalenessPolicy:
         ``T*S == 1``, closes tag ``c`` once ``sample(c)`` has returned.
         """
         return resident_at_tag < cap and not self.is_stale(last_sampled + 1, tag, partition)
+
+    def group_deadline(self, partition: str, median_generation_seconds: float | None) -> float | None:
+        """The deadline of ``partition``'s in-flight groups, in seconds from admission (or from a
+        restore that kept or reissued them), or None: no deadline now. A group past it is cut
+        when a ``sample`` evaluates the partition. ``median_generation_seconds`` is the rolling
+        median generation time of the partition's last 256 groups seen in flight that finished
+        uncut (None before 16 have). Default: never for exempt partitions; else
+        ``group_deadline_seconds``, or ``group_deadline_factor`` times the median."""
+        config = self.config
+        if self.is_exempt(partition):
+            return None
+        if config.group_deadline_seconds is not None:
+            return float(config.group_deadline_seconds)
+        if config.group_deadline_factor is not None and median_generation_seconds is not None:
+            return float(config.group_deadline_factor) * median_generation_seconds
+        return None
+
+    def cut_status(self, partition: str, trajectories: int) -> Status:
+        """What a group cut at its deadline holding ``trajectories`` becomes: Status.FINISHED
+        (trained with what it has) or Status.FAILURE (then ``failure_strategy`` applies).
+        Default: FINISHED with at least ``group_quorum`` trajectories, else FAILURE."""
+        quorum = self.config.group_quorum
+        return Status.FINISHED if quorum is not None and trajectories >= quorum else Status.FAILURE
 
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
         """Whether a terminal group dispatched at ``dispatch_step`` is dropped by a sample at
@@ -166,6 +191,12 @@ class SubclassHooks(StalenessPolicy):
 
     def evicts_in_flight(self, partition: str) -> bool:
         return self.base.evicts_in_flight(partition)
+
+    def group_deadline(self, partition: str, median_generation_seconds: float | None) -> float | None:
+        return self.base.group_deadline(partition, median_generation_seconds)
+
+    def cut_status(self, partition: str, trajectories: int) -> Status:
+        return self.base.cut_status(partition, trajectories)
 
     def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
         if type(self.base).admits is not StalenessPolicy.admits:

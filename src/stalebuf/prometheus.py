@@ -18,7 +18,8 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
 - counters ``stalebuf_admitted_groups_total``, ``stalebuf_admitted_trajectories_total``,
   ``stalebuf_sampled_groups_total``, ``stalebuf_sampled_trajectories_total``,
   ``stalebuf_reissued_groups_total``, ``stalebuf_reissued_trajectories_total``,
-  ``stalebuf_evicted_in_flight_groups_total`` (all ``{partition}``) and
+  ``stalebuf_evicted_in_flight_groups_total``, ``stalebuf_cut_groups_total``,
+  ``stalebuf_cut_trajectories_total`` (all ``{partition}``) and
   ``stalebuf_evicted_groups_total{partition,reason}``,
   ``stalebuf_evicted_trajectories_total{partition,reason}`` (reason: stale, failure, restart).
 - histograms ``stalebuf_sample_staleness{partition}`` (each call's mean sampled staleness,
@@ -90,6 +91,8 @@ _COUNTERS = (
      "reissued_groups"),
     ("reissued_trajectories", "Partial trajectories restore(in_flight='reissue') discarded.",
      "reissued_trajectories"),
+    ("cut_groups", "In-flight groups cut at their deadline (then finished or failed).", "cut_groups"),
+    ("cut_trajectories", "Trajectories of groups cut at their deadline.", "cut_trajectories"),
 )  # fmt: skip
 # (metric name, help, PartitionStats field) of the gauges labelled by partition alone.
 _GAUGES = (

@@ -32,6 +32,9 @@ class PartitionStats:
             partial trajectories it discarded from them. Informational for groups: they stay
             resident.
         waiting_producers: producer calls currently blocked on admission.
+        cut_groups, cut_trajectories: cumulative, in-flight groups cut at their deadline (and
+            their trajectories). Informational: a cut group is finished or failed, and counted
+            where it goes from there (sampled, evicted as failed...).
         capacity: the bound on resident groups under admission control, ``T*S*b``; None without
             admission or for an exempt partition (in ``total``: the sum of the bounded partitions).
 
@@ -60,6 +63,8 @@ class PartitionStats:
     reissued_groups: int = 0
     reissued_trajectories: int = 0
     waiting_producers: int = 0
+    cut_groups: int = 0
+    cut_trajectories: int = 0
     capacity: int | None = None
 
     @property

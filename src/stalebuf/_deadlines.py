@@ -1,0 +1,87 @@
+"""Group deadlines: a straggler is cut when a ``sample`` evaluates its partition, on time.
+
+No background task: a ``sample`` cuts every in-flight group of its partition that is past its
+deadline before it evaluates, and a ``sample`` that must wait parks with a timer until the
+earliest deadline (see ``_consumer.py``), so it wakes and cuts exactly then. Deadlines are
+measured on ``time.monotonic()`` from each group's admission (or from the restore that kept or
+reissued it). The rules (the deadline, what a cut group becomes) are the policy's; the groups
+are the store's.
+"""
+
+from __future__ import annotations
+
+from time import monotonic
+
+from ._admission import Admission
+from ._open_group import OpenGroup
+from ._partition import PartitionState
+from ._rules import Rules
+from ._store import GroupStore
+from .records import Status
+
+__all__ = ["Deadlines"]
+
+
+class Deadlines:
+    """Cuts the stragglers of a buffer's partitions (it owns no state of its own)."""
+
+    __slots__ = ("admission", "rules", "store")
+
+    def __init__(self, store: GroupStore, admission: Admission, rules: Rules) -> None:
+        self.store = store
+        self.admission = admission
+        self.rules = rules
+
+    def next_cut(self, part: PartitionState) -> float | None:
+        """When (``monotonic()``) the first in-flight group of ``part`` reaches its deadline, or
+        None: no in-flight group, or no deadline now.
+
+        Raises:
+            StalebufError, Exception: the policy's ``group_deadline`` answered nonsense or raised.
+        """
+        first = part.first_started() if part.deadlines else None
+        if first is None:
+            return None
+        seconds = self.rules.deadline(part)
+        return None if seconds is None else first.started_at + seconds
+
+    def cut_overdue(self, part: PartitionState) -> int:
+        """Cut every in-flight group of ``part`` past its deadline now; return how many.
+
+        The policy is asked about every overdue group before the first is cut, so a hook that
+        raises cuts nothing.
+
+        Raises:
+            StalebufError, Exception: a policy hook answered nonsense or raised.
+        """
+        if not part.deadlines or not part.starts:
+            return 0
+        first = part.first_started()
+        if first is None:
+            return 0
+        seconds = self.rules.deadline(part)
+        if seconds is None:
+            return 0
+        now = monotonic()
+        if first.started_at + seconds > now:
+            return 0
+        overdue = _overdue(part, now - seconds)
+        outcomes: list[tuple[OpenGroup, Status]] = [
+            (group, self.rules.cut_status(part, len(group.trajectories))) for group in overdue
+        ]
+        clock = self.admission.clocks.get(part.name, 0)
+        for group, status in outcomes:
+            self.store.cut(group, status, clock, seconds)
+        return len(outcomes)
+
+
+def _overdue(part: PartitionState, started_before: float) -> list[OpenGroup]:
+    """The in-flight groups of ``part`` whose deadline clock started at or before
+    ``started_before``, oldest first (read from the heap without changing it)."""
+    groups = []
+    in_flight = part.in_flight.groups
+    for started, _, group in sorted(entry for entry in part.starts if entry[0] <= started_before):
+        at_step = in_flight.get(group.dispatch_step)
+        if started <= started_before and at_step is not None and at_step.get(group.uid) is group:
+            groups.append(group)
+    return groups
