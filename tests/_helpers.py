@@ -142,13 +142,14 @@ class Background:
     def __init__(self, call: Callable[[], Awaitable[object]]) -> None:
         self.call = call
         self.returned = False
+        self.result: Any = None
         self.error: BaseException | None = None
         self.scope = anyio.CancelScope()
 
     async def run(self) -> None:
         with self.scope:
             try:
-                await self.call()
+                self.result = await self.call()
                 self.returned = True
             except Exception as exc:
                 self.error = exc

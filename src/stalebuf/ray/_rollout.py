@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import BufferClosedError, GroupEvictedError
+from ..errors import BufferClosedError, GroupCutError, GroupEvictedError
 from ._protocol import EndRollout, OpenRollout, Put
 
 if TYPE_CHECKING:
@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["RemoteRolloutGroup", "rollout"]
 
 # What the actor answers when the group is no longer ours to end (see RolloutWatches.end).
-_EVICTED = ("evicted", "closed")
-# What a body raises when it writes to a group that was evicted or whose buffer closed: the
-# eviction's doing, so the block still exits quietly.
-_EVICTION_ERRORS = (GroupEvictedError, BufferClosedError)
+_EVICTED = ("evicted", "closed", "cut", "cut-evicted")
+# What a body raises when it writes to a group that was evicted, cut or whose buffer closed:
+# the buffer's doing, so the block still exits quietly.
+_EVICTION_ERRORS = (GroupEvictedError, GroupCutError, BufferClosedError)
 
 
 class RemoteRolloutGroup:
@@ -42,10 +42,13 @@ class RemoteRolloutGroup:
         uid: the group's uid.
         partition: its partition.
         global_steps: its dispatch step (the tag the actor gave it at admission).
-        evicted: True once the group was evicted (or the buffer closed) while the block ran.
+        evicted: True once the group was evicted (or the buffer closed, or it was failed and
+            evicted at its deadline) while the block ran.
+        cut: True once the group was cut at its deadline while the block ran (the actor
+            enforces deadlines; the body is cancelled at the cut).
     """
 
-    __slots__ = ("_connection", "evicted", "global_steps", "partition", "uid")
+    __slots__ = ("_connection", "cut", "evicted", "global_steps", "partition", "uid")
 
     def __init__(self, connection: ActorConnection, uid: str, partition: str, global_steps: int) -> None:
         self._connection = connection
@@ -53,12 +56,13 @@ class RemoteRolloutGroup:
         self.partition = partition
         self.global_steps = global_steps
         self.evicted = False
+        self.cut = False
 
     def __repr__(self) -> str:
         """Show the uid, partition, dispatch step and whether it was evicted."""
         return (
             f"<RemoteRolloutGroup {self.uid!r} partition={self.partition!r} "
-            f"global_steps={self.global_steps} evicted={self.evicted}>"
+            f"global_steps={self.global_steps} evicted={self.evicted} cut={self.cut}>"
         )
 
     @property
@@ -117,8 +121,8 @@ async def rollout(
             if not await _quiet_after(connection, token, group, exc):
                 raise
         else:
-            if not group.evicted and await _end(connection, token, finished=True) in _EVICTED:
-                group.evicted = True  # evicted as the body returned: its work is lost
+            if not _ended_by_buffer(group):  # else the buffer ended it as the body returned
+                _heard(group, await _end(connection, token, finished=True))
         finally:
             block.running = False
             watch.cancel()  # the actor releases the watch itself once the group ended
@@ -129,9 +133,23 @@ def _watched(block: _Block, watch: asyncio.Future[str]) -> None:
     if watch.cancelled():
         return
     error = watch.exception()  # retrieved: an actor that died is the body's next write's news
-    if error is None and block.running and watch.result() in _EVICTED:
-        block.group.evicted = True
+    if error is None and block.running and _heard(block.group, watch.result()):
         block.scope.cancel()
+
+
+def _heard(group: RemoteRolloutGroup, answer: str) -> bool:
+    """Record what the actor said of the group; return whether the buffer ended it (evicted,
+    cut or closed) rather than the block."""
+    if answer not in _EVICTED:
+        return False
+    group.cut = answer in ("cut", "cut-evicted")
+    group.evicted = answer != "cut"
+    return True
+
+
+def _ended_by_buffer(group: RemoteRolloutGroup) -> bool:
+    """Whether the buffer ended the group (evicted, cut or closed) while the block ran."""
+    return group.evicted or group.cut
 
 
 async def _quiet_after(
@@ -139,14 +157,13 @@ async def _quiet_after(
 ) -> bool:
     """The body raised ``exc``: end the group as the local block would; return True when the
     block must exit quietly (the body failed because the group was evicted)."""
-    if group.evicted:  # the scope's own cancellation (swallowed by it), or the body's reaction
+    if _ended_by_buffer(group):  # the scope's own cancellation (swallowed by it), or the body's reaction
         return isinstance(exc, _EVICTION_ERRORS)
     if not isinstance(exc, Exception):  # cancelled from outside: tell the actor, don't wait
         connection.abandon(token)
         return False
-    if await _end(connection, token, finished=False) in _EVICTED:
-        group.evicted = True  # the watch's answer is on its way: the body heard first
-        return isinstance(exc, _EVICTION_ERRORS)
+    if _heard(group, await _end(connection, token, finished=False)):
+        return isinstance(exc, _EVICTION_ERRORS)  # the watch's answer is on its way: the body heard first
     return False
 
 

@@ -117,8 +117,9 @@ class RolloutWatches:
         return True
 
     async def watch(self, token: str) -> str:
-        """Return "evicted" or "closed" when the group of ``token`` is evicted in flight or the
-        buffer closes, or "ended" once it ended otherwise (at once if it already did)."""
+        """Return "evicted", "cut", "cut-evicted" or "closed" when the group of ``token`` is
+        evicted in flight, cut at its deadline or the buffer closes, or "ended" once it ended
+        otherwise (at once if it already did)."""
         watch = self._by_token.get(token)
         if watch is None:
             return "ended"
@@ -132,7 +133,9 @@ class RolloutWatches:
         """The buffer's callback, inside ``sample``'s eviction or ``close``: it must not raise."""
         watch = self._by_token.get(token)
         if watch is not None:
-            self._settle(watch, "closed" if self._buffer.closed else "evicted", keep=True)
+            # "evicted" (stale in flight), "cut" or "cut-evicted" (at its deadline), "closed".
+            answer = "closed" if self._buffer.closed else (watch.group.ending or "evicted")
+            self._settle(watch, answer, keep=True)
 
     def _settle(self, watch: _Watch, answer: str, *, keep: bool) -> None:
         uid = watch.group.uid

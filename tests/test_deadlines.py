@@ -1,0 +1,363 @@
+"""Group deadlines (issue 21): no straggler can wedge a run.
+
+``group_deadline_seconds`` (or ``group_deadline_factor`` times the rolling median generation
+time) bounds how long a PENDING/RUNNING group may stay in flight: a ``sample`` cuts it (finished
+with what it has under ``group_quorum``, else failed), and a ``sample`` that is blocked parks
+with a timer until the first deadline. Every wait here is bounded by ``anyio.fail_after``;
+deadlines are real (monotonic) time, short, with generous slack for a noisy 2-core machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from _helpers import LIMIT, assert_conserved, make, resident_groups, settle, start_call
+from stalebuf import (
+    BufferClosedError,
+    ConfigError,
+    EvictionEvent,
+    GroupCutError,
+    ReplayBuffer,
+    SamplerConfig,
+    StalebufError,
+    StalenessPolicy,
+    Status,
+)
+
+pytestmark = pytest.mark.anyio
+
+DEADLINE = 0.2
+SLACK = 1.0  # a blocked sample returns within this after the deadline (noisy machine)
+
+
+def cut_tagged(group: Any) -> bool:
+    return dict(group.tags).get("stalebuf_cut") is True
+
+
+async def hang(buf: ReplayBuffer, uid: str, puts: int, seen: dict[str, Any]) -> None:
+    """A producer stuck in generation after ``puts`` trajectories (the SkyRL hang)."""
+    async with buf.rollout(uid) as group:
+        seen[uid] = group
+        for index in range(puts):
+            await group.put(f"{uid}-{index}", session_id=index)
+        await anyio.sleep_forever()
+    seen[f"{uid} exited"] = True
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"group_deadline_seconds": 0}, "group_deadline_seconds"),
+        ({"group_deadline_seconds": -1.0}, "group_deadline_seconds"),
+        ({"group_deadline_seconds": math.nan}, "group_deadline_seconds"),
+        ({"group_deadline_seconds": math.inf}, "group_deadline_seconds"),
+        ({"group_deadline_seconds": True}, "group_deadline_seconds"),
+        ({"group_deadline_seconds": "5"}, "group_deadline_seconds"),
+        ({"group_deadline_seconds": 10**400}, "group_deadline_seconds"),
+        ({"group_deadline_factor": 1}, "group_deadline_factor"),
+        ({"group_deadline_factor": 0.5}, "group_deadline_factor"),
+        ({"group_deadline_factor": math.nan}, "group_deadline_factor"),
+        ({"group_deadline_factor": "3"}, "group_deadline_factor"),
+        ({"group_deadline_seconds": 5, "group_deadline_factor": 3}, "exclusive"),
+        ({"group_quorum": 0}, "group_quorum"),
+        ({"group_quorum": 1.5}, "group_quorum"),
+        ({"group_quorum": True}, "group_quorum"),
+        ({"group_quorum": 2**63}, "group_quorum"),
+    ],
+)
+def test_bad_deadline_fields_are_config_errors(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        SamplerConfig(**fields)
+    with pytest.raises(ConfigError, match=match):
+        SamplerConfig.from_mapping(fields)
+
+
+def test_deadline_fields_are_read_from_a_mapping() -> None:
+    config = SamplerConfig.from_mapping(
+        {"group_deadline_factor": 3.0, "group_quorum": 4, "max_off_policy_strategy": "wait"}
+    )
+    assert (config.group_deadline_seconds, config.group_deadline_factor, config.group_quorum) == (
+        None,
+        3.0,
+        4,
+    )
+
+
+# -- the cut ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["wait", "drop"])
+async def test_a_hung_generation_is_cut_on_time_and_the_blocked_sample_returns(strategy: str) -> None:
+    """The SkyRL hang: one producer never finishes. Without a deadline ``sample(0, 4)`` waits
+    forever; with one it returns soon after the deadline, holding the cut group (quorum met)."""
+    buf = make(
+        max_off_policy_threshold=2,
+        max_off_policy_strategy=strategy,
+        group_deadline_seconds=DEADLINE,
+        group_quorum=1,
+    )
+    seen: dict[str, Any] = {}
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hang, buf, "hung", 2, seen)
+            await settle()
+            admitted = time.monotonic()
+            for index in range(3):
+                await buf.put_group(f"ok{index}", [1])
+            batch, metrics = await buf.sample(0, 4)
+            returned = time.monotonic()
+            await settle()
+    assert DEADLINE <= returned - admitted < DEADLINE + SLACK
+    assert batch.uids == ["hung", "ok0", "ok1", "ok2"]
+    [cut] = [group for group in batch.groups if group.uid == "hung"]
+    assert cut_tagged(cut)
+    assert cut.status is Status.FINISHED
+    assert [t.payload for t in cut.trajectories] == ["hung-0", "hung-1"]
+    assert cut.generation_seconds >= DEADLINE  # never cut before its deadline
+    assert seen["hung"].cut
+    assert not seen["hung"].evicted
+    assert seen["hung exited"]  # the body stuck in generation was cancelled at the cut
+    assert metrics["training/rollout/cut_groups"] == 1
+    assert metrics["training/rollout/cut_trajectories"] == 2
+    assert metrics["training/rollout/cut_generation_seconds/mean"] >= DEADLINE
+    stats = buf.stats().partitions["train"]
+    assert (stats.cut_groups, stats.cut_trajectories, stats.sampled_groups) == (1, 2, 4)
+    assert_conserved(buf)
+
+
+@pytest.mark.parametrize(
+    ("quorum", "failure_strategy", "status", "evicted"),
+    [
+        (None, "sample", Status.FAILURE, False),
+        (3, "sample", Status.FAILURE, False),
+        (2, "sample", Status.FINISHED, False),
+        (None, "evict", Status.FAILURE, True),
+    ],
+)
+async def test_quorum_decides_finished_or_failed_and_failure_strategy_applies(
+    quorum: int | None, failure_strategy: str, status: Status, evicted: bool
+) -> None:
+    events: list[EvictionEvent] = []
+    buf = make(
+        group_deadline_seconds=DEADLINE,
+        group_quorum=quorum,
+        failure_strategy=failure_strategy,
+        on_evict=events.append,
+    )
+    seen: dict[str, Any] = {}
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hang, buf, "hung", 2, seen)
+            await settle()
+            await buf.put_group("ok", [1])
+            await anyio.sleep(DEADLINE * 1.2)  # the sample below cuts "hung" before it selects
+            batch, _ = await buf.sample(0, 1 if evicted else 2)
+            await settle()
+    assert seen["hung"].cut
+    assert seen["hung"].evicted is evicted
+    if evicted:
+        assert batch.uids == ["ok"]
+        [event] = events
+        assert event.reason == "failure"
+        assert event.groups[0].uid == "hung"
+        assert cut_tagged(event.groups[0])
+    else:
+        [cut] = [group for group in batch.groups if group.uid == "hung"]
+        assert (cut.status, cut_tagged(cut)) == (status, True)
+    assert_conserved(buf)
+
+
+async def test_the_cut_groups_producer_learns_it_on_its_next_write() -> None:
+    """A plain producer (no rollout block) of a cut group: every write names the deadline, as
+    GroupCutError (an InvalidTransitionError), until a new group reuses the uid."""
+    buf = make(group_deadline_seconds=DEADLINE, group_quorum=1)
+    buf.add_prompt_nowait("g")
+    buf.put_nowait("g", "a")
+    await buf.put_group("other", [1])
+    with anyio.fail_after(LIMIT):
+        batch, _ = await buf.sample(0, 2)
+    assert batch.uids == ["g", "other"]
+    for write in (
+        lambda: buf.put_nowait("g", "late", session_id=1),
+        lambda: buf.mark_running_nowait("g"),
+        lambda: buf.mark_finished_nowait("g"),
+        lambda: buf.mark_failed_nowait("g"),
+        lambda: buf.put_group_nowait("g", ["late"]),
+    ):
+        with pytest.raises(GroupCutError, match=r"deadline of 0\.2 s"):
+            write()
+    buf.add_prompt_nowait("g")  # a new group under the uid starts afresh
+    buf.put_nowait("g", "new")
+    assert resident_groups(buf)["g"].status is Status.PENDING
+    assert_conserved(buf)
+
+
+async def test_a_resident_cut_group_refuses_late_writes_with_group_cut_error() -> None:
+    buf = make(group_deadline_seconds=DEADLINE, group_quorum=1)
+    buf.add_prompt_nowait("g")
+    buf.put_nowait("g", "a")
+    await anyio.sleep(DEADLINE)
+    with anyio.fail_after(LIMIT), pytest.raises(TimeoutError):
+        await buf.sample(0, 2, timeout=0)  # cuts "g" (finished, resident), one group short
+    assert resident_groups(buf)["g"].status is Status.FINISHED
+    with pytest.raises(GroupCutError):
+        buf.put_nowait("g", "late", session_id=1)
+
+
+async def test_nothing_is_cut_before_its_deadline_nor_in_an_exempt_partition() -> None:
+    buf = make(group_deadline_seconds=5.0, group_quorum=1)
+    buf.add_prompt_nowait("slow")
+    buf.add_prompt_nowait("v", partition="val")
+    await anyio.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        await buf.sample(0, 1, timeout=0)
+    with pytest.raises(TimeoutError):
+        await buf.sample(0, 1, partition="val", timeout=0)
+    groups = resident_groups(buf)
+    assert groups["slow"].in_flight
+    assert groups["v"].in_flight
+    assert buf.stats().total.cut_groups == 0
+
+
+# -- the deadline from the median ---------------------------------------------------------------
+
+
+async def test_a_factor_deadline_needs_16_measured_groups_and_follows_their_median() -> None:
+    """Only groups the buffer saw in flight and that finished uncut count (a whole group written
+    by one put_group call carries no measured time); no deadline before 16 of them."""
+    buf = make(group_deadline_factor=3.0, group_quorum=1)
+    for index in range(40):
+        await buf.put_group(f"whole{index}", [1])  # no generation time: no deadline from these
+    buf.add_prompt_nowait("slow")
+    buf.put_nowait("slow", "partial")
+    await anyio.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        await buf.sample(0, 41, timeout=0)
+    assert resident_groups(buf)["slow"].in_flight  # no median yet: no deadline
+    for index in range(16):
+        buf.add_prompt_nowait(f"fast{index}")
+        await anyio.sleep(0.001)
+        buf.mark_finished_nowait(f"fast{index}")
+    # The median is about a millisecond: "slow" (admitted 50 ms ago) is far past 3x it.
+    with anyio.fail_after(LIMIT):
+        batch, _ = await buf.sample(0, 57)
+    [cut] = [group for group in batch.groups if group.uid == "slow"]
+    assert cut_tagged(cut)
+    assert cut.status is Status.FINISHED
+    assert buf.stats().total.cut_groups == 1
+
+
+async def test_a_blocked_sample_resets_its_timer_when_the_median_appears() -> None:
+    """A sample parked before any deadline exists (fewer than 16 measured groups) still cuts the
+    straggler on time once the median exists: the finishing producers ask it to set its timer."""
+    buf = make(group_deadline_factor=2.0, group_quorum=1, max_off_policy_strategy="wait")
+    buf.add_prompt_nowait("slow")
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 17))
+            for index in range(16):
+                buf.add_prompt_nowait(f"fast{index}")
+                await anyio.sleep(0.002)
+                buf.mark_finished_nowait(f"fast{index}")
+            await anyio.sleep(0.3)  # far past 2x the median: the timer must have fired
+            assert waiting.done
+    assert "slow" in waiting.result[0].uids
+
+
+# -- restore, hooks, waiting paths ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_flight", ["keep", "reissue"])
+async def test_a_restore_starts_the_deadline_clock_again(in_flight: str) -> None:
+    buf = make(group_deadline_seconds=DEADLINE, group_quorum=1)
+    buf.add_prompt_nowait("g")
+    buf.put_nowait("g", "a")
+    await anyio.sleep(DEADLINE * 1.5)  # past its deadline while the process was "down"
+    restored, _ = ReplayBuffer.restore(buf.checkpoint(), in_flight=in_flight)
+    with pytest.raises(TimeoutError):
+        await restored.sample(0, 1, timeout=0)
+    assert resident_groups(restored)["g"].in_flight  # its producer gets a full deadline again
+    await anyio.sleep(DEADLINE * 1.5)
+    batch, _ = await restored.sample(0, 1, timeout=0)
+    assert batch.uids == ["g"]
+    assert cut_tagged(batch.groups[0])
+
+
+class RaisingDeadline(StalenessPolicy):
+    def group_deadline(self, partition: str, median_generation_seconds: float | None) -> float | None:
+        raise RuntimeError("deadline hook")
+
+
+class NonsenseDeadline(StalenessPolicy):
+    def group_deadline(self, partition: str, median_generation_seconds: float | None) -> float | None:
+        return -1.0  # type: ignore[return-value]
+
+
+class NonsenseCut(StalenessPolicy):
+    def cut_status(self, partition: str, trajectories: int) -> Status:
+        return Status.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("policy", "error", "match"),
+    [
+        (RaisingDeadline, RuntimeError, "deadline hook"),
+        (NonsenseDeadline, StalebufError, r"group_deadline\('train', \.\.\.\) must return"),
+        (NonsenseCut, StalebufError, r"cut_status\('train', 0\) must return"),
+    ],
+)
+async def test_a_deadline_hook_that_raises_or_answers_nonsense_cuts_nothing(
+    policy: type[StalenessPolicy], error: type[Exception], match: str
+) -> None:
+    config = SamplerConfig(group_deadline_seconds=0.01)
+    buf = ReplayBuffer(config, policy=policy(config), status_log_interval=None)
+    buf.add_prompt_nowait("g")
+    await anyio.sleep(0.02)
+    before = buf.stats()
+    with pytest.raises(error, match=match):
+        await buf.sample(0, 1, timeout=0)
+    assert buf.stats() == before
+    assert resident_groups(buf)["g"].in_flight
+
+
+async def test_a_sample_parked_with_a_cut_timer_times_out_is_cancelled_and_is_closed() -> None:
+    """Every way out of a wait with a deadline timer: timeout (before the deadline), cancellation,
+    close; each leaves the queue empty and the straggler in flight."""
+    buf = make(group_deadline_seconds=30.0, group_quorum=1)
+    buf.add_prompt_nowait("g")
+    with anyio.fail_after(LIMIT):
+        with pytest.raises(TimeoutError):
+            await buf.sample(0, 1, timeout=0.05)
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 1))
+            assert buf.stats().total.waiting_samplers == 1
+            waiting.scope.cancel()
+            await settle()
+        assert buf.stats().total.waiting_samplers == 0
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 1))
+            buf.close()
+            await settle()
+        assert isinstance(waiting.error, BufferClosedError)
+    assert resident_groups(buf)["g"].in_flight
+
+
+async def test_a_producer_finishing_wakes_the_timed_sample_as_usual() -> None:
+    """A parked sample with a cut timer still wakes at once when its batch completes."""
+    buf = make(group_deadline_seconds=30.0)
+    buf.add_prompt_nowait("g")
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 1))
+            buf.mark_finished_nowait("g")
+            await settle()
+            assert waiting.returned
+    assert waiting.result[0].uids == ["g"]
