@@ -272,6 +272,22 @@ async def test_a_blocked_sample_resets_its_timer_when_the_median_appears() -> No
     assert "slow" in waiting.result[0].uids
 
 
+async def test_a_sample_parked_with_nothing_in_flight_cuts_a_group_admitted_later() -> None:
+    """Defect found by the randomized runs below: a sample that parked while no group was in
+    flight had no cut timer, and admitting a straggler afterwards set none, so that straggler
+    was never cut and the sample waited for good. Admission now asks the parked head to set
+    its timer."""
+    buf = make(group_deadline_seconds=DEADLINE, max_off_policy_strategy="wait")
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 1))  # nothing in flight: no timer
+            buf.add_prompt_nowait("late")  # and it hangs
+            await anyio.sleep(DEADLINE + 0.5)
+            assert waiting.returned
+    assert waiting.result[0].uids == ["late"]  # cut, failed (no quorum), sampled
+    assert waiting.result[0].groups[0].status is Status.FAILURE
+
+
 # -- restore, hooks, waiting paths ----------------------------------------------------------------
 
 
@@ -361,3 +377,83 @@ async def test_a_producer_finishing_wakes_the_timed_sample_as_usual() -> None:
             await settle()
             assert waiting.returned
     assert waiting.result[0].uids == ["g"]
+
+
+# -- randomized runs against the rules ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_runs_never_wedge_and_cut_by_the_rules(seed: int) -> None:
+    """Random deadlines, quorum, strategy, failure strategy and admission, with producers of
+    which some hang for good: every sample returns within the deadline plus slack (no wedge),
+    no group is cut before its deadline, every cut group is finished exactly when the quorum
+    says so, conservation holds, and under wait with admission no group trains staler than T."""
+    import random
+
+    rng = random.Random(seed)
+    threshold, batch_size = rng.choice((1, 2, 3)), rng.choice((1, 2, 3))
+    strategy = rng.choice(("wait", "drop"))
+    deadline = rng.choice((0.05, 0.1))
+    quorum = rng.choice((None, 1, 2))
+    admission = rng.choice((None, batch_size))
+    failure = rng.choice(("sample", "evict"))
+    events: list[EvictionEvent] = []
+    # Without admission: a budget of 2B groups dispatched, one back per group trained or evicted.
+    budget = anyio.Semaphore(2 * batch_size) if admission is None else None
+
+    def refund(count: int) -> None:
+        for _ in range(count if budget is not None else 0):
+            budget.release()  # type: ignore[union-attr]
+
+    def on_evict(event: EvictionEvent) -> None:
+        events.append(event)
+        refund(len(event.groups))
+
+    buf = make(
+        max_off_policy_threshold=threshold,
+        max_off_policy_strategy=strategy,
+        group_deadline_seconds=deadline,
+        group_quorum=quorum,
+        admission_batch_size=admission,
+        failure_strategy=failure,
+        on_evict=on_evict,
+    )
+    trained: list[Any] = []
+
+    async def worker(name: str) -> None:
+        for index in range(1_000):
+            if budget is not None:
+                # Paced by hand, as pipelines without admission are: unpaced producers can hold
+                # the wait gate (T*S = 1) closed for good, deadlines or not.
+                await budget.acquire()
+            hung = rng.random() < 0.15
+            async with buf.rollout(f"{name}x{index}") as group:
+                for session in range(rng.randint(0, 3)):
+                    await anyio.sleep(rng.uniform(0.0, 0.01))
+                    await group.put(session, session_id=session)
+                if hung:
+                    await anyio.sleep_forever()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for name in ("a", "b", "c", "d"):
+                tg.start_soon(worker, name)
+            for step in range(12):
+                started = time.monotonic()
+                with anyio.fail_after(deadline + 3 * SLACK):  # no wedge
+                    batch, _ = await buf.sample(step, batch_size)
+                assert time.monotonic() - started < deadline + 3 * SLACK
+                trained.extend(batch.groups)
+                refund(len(batch))
+                if strategy == "wait" and admission is not None:
+                    assert max(batch.staleness.tolist()) <= threshold  # the hard bound holds
+            tg.cancel_scope.cancel()
+    cut = [group for group in (*trained, *(g for e in events for g in e.groups)) if cut_tagged(group)]
+    for group in cut:
+        assert group.generation_seconds >= deadline, "cut before its deadline"
+        expected = (
+            Status.FINISHED if quorum is not None and len(group.trajectories) >= quorum else Status.FAILURE
+        )
+        assert group.status is expected
+    assert buf.stats().total.cut_groups >= len(cut)
+    assert_conserved(buf)

@@ -117,6 +117,15 @@ class Consumer:
         if wake:
             head.wake()
 
+    def admitted(self, part: PartitionState) -> None:
+        """A group of ``part`` (which has deadlines) was admitted: a head sample parked without
+        a cut timer (nothing was in flight then) sets one for it."""
+        waiters = self.waiting.get(part.name)
+        if waiters and waiters[0].cut_at == math.inf and not self.store.closed:
+            head = waiters[0]
+            head.reschedule = True
+            head.wake()
+
     def has_live_waiter(self, name: str) -> bool:
         """Whether a ``sample`` that can still run waits on partition ``name``."""
         waiters = self.waiting.get(name)

@@ -335,7 +335,10 @@ class ReplayBuffer:
             raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
         if part is None or part.cap is not None or global_steps is None:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
-        store.admit(uid, global_steps, part or store.partition(partition), frozen_tags)
+        part = part or store.partition(partition)
+        store.admit(uid, global_steps, part, frozen_tags)
+        if part.deadlines:  # a parked sample with no timer (nothing was in flight) sets one
+            self.__consumer.admitted(part)
 
     def mark_running_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING to RUNNING.
@@ -508,13 +511,16 @@ class ReplayBuffer:
             raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
-        store = self.__store
+        store, consumer = self.__store, self.__consumer
 
         def admit(tag: int) -> None:
             self.__check_usable()
             if uid in store.groups:
                 raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
-            store.admit(uid, tag, store.partition(partition), check_tags(tags))
+            part = store.partition(partition)
+            store.admit(uid, tag, part, check_tags(tags))
+            if part.deadlines:
+                consumer.admitted(part)
 
         await self.__admission.wait_for_slot(store.partition(partition), global_steps, admit)
 
