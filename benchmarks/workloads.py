@@ -410,14 +410,19 @@ async def _pipeline(
     empty_payloads = [None] * TRAJECTORIES_PER_GROUP
     sampled = 0
 
+    # Under admission control a step ahead of the trainer's clock is refused: producers dispatch
+    # at the clock (and wait for its slots); without it they tag each group with its step.
+    by_clock = getattr(buf, "capacity", lambda: None)() is not None
+
     async def producer(first: int) -> None:
         checkpoint = anyio.lowlevel.checkpoint
         for count, i in enumerate(range(first, groups, producers), start=1):
             uid = uids[i]
+            step = None if by_clock else i // batch_size
             if put_group:
-                await buf.put_group(uid, empty_payloads, global_steps=i // batch_size)
+                await buf.put_group(uid, empty_payloads, global_steps=step)
             else:
-                await buf.add_prompt(uid, global_steps=i // batch_size)
+                await buf.add_prompt(uid, global_steps=step)
                 await buf.mark_running(uid)
                 for session in range(TRAJECTORIES_PER_GROUP):
                     await buf.put(uid, None, session_id=session)

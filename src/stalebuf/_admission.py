@@ -136,32 +136,31 @@ class Admission:
         """
         clock = self.clocks.get(name, 0)
         tag = clock if requested is None else requested
+        queue = self.queues.get(name)
         if part is None:  # not created yet: nothing is resident there, nobody waits
             cap = self.rules.admission_cap(name)
             if cap is None:
                 return tag
-            resident, last_sampled = 0, -1
+            resident, last_sampled, queue = 0, -1, None
         else:
             cap = part.cap
             if cap is None:
                 return tag
+            # What resident_at_step and last_sampled() answer, read inline: this runs per group.
+            resident = part.resident_at.get(tag, 0) if part.resident_at is not None else 0
+            last_sampled = -1 if queue is None else queue.last_sampled
         if tag > clock:
             raise FutureTagError(
                 f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
                 f"{clock} (the largest global_steps a sample was called with): under admission control "
                 "a group is tagged at most the clock; dispatch at the clock (global_steps=None)"
             )
-        if part is not None:
-            resident, last_sampled = part.resident_at_step(tag), self.last_sampled(name)
-            queue = self.queues.get(name)
-            if not head and queue is not None and queue.producers:
-                queue.drop_abandoned()
-                if queue.producers:
-                    if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
-                        raise _closed_error(name, tag, last_sampled)  # waiting would not help it
-                    raise BufferFullError(
-                        f"producers are waiting for admission to partition {describe(name)}"
-                    )
+        if not head and queue is not None and queue.producers:
+            queue.drop_abandoned()
+            if queue.producers:
+                if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
+                    raise _closed_error(name, tag, last_sampled)  # waiting would not help it
+                raise BufferFullError(f"producers are waiting for admission to partition {describe(name)}")
         if not self.rules.admits(tag, resident, last_sampled, cap, name):
             if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
                 raise _closed_error(name, tag, last_sampled)
