@@ -457,3 +457,15 @@ async def test_random_runs_never_wedge_and_cut_by_the_rules(seed: int) -> None:
         assert group.status is expected
     assert buf.stats().total.cut_groups >= len(cut)
     assert_conserved(buf)
+
+
+def test_the_readme_skyrl_example_runs() -> None:
+    """The README's "Deadlines" example (the SkyRL hang and its fix) runs as printed."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("The SkyRL hang, and its fix") :]
+    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert block is not None
+    exec(compile(block.group(1), "README.md (Deadlines)", "exec"), {"__name__": "readme"})
