@@ -61,6 +61,8 @@ PER_PARTITION = (
     ("stalebuf_evicted_in_flight_groups_total", "evicted_in_flight_groups"),
     ("stalebuf_reissued_groups_total", "reissued_groups"),
     ("stalebuf_reissued_trajectories_total", "reissued_trajectories"),
+    ("stalebuf_cut_groups_total", "cut_groups"),
+    ("stalebuf_cut_trajectories_total", "cut_trajectories"),
 )
 
 
@@ -215,6 +217,7 @@ def test_names_types_and_labels_follow_prometheus_conventions() -> None:
         "stalebuf_admitted_groups", "stalebuf_admitted_trajectories", "stalebuf_sampled_groups",
         "stalebuf_sampled_trajectories", "stalebuf_evicted_groups", "stalebuf_evicted_trajectories",
         "stalebuf_evicted_in_flight_groups", "stalebuf_reissued_groups", "stalebuf_reissued_trajectories",
+        "stalebuf_cut_groups", "stalebuf_cut_trajectories",
     }  # fmt: skip
     for name in counters:
         assert all(sample.name == f"{name}_total" for sample in families[name].samples)
