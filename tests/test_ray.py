@@ -42,6 +42,7 @@ from stalebuf.errors import (
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    GroupCutError,
     GroupEvictedError,
     InvalidTransitionError,
 )
@@ -848,7 +849,12 @@ def rollout_producer(buffer: RemoteReplayBuffer, uid: str) -> dict[str, Any]:
             await group.put("first")
             await asyncio.sleep(60)  # cancelled when the group is evicted in flight
             reached_end = True
-        return {"evicted": group.evicted, "reached_end": reached_end, "step": group.global_steps}
+        return {
+            "evicted": group.evicted,
+            "reached_end": reached_end,
+            "step": group.global_steps,
+            "cut": group.cut,
+        }
 
     return asyncio.run(main())
 
@@ -872,7 +878,7 @@ async def test_in_flight_eviction_cancels_a_remote_rollout_body_in_another_proce
             batch, metrics = await sampling
             assert batch.uids == ["fresh"]
             assert metrics["training/off_policy/evicted_in_flight_groups"] == 1
-            assert await report == {"evicted": True, "reached_end": False, "step": 0}
+            assert await report == {"evicted": True, "reached_end": False, "step": 0, "cut": False}
             event = await stream.__anext__()
             [group] = event.groups
             assert (event.reason, group.uid, group.status, len(group.trajectories)) == (
@@ -893,6 +899,29 @@ async def test_in_flight_eviction_cancels_a_remote_rollout_body_in_another_proce
             after = (await buffer.stats()).total
             assert (after.admitted_groups, after.groups) == (before.admitted_groups, before.groups)
             assert after.evicted_in_flight_groups == 1
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_cut_in_the_actor_cancels_a_remote_rollout_body() -> None:
+    """Group deadlines on a remote buffer (issue 21): the actor enforces them; a producer in
+    another process stuck in generation is cancelled at the cut (``group.cut``), its group is
+    finished with what it has (quorum 1) and trained, and a late write raises GroupCutError."""
+    config = SamplerConfig(max_off_policy_strategy="wait", group_deadline_seconds=0.5, group_quorum=1)
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            report = rollout_producer.remote(buffer, "hung")
+            await _until_stats(buffer, "trajectories", 1)
+            batch, metrics = await buffer.sample(0, 1)  # parks with a timer: cuts "hung" on time
+            assert batch.uids == ["hung"]
+            assert dict(batch.groups[0].tags)["stalebuf_cut"] is True
+            assert metrics["training/rollout/cut_groups"] == 1
+            assert await report == {"evicted": False, "reached_end": False, "step": 0, "cut": True}
+            error = await expect(GroupCutError, buffer.put("hung", "late", session_id=1))
+            assert "deadline" in str(error)
+            assert (await buffer.stats()).total.cut_groups == 1
     finally:
         buffer.kill()
 
