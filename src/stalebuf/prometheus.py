@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import pairwise
 from typing import Any, TypeVar
 
@@ -152,6 +152,22 @@ class BufferCollector:
         yield from self._stats_families(None)
         yield from self._histogram_families({})
 
+    def attach(self, registry: CollectorRegistry, untap: Callable[[], None]) -> None:
+        """Register in ``registry``, remembering it and how to stop the sample tap (``untap``),
+        both undone by :meth:`unregister`; :func:`register` calls it.
+
+        Raises:
+            ValueError: ``registry`` already has these metric names (then nothing is kept and
+                ``untap`` has been called).
+        """
+        try:
+            registry.register(self)
+        except BaseException:
+            untap()
+            raise
+        self._registry = registry
+        self._untap = untap
+
     def unregister(self) -> None:
         """Remove the collector from its registry and the sample tap from the buffer; idempotent.
 
@@ -265,9 +281,7 @@ def register(
     waits = _check_buckets("wait_buckets", wait_buckets)
     histograms = SampleHistograms(staleness, waits)
     collector = BufferCollector(stats_reader(buffer, float(timeout)), histograms, namespace, staleness, waits)
-    registry.register(collector)
-    collector._registry = registry
-    collector._untap = tap_samples(buffer, histograms)
+    collector.attach(registry, tap_samples(buffer, histograms))
     return collector
 
 
