@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 import errno
 import functools
+import gc
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import random
@@ -28,17 +30,27 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 
 from _ckpt_helpers import checkpoint_content, rich
-from _helpers import LIMIT, add_group, make, snapshot
-from stalebuf import BatchNotReadyError, ReplayBuffer, SamplerConfig, StalenessPolicy
+from _helpers import EVICTED_UIDS_REMEMBERED, LIMIT, add_group, assert_conserved, make, snapshot
+from stalebuf import (
+    BatchNotReadyError,
+    Group,
+    ReplayBuffer,
+    SamplerConfig,
+    StalenessPolicy,
+    Status,
+    Trajectory,
+)
 from stalebuf._checkpoint_path import STALE_AFTER_SECONDS, _host, _prefix
-from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint
+from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from stalebuf.errors import CheckpointError, ConfigError
 
 MAGIC = b"STALEBUF CHECKPOINT\n"  # the documented layout: magic, then version, flags, length, sha256
@@ -1045,3 +1057,358 @@ async def test_a_buffer_still_pickles_and_deep_copies_with_its_save_order(tmp_pa
             path = tmp_path / f"{number}.ckpt"
             await copied.save(path)
             assert uids(path, None) == ["a"]
+
+
+# -- crafted files and values: every field checked (issue 21, item 4) ----------------------------
+#
+# The checksum is unkeyed: anyone can recompute it, so a checksum-valid file can hold anything a
+# pickle or JSON can say, and a BufferCheckpoint can be built by hand. restore must refuse every
+# impossible one with a CheckpointError naming the field (and the file), and build nothing.
+
+
+class Text(str):
+    """A str subclass (numpy's ``str_`` is one): it can answer differently from its value."""
+
+
+class Count(int):
+    """An int subclass."""
+
+
+class Unreadable(dict):  # type: ignore[type-arg]
+    """A mapping whose reads raise (pickle still copies its items, through ``dict.items``)."""
+
+    def __getitem__(self, key: object) -> Any:
+        raise RuntimeError("read")
+
+    def keys(self) -> Any:
+        raise RuntimeError("read")
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("read")
+
+
+def _read_only(mapping: dict[str, Any]) -> Any:
+    """What a crafted pickle calls to load a read-only mapping over ``mapping``."""
+    return MappingProxyType(mapping)
+
+
+def _forged(kind: type, values: tuple[Any, ...]) -> Any:
+    """What a crafted pickle calls to load an attrs record with ``values`` set as they are."""
+    record = object.__new__(kind)
+    for field, value in zip(attrs.fields(kind), values, strict=True):
+        object.__setattr__(record, field.name, value)
+    return record
+
+
+def forge(record: Any, **changes: Any) -> Any:
+    """A copy of the attrs record ``record`` with ``changes`` set as they are (no converter, no
+    validator runs): what a crafted pickle can load."""
+    values = tuple(changes.get(f.name, getattr(record, f.name)) for f in attrs.fields(type(record)))
+    return _forged(type(record), values)
+
+
+def raw(record: Any, **changes: Any) -> Any:
+    """A copy of a Group or Trajectory record (a lazily stored group too) with ``changes`` set as
+    they are (for a lazily stored group, ``trajectories`` is its payloads)."""
+    values = dict(zip(record._fields, tuple.__iter__(record), strict=True))
+    values.update(changes)
+    return tuple.__new__(type(record), tuple(values.values()))
+
+
+class _Crafter(pickle.Pickler):
+    """Pickles records as they are, bypassing their own pickle forms (which rebuild them through
+    checks): the pickle a hostile writer would craft."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if isinstance(obj, (Group, Trajectory)):
+            return tuple.__new__, (kind, tuple(tuple.__iter__(obj)))
+        if kind is MappingProxyType:
+            return _read_only, (gc.get_referents(obj)[0],)
+        if kind in (BufferCheckpoint, PartitionCheckpoint, SamplerConfig):
+            return _forged, (kind, tuple(getattr(obj, f.name) for f in attrs.fields(kind)))
+        return NotImplemented
+
+
+def crafted_pickle(value: Any) -> bytes:
+    out = io.BytesIO()
+    _Crafter(out, protocol=5).dump(value)
+    return out.getvalue()
+
+
+def write_crafted(path: Path, flags: int, frames: list[bytes]) -> None:
+    """Write ``frames`` as a checkpoint file with a valid header and checksum (the documented
+    layout: magic, version, flags, length, the SHA-256 of the header fields and the body's)."""
+    body = b"".join(struct.pack(">Q", len(frame)) + frame for frame in frames)
+    fields = struct.pack(">IIQ", FORMAT_VERSION, flags, len(body))
+    digest = hashlib.sha256(fields + hashlib.sha256(body).digest()).digest()
+    path.write_bytes(MAGIC + HEADER.pack(FORMAT_VERSION, flags, len(body), digest) + body)
+
+
+def write_crafted_pickle(path: Path, checkpoint: BufferCheckpoint) -> None:
+    groups = tuple(checkpoint.groups) if type(checkpoint.groups) in (tuple, list) else checkpoint.groups
+    count = len(groups) if isinstance(groups, tuple) else 0
+    manifest = crafted_pickle((forge(checkpoint, groups=()), count))
+    write_crafted(path, 0, [manifest, struct.pack(">I", 0) + crafted_pickle(groups)] if count else [manifest])
+
+
+@functools.lru_cache(maxsize=1)
+def valid() -> BufferCheckpoint:
+    """The rich buffer's checkpoint, plus a lazily stored group (groups[10], in "val"): groups[0]
+    c0 and groups[1] c1 are FINISHED (c1 with two tagged trajectories), groups[2] c2 RUNNING with
+    two; partitions train, val, other; clocks train, other and ghost; evicted b0 and b1."""
+    buf = counted_buffer()
+    buf.put_group_nowait("L0", ["p", "q"], partition="val")
+    checkpoint = buf.checkpoint()
+    assert [g.uid for g in checkpoint.groups][:3] == ["c0", "c1", "c2"]
+    assert checkpoint.groups[10].uid == "L0"
+    assert type(checkpoint.groups[10]) is not Group
+    return checkpoint
+
+
+def group(index: int, /, **changes: Any) -> Any:
+    """``valid()`` with ``groups[index]``'s fields changed as they are."""
+    ckpt = valid()
+    groups = list(ckpt.groups)
+    groups[index] = raw(groups[index], **changes)
+    return forge(ckpt, groups=tuple(groups))
+
+
+def trajectory(index: int, position: int, /, **changes: Any) -> Any:
+    """``valid()`` with ``groups[index].trajectories[position]``'s fields changed."""
+    records = list(valid().groups[index].trajectories)
+    records[position] = raw(records[position], **changes)
+    return group(index, trajectories=tuple(records))
+
+
+def partition(index: int, /, **changes: Any) -> Any:
+    ckpt = valid()
+    partitions = list(ckpt.partitions)
+    partitions[index] = forge(partitions[index], **changes)
+    return forge(ckpt, partitions=tuple(partitions))
+
+
+def counters(index: int, **changes: Any) -> Any:
+    return partition(index, counters={**valid().partitions[index].counters, **changes})
+
+
+def config(**changes: Any) -> Any:
+    return forge(valid(), config=forge(valid().config, **changes))
+
+
+def _counter(name: str, delta: int) -> Any:
+    return counters(0, **{name: valid().partitions[0].counters[name] + delta})
+
+
+def cases(field: str, make: Any, *values: Any) -> list[Any]:
+    """One case per value: the checkpoint ``make(value)`` must be refused, naming ``field``."""
+    return [
+        pytest.param(functools.partial(make, value), field, id=f"{field}-{i}")
+        for i, value in enumerate(values)
+    ]
+
+
+def first_trajectory() -> tuple[Trajectory, ...]:
+    return valid().groups[1].trajectories[:1]
+
+
+def train() -> PartitionCheckpoint:
+    return valid().partitions[0]
+
+
+def _with_group(value: Any) -> Any:
+    return forge(valid(), groups=(*valid().groups[:3], value))
+
+
+_BAD_STEPS = (-1, True, 1.0, "1", None, 2**63, 2**200, Count(1))
+_BAD_UIDS = ("", "a_b", "\udcff", 5, None, Text("c0"), b"c0")
+_BAD_TAGS = (5, "x", ["a"], Unreadable(a=1), MappingProxyType(Unreadable(a=1)))
+_NOT_SEQUENCES = (None, "x", 5, {"x": 1})
+_EMPTY = MappingProxyType({})
+
+#: (how to make ``valid()`` impossible, what the error must name).
+IMPOSSIBLE: list[Any] = [
+    *cases("format_version", lambda v: forge(valid(), format_version=v), 0, -1, True, "2", 2.0, None,
+           FORMAT_VERSION + 1, 2**100),
+    *cases("config", lambda v: forge(valid(), config=v), None, {}, "config"),
+    *cases("config", lambda v: config(**v), {"max_off_policy_threshold": -1},
+           {"max_off_policy_strategy": "x"}, {"sampler_kwargs": {"not id": 1}}, {"exempt_partitions": "val"},
+           {"admission_batch_size": 0}),
+    *cases("policy", lambda v: forge(valid(), policy=v), 5, "", "module", "module:", ":Name", "a b:C",
+           "m:f.<locals>.P", Text("m:P"), b"m:P",
+           "stalebuf:StalenessPolicy"),  # a valid name, but the config names a custom sampler
+    *cases("groups", lambda v: forge(valid(), groups=v), *_NOT_SEQUENCES),
+    *cases("groups[3]", _with_group, None, 5, "g", (1, 2), Trajectory("c0_0_0", 0, 0, _EMPTY, 1),
+           tuple.__new__(Group, ("c0", "train"))),
+    *cases("groups[0].uid", lambda v: group(0, uid=v), *_BAD_UIDS),
+    *cases("groups[11].uid", lambda i: forge(valid(), groups=(*valid().groups, valid().groups[i])), 0),
+    *cases("groups[0].partition", lambda v: group(0, partition=v), "", "\udcff", 5, None, Text("train"),
+           "nowhere"),
+    *cases("groups[0].dispatch_step", lambda v: group(0, dispatch_step=v), *_BAD_STEPS),
+    *cases("groups[0].status", lambda v: group(0, status=v), "finished", None, 1, True),
+    *cases("groups[0].tags", lambda v: group(0, tags=v), *_BAD_TAGS),
+    *cases("groups[0].finish_step", lambda v: group(0, finish_step=v), *_BAD_STEPS, 2),  # 2: before 3
+    *cases("groups[0].generation_seconds", lambda v: group(0, generation_seconds=v), math.nan, math.inf,
+           -math.inf, -1.0, "1", None, True, 10**400),
+    *cases("groups[1].trajectories", lambda v: group(1, trajectories=v), None, "ab", 5, (1,),
+           (Group("x", "train", 0, Status.FINISHED, _EMPTY, ()),),
+           (tuple.__new__(Trajectory, ("c1_0_0", 0)),)),
+    *cases("groups[10].trajectories", lambda v: group(10, trajectories=v), None, "ab", ["p", "q"]),
+    *cases("groups[1].trajectories[1].key", lambda n: group(1, trajectories=first_trajectory() * n), 2),
+    *cases("groups[1].trajectories[1].key", lambda v: trajectory(1, 1, key=v), "x", "c1_0_0", "c0_1_0",
+           "c1_1_1", Text("c1_1_0"), 5, None),
+    *cases("groups[1].trajectories[1].session_id", lambda v: trajectory(1, 1, session_id=v), *_BAD_STEPS),
+    *cases("groups[1].trajectories[1].index", lambda v: trajectory(1, 1, index=v), *_BAD_STEPS),
+    *cases("groups[1].trajectories[1].tags", lambda v: trajectory(1, 1, tags=v), *_BAD_TAGS),
+    *cases("partitions", lambda v: forge(valid(), partitions=v), *_NOT_SEQUENCES),
+    *cases("partitions[0]", lambda v: forge(valid(), partitions=(v,)), None, ("train", 1, {})),
+    *cases("partitions[3].name", lambda i: forge(valid(), partitions=(*valid().partitions, train())), 0),
+    *cases("partitions[0].name", lambda v: partition(0, name=v), "", "\udcff", 5, None, Text("train")),
+    *cases("partitions[0].last_sampled", lambda v: partition(0, last_sampled=v), -2, True, "1", None, 1.0,
+           2**63, 4),  # 4: past the clock, 3
+    *cases("partitions[0].counters", lambda v: partition(0, counters=v), None, "x", [("sampled_groups", 1)],
+           Unreadable(sampled_groups=1), {5: 1}),
+    *cases("partitions[0].counters", lambda v: counters(0, **v), {"bogus": 0}, {"sampled_groups": -1},
+           {"sampled_groups": True}, {"sampled_groups": "1"}, {"sampled_groups": 2**63},
+           {"sampled_groups": 1.0}),
+    *cases("partitions[0].counters", lambda v: _counter(*v), ("admitted_groups", 1), ("admitted_groups", -1),
+           ("sampled_groups", 1), ("admitted_trajectories", 1), ("reissued_trajectories", 1),
+           ("evicted_in_flight_groups", 3)),  # conservation, and in flight among the stale ones
+    *cases("clocks", lambda v: forge(valid(), clocks=v), None, [("train", 3)], Unreadable(train=3),
+           {"train": -1}, {"train": "3"}, {"train": True}, {"train": 2**63}, {"": 1}, {5: 1}, {"\udcff": 1},
+           {Text("train"): 3}),
+    *cases("evicted_in_flight", lambda v: forge(valid(), evicted_in_flight=v), None, "b0", 5, ("a_b",), ("",),
+           (5,), (Text("b0"),), ("b0", "b0"), tuple(f"u{i}" for i in range(EVICTED_UIDS_REMEMBERED + 1))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("impossible", "field"), IMPOSSIBLE)
+def test_an_impossible_checkpoint_is_refused_naming_its_field(
+    impossible: Any, field: str, tmp_path: Path
+) -> None:
+    """Defect (issue 21, item 4): a checkpoint no live buffer could have taken (built by hand, or
+    in a file whose unkeyed checksum was recomputed) escaped ``restore`` as TypeError,
+    AttributeError or ConfigError, or restored into an impossible state (a negative counter, a
+    string clock, a uid holding "_"). Each field made wrong, as a value and as a crafted pickle
+    file, is a CheckpointError naming the field (and the file), and nothing is built."""
+    checkpoint = impossible()
+    built = Counted.built
+    with pytest.raises(CheckpointError) as info:
+        ReplayBuffer.restore(checkpoint)
+    assert field in str(info.value)
+    path = tmp_path / "crafted.ckpt"
+    write_crafted_pickle(path, checkpoint)
+    error = assert_refused(path)
+    # A crafted pickle may fail to load at all (a converter refuses it): then the file is named.
+    assert field in str(error) or "cannot be read" in str(error)
+    assert Counted.built == built
+
+
+def test_the_valid_checkpoint_and_its_crafted_file_restore() -> None:
+    """The crafting above changes nothing by itself: the valid checkpoint, forged field by field
+    and written as a crafted pickle, restores to the same state."""
+    checkpoint = valid()
+    same = forge(checkpoint, groups=tuple(raw(g) for g in checkpoint.groups))
+    restored = ReplayBuffer.restore(same, in_flight="keep").buffer
+    assert checkpoint_content(restored.checkpoint()) == checkpoint_content(checkpoint)
+
+
+def frames_of(path: Path) -> list[bytes]:
+    """The body frames of the checkpoint file at ``path`` (the documented layout)."""
+    data = path.read_bytes()
+    offset, frames = len(MAGIC) + HEADER.size, []
+    while offset < len(data):
+        (size,) = struct.unpack_from(">Q", data, offset)
+        frames.append(data[offset + 8 : offset + 8 + size])
+        offset += 8 + size
+    return frames
+
+
+def positions(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path (keys and indices) of every value inside the JSON ``value``."""
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return []
+    found = []
+    for key, item in items:
+        found.append((*path, key))
+        found.extend(positions(item, (*path, key)))
+    return found
+
+
+_DROP = object()
+#: What a crafted codec file puts in place of a JSON value (or _DROP: the key or item is gone).
+_JSON_VALUES = (
+    None,
+    -1,
+    2**64,
+    True,
+    1.5,
+    math.nan,
+    "x",
+    "a_b",
+    "",
+    "\udcff",
+    [],
+    {},
+    [1, 2],
+    {"k": 1},
+    _DROP,
+)
+# A config whose custom sampler cannot be built raises ConfigError from the construction in
+# ReplayBuffer.restore (as from_config does), not from the checks: those positions are left out.
+_BUILT_BY_RESTORE = (("config", "sampler_kwargs"), ("config", "custom_sampler"))
+
+
+def restore_or_refusal(path: Path) -> ReplayBuffer | CheckpointError:
+    """The buffer restored from the codec file at ``path``, or the CheckpointError refusing it."""
+    try:
+        return ReplayBuffer.restore(path, in_flight="keep", payload_codec=JSON_CODEC).buffer
+    except CheckpointError as exc:
+        return exc
+
+
+def test_a_crafted_codec_file_is_refused_or_restores_a_consistent_buffer(tmp_path: Path) -> None:
+    """Defect (issue 21, item 4), for the codec file's JSON: a value at any position (manifest,
+    group rows, trajectory rows) replaced by one of another type or range, or dropped, with the
+    checksum recomputed, escaped as a TypeError, KeyError or ValueError from the reader or the
+    rebuild, or restored an impossible state. Now restore refuses it with a CheckpointError
+    naming the file (building nothing), or restores a buffer that keeps the conservation law and
+    whose own checkpoint restores: never anything else. (A seeded sample of the positions.)"""
+    buf = counted_buffer()
+    buf.put_group_nowait("L0", ["p", "q"], partition="val")
+    path = tmp_path / "valid.ckpt"
+    save(buf, path, JSON_CODEC)
+    manifest, rows, *payloads = frames_of(path)
+    documents = {"manifest": json.loads(manifest), "rows": json.loads(rows)}
+    cases = [
+        (where, value)
+        for name, document in documents.items()
+        for where in positions(document, (name,))
+        if where[1:3] not in _BUILT_BY_RESTORE
+        for value in _JSON_VALUES
+    ]
+    crafted = tmp_path / "crafted.ckpt"
+    refused = 0
+    for where, value in random.Random(21).sample(cases, 400):
+        changed = copy.deepcopy(documents)
+        parent = functools.reduce(lambda node, key: node[key], where[:-1], changed)
+        if value is _DROP:
+            del parent[where[-1]]
+        else:
+            parent[where[-1]] = value
+        frames = [json.dumps(changed[name]).encode() for name in ("manifest", "rows")]
+        write_crafted(crafted, 1, [*frames, *payloads])
+        built = Counted.built
+        outcome = restore_or_refusal(crafted)
+        if isinstance(outcome, CheckpointError):
+            assert str(crafted) in str(outcome), (where, value)
+            assert Counted.built == built, (where, value)
+            refused += 1
+        else:
+            assert_conserved(outcome)
+            ReplayBuffer.restore(outcome.checkpoint(), in_flight="keep")
+    assert refused > 200  # most such changes make an impossible checkpoint

@@ -18,7 +18,7 @@ import pytest
 from _ckpt_helpers import checkpoint_content, group_content, rich
 from _helpers import sample_now, snapshot
 from stalebuf import Batch, BatchNotReadyError, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
-from stalebuf.checkpoint import BufferCheckpoint
+from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 
 PROTOCOLS = range(2, pickle.HIGHEST_PROTOCOL + 1)
 
@@ -124,3 +124,49 @@ def test_records_and_the_config_pickle_with_read_only_tags(protocol: int) -> Non
         assert_read_only(copy_trajectory.tags)
     assert dict(group.trajectories[0].tags) == {"reward": 1.5}
     assert dict(group.trajectories[1].tags) == {}
+
+
+# -- a checkpoint built by hand (issue 21, item 4) ------------------------------------------------
+
+
+def hand_built(group: Group) -> BufferCheckpoint:
+    """A checkpoint built by hand holding ``group`` (one trajectory), resident in "train"."""
+    counters = {"admitted_groups": 1, "admitted_trajectories": len(group.trajectories)}
+    partitions = (PartitionCheckpoint("train", -1, counters),)
+    return BufferCheckpoint(FORMAT_VERSION, SamplerConfig(), None, (group,), partitions, {}, ())
+
+
+def test_a_hand_built_records_plain_tags_are_copied_read_only() -> None:
+    """Defect (issue 21, item 4): restore kept the plain dicts a hand-built record holds as its
+    tags, so the restored buffer handed out tags the caller could still change (every later batch
+    showed the change), where ``put`` copies tags into a read-only mapping. restore copies them
+    as ``put`` does."""
+    tags, trajectory_tags = {"kind": "math"}, {"reward": 1}
+    trajectory = Trajectory("g_0_0", 0, 0, trajectory_tags, "payload")
+    group = Group("g", "train", 0, Status.FINISHED, tags, (trajectory,))
+    restored = ReplayBuffer.restore(hand_built(group), status_log_interval=None).buffer
+    tags["kind"], trajectory_tags["reward"] = "changed", 2
+    batch, _ = sample_now(restored, 0, 1)
+    assert dict(batch.groups[0].tags) == {"kind": "math"}
+    assert [dict(t) for t in batch.tags] == [{"reward": 1}]
+    assert_read_only(batch.groups[0].tags)
+    assert_read_only(batch.groups[0].trajectories[0].tags)
+
+
+def test_a_hand_built_checkpoint_in_any_form_a_live_buffer_could_hold_restores() -> None:
+    """The checks refuse only what no live buffer could hold: lists where records hold tuples,
+    whole seconds as an int, counters left out (read as 0, as an older hand-built checkpoint
+    would), and tags given as None restore the same state as the checkpoint they stand for."""
+    original = rich()
+    ckpt = original.checkpoint()
+    groups = [g.replace(generation_seconds=0) if g.status.is_terminal else g for g in ckpt.groups]
+    partitions = [PartitionCheckpoint(p.name, p.last_sampled, {k: v for k, v in p.counters.items() if v})
+                  for p in ckpt.partitions]  # fmt: skip
+    same = attrs.evolve(
+        ckpt, groups=groups, partitions=partitions, evicted_in_flight=list(ckpt.evicted_in_flight)
+    )
+    restored = ReplayBuffer.restore(same, in_flight="keep").buffer
+    assert snapshot(restored) == snapshot(original)
+    untagged = Group("g", "train", 0, Status.FINISHED, None, (Trajectory("g_0_0", 0, 0, None, 1),))  # type: ignore[arg-type]
+    batch, _ = sample_now(ReplayBuffer.restore(hand_built(untagged)).buffer, 0, 1)
+    assert (dict(batch.groups[0].tags), dict(batch.tags[0])) == ({}, {})

@@ -23,11 +23,12 @@ import math
 import os
 import pickle
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import IO, Any, Protocol
 
 import attrs
 
+from ._checkpoint_checks import checked
 from ._checkpoint_path import (
     create_temporary,
     forget_temporary,
@@ -317,12 +318,14 @@ def _check_plain(value: Any, where: str) -> None:
 
 
 def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) -> BufferCheckpoint:
-    """Read and verify the checkpoint file at ``path``.
+    """Read and verify the checkpoint file at ``path``, then check what it holds (see
+    ``_checkpoint_checks``: a crafted file can carry a valid checksum).
 
     Raises:
         CheckpointError: the file is truncated, corrupt, not a checkpoint, of a newer format,
             not a regular file (a FIFO, a device), a codec file read without a codec (or a
-            pickle file read with one), or ``decode`` failed.
+            pickle file read with one), ``decode`` failed, or a field holds what no live buffer
+            could hold (the message names the file and the field).
         OSError: the file cannot be read (FileNotFoundError for a missing one, IsADirectoryError
             for a directory).
     """
@@ -330,27 +333,22 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
     with contextlib.suppress(OSError, ValueError):
         remove_stale_temporaries(os.path.realpath(name))
     flags, body = _read_verified(name)
-    frames = _frames(memoryview(body), name)
+    if flags == _PICKLE and codec is not None:
+        raise CheckpointError(f"{name!r} holds pickled payloads; refusing to unpickle it with a codec given")
+    if flags == _CODEC and codec is None:
+        raise CheckpointError(f"{name!r} was saved with a payload codec: pass payload_codec= to restore it")
+    if flags not in (_PICKLE, _CODEC):
+        raise CheckpointError(f"{name!r} has unknown flags {flags}")
+    frames = _frames(memoryview(body))
     try:
-        if flags == _PICKLE:
-            if codec is not None:
-                raise CheckpointError(
-                    f"{name!r} holds pickled payloads; refusing to unpickle it with a codec given"
-                )
-            return _read_pickled(frames)
-        if flags == _CODEC:
-            if codec is None:
-                raise CheckpointError(
-                    f"{name!r} was saved with a payload codec: pass payload_codec= to restore it"
-                )
-            return _read_plain(frames, codec[1])
-    except CheckpointError:
-        raise
+        manifest, groups = _read_pickled(frames) if codec is None else _read_plain(frames, codec[1])
+        if next(frames, None) is not None:
+            raise CheckpointError("the file holds data past its last group")
+        return checked(manifest, groups)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{name!r}: {exc}") from exc
     except Exception as exc:  # a checksum-valid file that does not parse: written by something else
-        raise CheckpointError(
-            f"{name!r} cannot be read: {type(exc).__name__}: {describe_error(exc)}"
-        ) from exc
-    raise CheckpointError(f"{name!r} has unknown flags {flags}")
+        raise CheckpointError(f"{name!r} cannot be read: {describe_error(exc)}") from exc
 
 
 def _read_verified(name: str) -> tuple[int, bytearray]:
@@ -405,72 +403,136 @@ def _read_body(file: io.BufferedReader, length: int, name: str) -> tuple[bytearr
     return body, hashed
 
 
-def _frames(body: memoryview, name: str) -> Iterator[memoryview]:
+def _frames(body: memoryview) -> Iterator[memoryview]:
     offset = 0
     while offset < len(body):
         if offset + _FRAME.size > len(body):
-            raise CheckpointError(f"{name!r} is corrupt (a frame header is cut)")
+            raise CheckpointError("the file is corrupt (a frame header is cut)")
         (size,) = _FRAME.unpack_from(body, offset)
         offset += _FRAME.size
         if offset + size > len(body):
-            raise CheckpointError(f"{name!r} is corrupt (a frame is cut)")
+            raise CheckpointError("the file is corrupt (a frame is cut)")
         yield body[offset : offset + size]
         offset += size
 
 
-def _read_pickled(frames: Iterator[memoryview]) -> BufferCheckpoint:
-    manifest, count = pickle.loads(next(frames))
+def _next(frames: Iterator[memoryview]) -> memoryview:
+    """The next frame.
+
+    Raises:
+        CheckpointError: there is none (the file ends before what its manifest announced).
+    """
+    frame = next(frames, None)
+    if frame is None:
+        raise CheckpointError("the file ends before its last group")
+    return frame
+
+
+def _read_pickled(frames: Iterator[memoryview]) -> tuple[BufferCheckpoint, tuple[Group, ...]]:
+    manifest, count = pickle.loads(_next(frames))
+    if type(manifest) is not BufferCheckpoint:
+        raise CheckpointError("the file's manifest is not a BufferCheckpoint")
+    if type(count) is not int or count < 0:
+        raise CheckpointError(f"the file's group count must be an int >= 0, got {describe(count)}")
     groups: list[Group] = []
     while len(groups) < count:
-        frame = next(frames)
+        frame = _next(frames)
         (buffers,) = _COUNT.unpack_from(frame)
-        oob = [next(frames) for _ in range(buffers)]
-        groups.extend(pickle.loads(frame[_COUNT.size :], buffers=oob))
-    if not isinstance(manifest, BufferCheckpoint):
-        raise CheckpointError("the checkpoint's manifest is not a BufferCheckpoint")
-    return attrs.evolve(manifest, groups=tuple(groups))
+        oob = [_next(frames) for _ in range(buffers)]
+        chunk = pickle.loads(frame[_COUNT.size :], buffers=oob)
+        if type(chunk) is not tuple:  # the writer pickles each chunk of groups as a tuple
+            raise CheckpointError(f"the file holds a {type(chunk).__name__} where a chunk of groups belongs")
+        groups.extend(chunk)
+    if len(groups) != count:
+        raise CheckpointError(f"the file holds {len(groups)} groups where its manifest says {count}")
+    return manifest, tuple(groups)
 
 
-def _read_plain(frames: Iterator[memoryview], decode: Callable[[bytes], Any]) -> BufferCheckpoint:
-    manifest = json.loads(bytes(next(frames)))
-    config = SamplerConfig(**manifest["config"])
+#: The keys of a codec file's manifest and the JSON type of each value (None: any).
+_MANIFEST = {"config": dict, "policy": None, "partitions": list, "clocks": dict, "evicted_in_flight": list,
+             "groups": int}  # fmt: skip
+
+
+def _read_plain(
+    frames: Iterator[memoryview], decode: Callable[[bytes], Any]
+) -> tuple[BufferCheckpoint, tuple[Group, ...]]:
+    # Shapes only: the values go to _checkpoint_checks as they are, so it names the field at fault.
+    manifest = json.loads(bytes(_next(frames)))
+    if type(manifest) is not dict or set(manifest) != set(_MANIFEST):
+        raise CheckpointError(
+            f"the file's manifest must be a JSON object with the keys {', '.join(_MANIFEST)}"
+        )
+    for key, kind in _MANIFEST.items():
+        if kind is not None and type(manifest[key]) is not kind:
+            raise CheckpointError(f"the checkpoint's {key} must be a JSON {kind.__name__}")
+    try:
+        config = SamplerConfig(**manifest["config"])
+    except Exception as exc:  # ConfigError naming the field, or TypeError for an unknown one
+        raise CheckpointError(f"the checkpoint's config is invalid: {describe_error(exc)}") from exc
+    partitions = []
+    for index, row in enumerate(manifest["partitions"]):
+        name, last_sampled, counters = _row(f"partitions[{index}]", row, 3)
+        if type(counters) is not dict:  # its converter would read a list of pairs as a mapping
+            raise CheckpointError(f"the checkpoint's partitions[{index}].counters must be a JSON object")
+        partitions.append(PartitionCheckpoint(name, last_sampled, counters))
     groups: list[Group] = []
     while len(groups) < manifest["groups"]:
-        for row in json.loads(bytes(next(frames))):
-            groups.append(_group_from_row(row, frames, decode))
-    partitions = tuple(
-        PartitionCheckpoint(name, last, counters) for name, last, counters in manifest["partitions"]
-    )
-    return BufferCheckpoint(
-        FORMAT_VERSION,
-        config,
-        manifest["policy"],
-        tuple(groups),
-        partitions,
-        manifest["clocks"],
-        tuple(manifest["evicted_in_flight"]),
-    )
+        chunk = json.loads(bytes(_next(frames)))
+        if type(chunk) is not list or not chunk:
+            raise CheckpointError(f"the file holds a {type(chunk).__name__} where a chunk of groups belongs")
+        groups.extend(
+            _group_from_row(f"groups[{len(groups) + i}]", row, frames, decode) for i, row in enumerate(chunk)
+        )
+    if len(groups) != manifest["groups"]:
+        raise CheckpointError(
+            f"the file holds {len(groups)} groups where its manifest says {manifest['groups']}"
+        )
+    checkpoint = BufferCheckpoint(FORMAT_VERSION, config, manifest["policy"], (), tuple(partitions),
+                                  manifest["clocks"], tuple(manifest["evicted_in_flight"]))  # fmt: skip
+    return checkpoint, tuple(groups)
 
 
-def _group_from_row(row: list[Any], frames: Iterator[memoryview], decode: Callable[[bytes], Any]) -> Group:
-    uid, partition, step, status, tags, finish_step, seconds, rows = row
+def _row(where: str, value: object, size: int) -> list[Any]:
+    """``value``, a JSON list of ``size`` fields.
+
+    Raises:
+        CheckpointError: it is something else.
+    """
+    if type(value) is not list or len(value) != size:
+        raise CheckpointError(f"the checkpoint's {where} must be a JSON list of {size} fields")
+    return value
+
+
+def _group_from_row(
+    where: str, row: object, frames: Iterator[memoryview], decode: Callable[[bytes], Any]
+) -> Group:
+    """The group of one JSON row, its payloads decoded from the next frames.
+
+    Raises:
+        CheckpointError: the row is not shaped as the writer writes it, or ``decode`` failed.
+    """
+    uid, partition, step, status, tags, finish_step, seconds, rows = _row(where, row, 8)
+    if type(rows) is not list:
+        raise CheckpointError(f"the checkpoint's {where}.trajectories must be a JSON list")
     trajectories = []
-    for key, session_id, index, trajectory_tags in rows:
+    for position, trajectory in enumerate(rows):
+        key, session_id, index, trajectory_tags = _row(f"{where}.trajectories[{position}]", trajectory, 4)
         try:
-            payload = decode(bytes(next(frames)))
-        except StopIteration:
+            payload = decode(bytes(_next(frames)))
+        except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(
                 f"decode failed for trajectory {describe(key)}: {describe_error(exc)}"
             ) from exc
         trajectories.append(new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload))
-    if not math.isfinite(seconds):
-        seconds = 0.0
-    return new_group(
-        uid, partition, step, Status(status), _frozen(tags), tuple(trajectories), finish_step, seconds
-    )
+    with contextlib.suppress(ValueError):  # not a status: left for the checks to name
+        status = Status(status)
+    if type(seconds) is float and not math.isfinite(seconds):
+        seconds = 0.0  # JSON may hold NaN or Infinity; no clock measures either
+    return new_group(uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
 
 
-def _frozen(tags: Mapping[str, Any]) -> Mapping[str, Any]:
-    return check_tags(tags)
+def _frozen(tags: object) -> Any:
+    """A JSON object's read-only copy; another value as it is, for the checks to name."""
+    return check_tags(tags) if type(tags) is dict else tags

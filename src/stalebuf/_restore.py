@@ -16,6 +16,7 @@ from time import monotonic
 from typing import Any
 
 from ._admission import Admission
+from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
 from ._eviction import Eviction
 from ._store import GroupStore
@@ -29,7 +30,6 @@ from .checkpoint import (
     InFlightMode,
     PartitionCheckpoint,
     check_in_flight,
-    checked_checkpoint,
 )
 from .errors import CheckpointError
 from .records import EvictionEvent, Group, Status
@@ -137,14 +137,15 @@ def read_restore_arguments(
     ``in_flight`` mode and the options to build the buffer with.
 
     Raises:
-        The errors of ``ReplayBuffer.restore`` that come before a buffer is built.
+        The errors of ``ReplayBuffer.restore`` that come before a buffer is built; among them
+        CheckpointError for a checkpoint (a value or a file) that no live buffer could have taken.
     """
     mode = check_in_flight(in_flight)
     codec = check_payload_codec(payload_codec)
     if isinstance(source, BufferCheckpoint):
-        checkpoint = source
+        checkpoint = checked(source)  # a value built by hand is checked as a file is
     elif isinstance(source, (str, os.PathLike)):
-        checkpoint = read_checkpoint(source, codec)
+        checkpoint = read_checkpoint(source, codec)  # checked as it is read
     else:
         raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
     # Passed only when given: a custom sampler's constructor need not take it.
@@ -153,4 +154,4 @@ def read_restore_arguments(
         options["status_log_interval"] = status_log_interval
     if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
         options["on_evict"] = on_evict
-    return checked_checkpoint(checkpoint), mode, options
+    return checkpoint, mode, options

@@ -28,7 +28,6 @@ __all__ = [
     "PartitionCheckpoint",
     "RestoreResult",
     "check_in_flight",
-    "checked_checkpoint",
     "policy_from_name",
 ]
 
@@ -183,14 +182,3 @@ def policy_from_name(name: str, config: SamplerConfig) -> Any:
 
 #: ``restore``'s default ``status_log_interval``: the built class's own default.
 NOT_GIVEN: Any = object()
-
-
-def checked_checkpoint(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
-    """Return ``checkpoint`` if this release can restore it.
-
-    Raises:
-        CheckpointError: it is of a newer format.
-    """
-    if checkpoint.format_version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint format {checkpoint.format_version} is newer than {FORMAT_VERSION}")
-    return checkpoint
