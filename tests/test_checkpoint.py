@@ -9,6 +9,7 @@ own module (``test_checkpoint_file.py``), the acceptance test too (``test_checkp
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -355,6 +356,161 @@ def test_a_policy_given_to_the_constructor_is_rebuilt_by_name() -> None:
     assert type(restored.policy) is Cautious
     assert restored.policy.limit == 0
     assert sample_now(restored, 1, 1)[0].uids == ["g1"]  # g0 is stale under the custom rule
+
+
+# A policy given as ``policy=`` is saved by name and rebuilt as ``Cls(config, **sampler_kwargs)``
+# (issue 21, item 3): checkpoint() refuses one that would not come back with the same rules.
+
+
+def policy_buffer(policy: StalenessPolicy) -> ReplayBuffer:
+    buf = ReplayBuffer(policy.config, policy=policy, status_log_interval=None)
+    buf.put_group_nowait("g0", [1], global_steps=0)
+    return buf
+
+
+def test_a_policy_whose_constructor_state_the_rebuild_would_lose_is_refused_by_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Defect (issue 21, item 3): a ``policy=`` instance was saved by class name only, and rebuilt
+    as ``Cls(config, **sampler_kwargs)``: ``Cautious(config, limit=0)`` came back with limit 1,
+    so the restored buffer silently followed other rules. checkpoint() now refuses it, saying
+    how to build it so that it can be saved; nothing changes."""
+    buf = policy_buffer(Cautious(SamplerConfig(), limit=0))
+    with pytest.raises(
+        CheckpointError, match=r"Cautious\(config, \*\*config.sampler_kwargs\), whose attribute 'limit'"
+    ):
+        buf.checkpoint()
+    with pytest.raises(CheckpointError, match="sampler_kwargs"):
+        anyio.run(buf.save, tmp_path / "buffer.ckpt")
+    assert buf.stats().total.groups == 1
+    assert list(tmp_path.iterdir()) == []
+    config = SamplerConfig(sampler_kwargs={"limit": 0})  # the way that saves: rebuilt the same
+    assert (
+        ReplayBuffer.restore(policy_buffer(Cautious(config, limit=0)).checkpoint()).buffer.policy.limit == 0
+    )
+
+
+def test_a_policy_class_defined_inside_a_function_is_refused_by_checkpoint() -> None:
+    """Defect (issue 21, item 3): a policy whose class is defined inside a function was saved by a
+    name no import can resolve: checkpoint() succeeded, and the checkpoint could never be
+    restored. checkpoint() now refuses it and says to define the class at module level."""
+
+    class Local(StalenessPolicy):
+        pass
+
+    with pytest.raises(CheckpointError, match="inside a function: define Local at module level"):
+        policy_buffer(Local(SamplerConfig())).checkpoint()
+
+
+def test_a_policy_whose_name_now_imports_another_class_is_refused_by_checkpoint() -> None:
+    """The name of a class defined again since (a notebook cell run twice) imports the newer class:
+    restore would build that one, so checkpoint() refuses the older one's instance."""
+    older = Cautious(SamplerConfig())
+    globals()["Cautious"] = type("Cautious", (StalenessPolicy,), {"__module__": __name__})
+    try:
+        with pytest.raises(CheckpointError, match="names another class"):
+            policy_buffer(older).checkpoint()
+    finally:
+        globals()["Cautious"] = type(older)
+
+
+class Counting(StalenessPolicy):
+    """A policy with state of its own that changes as the buffer runs."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        super().__init__(config)
+        self.selections = 0
+
+    def select(self, candidates: Any, batch_size: int, global_steps: int, partition: str) -> Any:
+        self.selections += 1
+        return super().select(candidates, batch_size, global_steps, partition)
+
+
+def test_a_policy_whose_state_changed_while_it_ran_is_refused_by_checkpoint() -> None:
+    """Defect (issue 21, item 3): the rebuild loses what a policy changed in itself while the
+    buffer ran. A checkpoint is taken while its state is still what the rebuild makes, and
+    refused once it differs (it would silently restore other state)."""
+    buf = policy_buffer(Counting(SamplerConfig()))
+    assert ReplayBuffer.restore(buf.checkpoint()).buffer.policy.selections == 0
+    sample_now(buf, 0, 1)
+    with pytest.raises(CheckpointError, match="attribute 'selections'"):
+        buf.checkpoint()
+
+
+class Slotted(StalenessPolicy):
+    """A policy that keeps its setting in a slot (not in its ``__dict__``)."""
+
+    __slots__ = ("__limit",)
+
+    def __init__(self, config: SamplerConfig, limit: int = 1) -> None:
+        super().__init__(config)
+        self.__limit = limit
+
+
+def test_a_policy_whose_state_is_in_slots_is_compared_too() -> None:
+    """The comparison reads the slots a policy's classes declare, name-mangled ones included."""
+    with pytest.raises(CheckpointError, match="attribute '_Slotted__limit'"):
+        policy_buffer(Slotted(SamplerConfig(), limit=2)).checkpoint()
+    assert policy_buffer(Slotted(SamplerConfig())).checkpoint().policy == f"{__name__}:Slotted"
+
+
+def test_a_plain_staleness_policy_changed_after_it_was_built_is_refused_by_checkpoint() -> None:
+    """Defect (issue 21, item 3): a StalenessPolicy is saved as nothing (restore builds
+    ``StalenessPolicy(config)``), so one whose threshold was changed after it was built came
+    back with the config's threshold."""
+    policy = StalenessPolicy(SamplerConfig(max_off_policy_threshold=4))
+    policy.threshold = 1
+    with pytest.raises(CheckpointError, match=r"StalenessPolicy\(config\), whose attribute 'threshold'"):
+        policy_buffer(policy).checkpoint()
+
+
+class Needy(StalenessPolicy):
+    """A policy whose constructor needs an argument."""
+
+    def __init__(self, config: SamplerConfig, *, window: int) -> None:
+        super().__init__(config)
+        self.window = window
+
+
+def test_a_policy_the_rebuild_cannot_build_is_refused_by_checkpoint() -> None:
+    """Restore builds ``Needy(config, **sampler_kwargs)``, which raises without ``window`` in
+    them: checkpoint() refuses, naming what restore would call and what to pass."""
+    with pytest.raises(CheckpointError, match=r"window.*sampler_kwargs"):
+        policy_buffer(Needy(SamplerConfig(), window=3)).checkpoint()
+    config = SamplerConfig(sampler_kwargs={"window": 3})
+    assert ReplayBuffer.restore(policy_buffer(Needy(config, window=3)).checkpoint()).buffer.policy.window == 3
+
+
+@attrs.define(eq=True, init=False)
+class Guarded(StalenessPolicy):
+    """A policy holding a lock (a new one in every instance): it says itself, by its ``__eq__``,
+    that a rebuilt one is the same."""
+
+    limit: int
+    lock: Any = attrs.field(eq=False)
+
+    def __init__(self, config: SamplerConfig, limit: int = 1) -> None:
+        super().__init__(config)
+        self.limit, self.lock = limit, threading.Lock()
+
+
+class Locked(StalenessPolicy):
+    """The same policy without ``__eq__``: its lock can never be shown the same."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        super().__init__(config)
+        self.lock = threading.Lock()
+
+
+def test_a_policy_that_defines_eq_says_whether_a_rebuilt_one_is_the_same() -> None:
+    """A policy holding what compares by identity (a lock) is refused by the attribute comparison;
+    one that defines ``__eq__`` decides for itself, and is refused only when it says they differ."""
+    with pytest.raises(CheckpointError, match=r"attribute 'lock'.*define Locked\.__eq__"):
+        policy_buffer(Locked(SamplerConfig())).checkpoint()
+    config = SamplerConfig(sampler_kwargs={"limit": 2})
+    assert ReplayBuffer.restore(policy_buffer(Guarded(config, limit=2)).checkpoint()).buffer.policy.limit == 2
+    with pytest.raises(CheckpointError, match=r"value \(by its __eq__\)"):
+        policy_buffer(Guarded(SamplerConfig(), limit=2)).checkpoint()
 
 
 def test_a_checkpoint_whose_policy_is_not_a_policy_class_is_refused_without_calling_it() -> None:

@@ -9,8 +9,8 @@ import pytest
 
 import samplers
 from _helpers import add_group, resident_uids, sample_now, snapshot
-from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig
-from stalebuf.errors import ConfigError, StalebufError
+from stalebuf import EvictionEvent, ReplayBuffer, SamplerConfig, StalenessPolicy
+from stalebuf.errors import CheckpointError, ConfigError, StalebufError
 
 
 def test_from_config_without_custom_sampler_builds_the_class_itself() -> None:
@@ -178,3 +178,41 @@ def test_restore_builds_a_custom_sampler_whose_init_does_not_take_status_log_int
     assert isinstance(restored, samplers.VerlStyle)
     assert restored.label == "y"
     assert "a" in restored
+
+
+class Named(StalenessPolicy):
+    """A policy a config names as its custom sampler."""
+
+    def __init__(self, config: SamplerConfig, *, limit: int = 1) -> None:
+        super().__init__(config)
+        self.limit = limit
+
+
+class Other(StalenessPolicy):
+    """Another policy."""
+
+
+def test_a_policy_the_config_names_checkpoints_as_before() -> None:
+    """A policy named by ``custom_sampler`` is rebuilt from the config, as it always was (by name,
+    with ``sampler_kwargs``): ``from_config`` built it exactly so."""
+    config = SamplerConfig(custom_sampler=f"{__name__}:Named", sampler_kwargs={"limit": 3})
+    buf = ReplayBuffer.from_config(config, status_log_interval=None)
+    buf.put_group_nowait("a", [1], global_steps=0)
+    checkpoint = buf.checkpoint()
+    assert checkpoint.policy is None
+    restored = ReplayBuffer.restore(checkpoint).buffer
+    assert type(restored.policy) is Named
+    assert restored.policy.limit == 3
+
+
+def test_a_policy_of_another_class_than_the_config_names_is_refused_by_checkpoint() -> None:
+    """Defect (issue 21, item 3): a buffer built as ``ReplayBuffer(config, policy=Other(config))``
+    from a config naming the policy class ``Named`` saved no policy at all, and restore built
+    ``Named`` from the config: the restored buffer silently followed other rules. checkpoint()
+    now refuses it."""
+    config = SamplerConfig(custom_sampler=f"{__name__}:Named")
+    buf = ReplayBuffer(config, policy=Other(config), status_log_interval=None)
+    with pytest.raises(
+        CheckpointError, match=r"a Other, cannot be checkpointed: its config names custom_sampler '.*:Named'"
+    ):
+        buf.checkpoint()

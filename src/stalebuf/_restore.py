@@ -18,10 +18,11 @@ from typing import Any
 from ._admission import Admission
 from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
+from ._custom_sampler import load_custom_sampler
 from ._eviction import Eviction
 from ._store import GroupStore
 from ._stored import count_trajectories
-from ._validation import check_payload_codec, describe
+from ._validation import check_payload_codec, describe, describe_error
 from .checkpoint import (
     COUNTERS,
     FORMAT_VERSION,
@@ -30,8 +31,11 @@ from .checkpoint import (
     InFlightMode,
     PartitionCheckpoint,
     check_in_flight,
+    policy_from_name,
 )
-from .errors import CheckpointError
+from .config import SamplerConfig
+from .errors import CheckpointError, ConfigError
+from .policy import StalenessPolicy
 from .records import EvictionEvent, Group, Status
 
 __all__ = ["capture", "read_restore_arguments", "rebuild"]
@@ -43,7 +47,8 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
     """Return the state of a buffer's parts; copies references, never payloads.
 
     Raises:
-        CheckpointError: the policy was built from another config than the buffer's.
+        CheckpointError: the policy was built from another config than the buffer's, or restore
+            would not rebuild it with the same rules (see :func:`_policy_name`).
     """
     rules = store.rules
     config = rules.config
@@ -66,13 +71,116 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
         PartitionCheckpoint(name, admission.last_sampled(name), {key: getattr(part, key) for key in COUNTERS})
         for name, part in store.partitions.items()
     )
-    policy = rules.base
-    policy_name = None
-    if type(policy).__module__ != "stalebuf.policy" and config.custom_sampler is None:
-        policy_name = f"{type(policy).__module__}:{type(policy).__qualname__}"
     return BufferCheckpoint(
-        FORMAT_VERSION, config, policy_name, groups, partitions, dict(clocks), tuple(store.evicted_in_flight)
+        FORMAT_VERSION,
+        config,
+        _policy_name(rules.base, config),
+        groups,
+        partitions,
+        dict(clocks),
+        tuple(store.evicted_in_flight),
     )
+
+
+def _policy_name(policy: StalenessPolicy, config: SamplerConfig) -> str | None:
+    """Return how a checkpoint names ``policy``: None when ``restore`` builds it from ``config``
+    alone (``StalenessPolicy(config)``, or the custom sampler ``config`` names), else
+    ``"module:QualName"``, which ``restore`` builds as ``Cls(config, **config.sampler_kwargs)``.
+
+    A checkpoint holds no policy object (a codec file cannot hold one, and a live policy in a
+    frozen value would change under it): so the policy restore would build is built here and
+    compared with ``policy``, and a policy it would not rebuild with the same rules is refused.
+
+    Raises:
+        CheckpointError: restore would build another policy, or none (the message says what to do).
+    """
+    kind = type(policy)
+    if config.custom_sampler is not None:  # built by from_config, rebuilt the same way
+        _check_named_policy(kind, config.custom_sampler)
+        return None
+    name = None if kind is StalenessPolicy else f"{kind.__module__}:{kind.__qualname__}"
+    built = (
+        "StalenessPolicy(config)" if name is None else f"{kind.__qualname__}(config, **config.sampler_kwargs)"
+    )
+    refusal = f"this buffer's policy cannot be checkpointed: restore rebuilds it as {built}"
+    if "<locals>" in kind.__qualname__:  # no import can find it by that name
+        raise CheckpointError(
+            f"{refusal}, but its class is defined inside a function: define {kind.__name__} at module level"
+        )
+    try:
+        fresh = StalenessPolicy(config) if name is None else policy_from_name(name, config)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{refusal}, which fails ({exc}); pass its constructor's arguments in "
+            "SamplerConfig.sampler_kwargs"
+        ) from exc
+    if type(fresh) is not kind:
+        raise CheckpointError(
+            f"{refusal}, but {name!r} now names another class: define it once, at module level"
+        )
+    difference = _difference(policy, fresh)
+    if difference is not None:
+        raise CheckpointError(
+            f"{refusal}, whose {difference} differs from this policy's, so the restored buffer would "
+            f"follow other rules; build the policy as {built} (its constructor's arguments in "
+            "SamplerConfig.sampler_kwargs), keep state that changes while it runs out of it, or define "
+            f"{kind.__qualname__}.__eq__ to say when a rebuilt one is the same"
+        )
+    return name
+
+
+def _check_named_policy(kind: type, spec: str) -> None:
+    """Refuse a policy of another class than the one the config's ``custom_sampler`` names (restore
+    would build that one instead).
+
+    Raises:
+        CheckpointError: it names a StalenessPolicy subclass other than ``kind``.
+    """
+    try:
+        target = load_custom_sampler(spec)
+    except ConfigError:
+        return  # restore reports it, as it always did
+    if isinstance(target, type) and issubclass(target, StalenessPolicy) and target is not kind:
+        raise CheckpointError(
+            f"this buffer's policy, a {kind.__qualname__}, cannot be checkpointed: its config names "
+            f"custom_sampler {describe(spec)}, which restore builds instead; build the buffer with "
+            "ReplayBuffer.from_config(config), or from a config that names no custom sampler"
+        )
+
+
+_ABSENT = object()
+
+
+def _difference(policy: StalenessPolicy, fresh: StalenessPolicy) -> str | None:
+    """Say where ``fresh`` (the policy restore would build) differs from ``policy``: what the
+    class's own ``__eq__`` says if it defines one, else the first attribute (in its ``__dict__``
+    or its slots) that is neither the same object nor ``==``; None if nowhere."""
+    try:
+        if type(policy).__eq__ is not object.__eq__:
+            return None if bool(policy == fresh) else "value (by its __eq__)"
+        mine, theirs = _attributes(policy), _attributes(fresh)
+        for name in (*mine, *(name for name in theirs if name not in mine)):
+            value, other = mine.get(name, _ABSENT), theirs.get(name, _ABSENT)
+            if value is not other and (value is _ABSENT or other is _ABSENT or not bool(value == other)):
+                return f"attribute {describe(name)}"
+    except Exception as exc:  # an __eq__ or an attribute that raises: it cannot be shown the same
+        return f"state (comparing it raised {describe_error(exc)})"
+    return None
+
+
+def _attributes(policy: StalenessPolicy) -> dict[str, Any]:
+    """A policy's attributes: its ``__dict__`` and the slots its classes declare."""
+    found = dict(vars(policy)) if hasattr(policy, "__dict__") else {}
+    for cls in type(policy).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            private = slot.startswith("__") and not slot.endswith("__")
+            name = f"_{cls.__name__.lstrip('_')}{slot}" if private else slot
+            if name not in ("__dict__", "__weakref__"):
+                value = getattr(policy, name, _ABSENT)
+                if value is not _ABSENT:
+                    found[name] = value
+    return found
 
 
 def rebuild(

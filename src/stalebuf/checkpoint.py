@@ -96,7 +96,8 @@ class BufferCheckpoint:
         format_version: :data:`FORMAT_VERSION` when it was taken.
         config: the buffer's config (it names the custom sampler, if any).
         policy: ``"module:QualName"`` of a policy passed as ``policy=`` that the config does
-            not name, else None; ``restore`` builds it as ``Cls(config, **sampler_kwargs)``.
+            not name, else None; ``restore`` builds it as ``Cls(config, **sampler_kwargs)``
+            (``checkpoint()`` refuses a policy that this would not build with the same state).
         groups: every resident group, in admission order (which decides FIFO ties). In-flight
             groups are records with status PENDING or RUNNING, the trajectories put so far, and
             ``generation_seconds`` elapsed since their ``add_prompt``.
