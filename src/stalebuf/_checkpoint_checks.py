@@ -456,7 +456,10 @@ def _valid_uids(uids: list[Any]) -> bool:
 
 def _valid_steps(steps: list[Any]) -> bool:
     """Whether every step passes ``check_step``."""
-    return set(map(type, steps)) == {int} and min(steps) >= 0 and max(steps) <= MAX_INT
+    if set(map(type, steps)) != {int}:  # first: a set of the values would merge True into 1
+        return False
+    distinct: set[int] = set(steps)  # few: the bounds are then checked on them alone
+    return min(distinct) >= 0 and max(distinct) <= MAX_INT
 
 
 def _read_only(tags: list[Any]) -> bool:
