@@ -17,7 +17,7 @@ from itertools import chain, compress, repeat
 from math import isfinite
 from operator import add, attrgetter, is_, is_not, itemgetter, le
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 
@@ -298,7 +298,7 @@ def _checked_group(index: int, group: object) -> tuple[Group, int]:
     """
     where = f"groups[{index}]"
     kind = type(group)
-    record = group if isinstance(group, Group) and (kind is Group or kind is LazyGroup) else None
+    record = cast(Group, group) if kind is Group or kind is LazyGroup else None
     # The slots themselves: a lazily stored group holds its payloads where records hold trajectories.
     values: tuple[Any, ...] = () if record is None else tuple(tuple.__iter__(record))
     if record is None or len(values) != len(Group._fields):
@@ -362,10 +362,10 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
     Raises:
         CheckpointError: a field is invalid (named).
     """
-    record = trajectory if isinstance(trajectory, Trajectory) and type(trajectory) is Trajectory else None
+    record = trajectory if type(trajectory) is Trajectory else None
     values: tuple[Any, ...] = () if record is None else tuple(tuple.__iter__(record))
     if record is None or len(values) != len(Trajectory._fields):
-        got = f"one of {len(values)} fields" if values else type(trajectory).__name__
+        got = f"one of {len(values)} fields" if record is not None else type(trajectory).__name__
         raise _invalid(where, f"must be a Trajectory record, got {got}")
     key, session_id, index, tags, payload = values
     _field(f"{where}.session_id", lambda value: check_index(value, "session_id"), session_id)
@@ -398,17 +398,8 @@ def _checked_tags(where: str, tags: object) -> Mapping[str, Any]:
 
 _GROUP_KINDS = frozenset({Group, LazyGroup})
 # The field accessors of the records read their slots in C (a lazily stored group's getitem would
-# build its trajectory records).
-_FIELDS = (
-    "uid",
-    "partition",
-    "dispatch_step",
-    "status",
-    "tags",
-    "_stored",
-    "finish_step",
-    "generation_seconds",
-)
+# build its trajectory records; "_stored" reads the slot that holds them or its payloads).
+_FIELDS = tuple("_stored" if name == "trajectories" else name for name in Group._fields)
 _uid, _partition, _step, _status, _tags, _stored, _finish, _seconds = map(attrgetter, _FIELDS)
 
 
