@@ -1304,13 +1304,16 @@ def test_an_impossible_checkpoint_is_refused_naming_its_field(
     assert Counted.built == built
 
 
-def test_the_valid_checkpoint_and_its_crafted_file_restore() -> None:
-    """The crafting above changes nothing by itself: the valid checkpoint, forged field by field
-    and written as a crafted pickle, restores to the same state."""
+def test_the_valid_checkpoint_and_its_crafted_file_restore(tmp_path: Path) -> None:
+    """The crafting above changes nothing by itself: the valid checkpoint, its records copied as
+    they are, restores to the same content, and so does its crafted pickle file."""
     checkpoint = valid()
     same = forge(checkpoint, groups=tuple(raw(g) for g in checkpoint.groups))
-    restored = ReplayBuffer.restore(same, in_flight="keep").buffer
-    assert checkpoint_content(restored.checkpoint()) == checkpoint_content(checkpoint)
+    path = tmp_path / "crafted.ckpt"
+    write_crafted_pickle(path, checkpoint)
+    for source in (same, path):
+        restored = ReplayBuffer.restore(source, in_flight="keep").buffer
+        assert checkpoint_content(restored.checkpoint()) == checkpoint_content(checkpoint)
 
 
 def frames_of(path: Path) -> list[bytes]:
