@@ -19,10 +19,10 @@ from ._admission import Admission
 from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
 from ._custom_sampler import load_custom_sampler
-from ._eviction import Eviction
+from ._eviction import Eviction, check_on_evict
 from ._store import GroupStore
 from ._stored import count_trajectories
-from ._validation import check_payload_codec, describe, describe_error
+from ._validation import check_payload_codec, check_status_log_interval, describe, describe_error
 from .checkpoint import (
     COUNTERS,
     FORMAT_VERSION,
@@ -256,10 +256,13 @@ def read_restore_arguments(
         checkpoint = read_checkpoint(source, codec)  # checked as it is read
     else:
         raise TypeError(f"source must be a BufferCheckpoint or a path, got {type(source).__name__}")
+    # Checked here, before any buffer is built: a ConfigError from building it is then the
+    # checkpoint's config's fault (a CheckpointError), never these arguments'.
+    check_on_evict(on_evict)
     # Passed only when given: a custom sampler's constructor need not take it.
     options: dict[str, Any] = {}
     if status_log_interval is not NOT_GIVEN:
-        options["status_log_interval"] = status_log_interval
+        options["status_log_interval"] = check_status_log_interval(status_log_interval)
     if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
         options["on_evict"] = on_evict
     return checkpoint, mode, options

@@ -68,6 +68,8 @@ from .errors import (
     BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
+    CheckpointError,
+    ConfigError,
     DuplicateGroupError,
     FutureTagError,
     TagClosedError,
@@ -184,7 +186,9 @@ class ReplayBuffer:
 
         Raises:
             CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must
-                not have) a payload codec; or the checkpoint cannot be rebuilt. Nothing is built.
+                not have) a payload codec; a field of the checkpoint is one the live API would
+                refuse, or its counters do not conserve its groups (the message names the field);
+                or the checkpoint cannot be rebuilt. Nothing is built.
             ConfigError: ``in_flight``, ``on_evict`` or ``status_log_interval`` is invalid.
             OSError: the file cannot be read.
             Exception: whatever ``on_evict`` raised (under "evict").
@@ -200,7 +204,13 @@ class ReplayBuffer:
             # (from_config would pass them, and fail, when the config carries some).
             buffer = cls(config, **options)
         else:
-            buffer = build_from_config(cls, ReplayBuffer, config, options)
+            try:
+                buffer = build_from_config(cls, ReplayBuffer, config, options)
+            except ConfigError as exc:  # a config the live API would refuse: the file is at fault
+                raise CheckpointError(
+                    f"the checkpoint's config.custom_sampler {describe(config.custom_sampler)} cannot be "
+                    f"built: {exc}"
+                ) from exc
         reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
         return RestoreResult(buffer, reissue)
 
@@ -210,8 +220,10 @@ class ReplayBuffer:
 
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
-            CheckpointError: the buffer's policy was built from another config than the buffer's
-                (``restore`` rebuilds it from the buffer's, so its rules would change).
+            CheckpointError: ``restore`` would not rebuild the buffer's policy with the same
+                rules: it was built from another config than the buffer's, its state differs from
+                ``Cls(config, **config.sampler_kwargs)`` (compared by its ``__eq__``, else attribute
+                by attribute), building that raises, or its class is defined inside a function.
         """
         self.__store.binding.check_thread()
         return capture(self.__store, self.__admission)
@@ -227,7 +239,7 @@ class ReplayBuffer:
         Raises:
             CheckpointError: a value the format cannot hold (the message names it): a payload
                 or config value pickle cannot hold, or with a codec a value JSON cannot hold;
-                or ``encode`` failed.
+                or ``encode`` failed; or :meth:`checkpoint` refused the policy.
             ConfigError: ``payload_codec`` is not None or a pair ``(encode, decode)`` of
                 callables (as for :meth:`restore`); nothing is written.
             OSError: the file could not be written (PermissionError: ``path`` is read-only).
