@@ -109,9 +109,11 @@ def _read_text(path: str) -> str:
         ConfigError: if it cannot be opened or read, is not a regular file, is larger than
             ``MAX_FILE_BYTES`` or is not UTF-8.
     """
+    if "\0" in path:  # os.stat's own ValueError words it differently on each Python version
+        raise ConfigError(f"empirical latency: cannot read {path!r}: embedded null byte")
     try:
         info = os.stat(path)
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+    except OSError as exc:
         raise _cannot_read(path, exc) from None
     # Checked before it is opened: opening a FIFO waits for a writer, opening a device may act.
     _check_file(path, info)
