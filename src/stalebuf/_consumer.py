@@ -121,8 +121,15 @@ class Consumer:
         """A group of ``part`` (which has deadlines) was admitted: a head sample parked without
         a cut timer (nothing was in flight then) sets one for it."""
         waiters = self.waiting.get(part.name)
-        if waiters and waiters[0].cut_at == math.inf and not self.store.closed:
-            head = waiters[0]
+        if not waiters or waiters[0].cut_at != math.inf or self.store.closed:
+            return
+        head = waiters[0]
+        try:
+            timer = self.deadlines.next_cut(part) is not None  # no deadline yet: no wake-up
+        except Exception:  # woken, it asks again and raises it from its own sample
+            logger.exception("a deadline hook raised while checking a waiting sample")
+            timer = True
+        if timer:
             head.reschedule = True
             head.wake()
 
