@@ -419,7 +419,9 @@ def _fill_value(fill: object, dtype: np.dtype[Any]) -> Any:
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"fill of type {type(fill).__name__} cannot be stored as {dtype}") from exc
     if dtype.kind in "biu" and not bool(value == fill):
-        raise ValueError(f"fill {fill!r} is not exactly representable as {dtype}")
+        # Builtin numbers only are shown: a user object's repr may raise or be huge.
+        shown = repr(fill) if type(fill) in (int, float, bool) else f"of type {type(fill).__name__}"
+        raise ValueError(f"fill {shown} is not exactly representable as {dtype}")
     return value
 
 
