@@ -1,15 +1,16 @@
-"""The checkpoint file: atomic, checksummed, pickle by default or plain data with a codec.
+"""The checkpoint file: its header, checksum, frames, atomic write and the pickle form of its body.
 
 Layout: a magic line, then ``version (u32), flags (u32), body length (u64), sha256 (32 bytes)``,
 then the body, a sequence of length-prefixed frames. Pickle files (flags 0): a manifest, then
-chunks of groups, each pickled on its own (protocol 5, buffers such as numpy arrays out of
-band, in their own frames), so the writer never holds the GIL for long. Codec files (flags 1):
-JSON for everything, and one frame per payload made by the user's ``encode``; nothing in them
-is ever unpickled. A write goes to a temporary file in the same directory, is flushed and
-fsynced, then renamed over the target and the directory fsynced: a crash at any moment leaves
-the previous file or the new one, never a torn one. A path that is a symlink is resolved first:
-the write replaces the link's target, not the link. Temporary files a killed writer left behind
-are removed by the next write or read of the same path (see ``_checkpoint_path``).
+chunks of groups, each pickled on its own (protocol 5, buffers such as numpy arrays out of band,
+in their own frames), so the writer never holds the GIL for long. Codec files (flags 1): JSON for
+everything, and one frame per payload made by the user's ``encode``; nothing in them is ever
+unpickled (that form is ``_checkpoint_codec``'s). A write goes to a temporary file in the same
+directory, is flushed and fsynced, then renamed over the target and the directory fsynced: a crash
+at any moment leaves the previous file or the new one, never a torn one. A path that is a symlink
+is resolved first: the write replaces the link's target, not the link. Temporary files a killed
+writer left behind are removed by the next write or read of the same path (see
+``_checkpoint_path``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import contextlib
 import functools
 import hashlib
 import io
-import json
-import math
 import os
 import pickle
 import struct
@@ -29,6 +28,7 @@ from typing import IO, Any, Protocol
 import attrs
 
 from ._checkpoint_checks import checked
+from ._checkpoint_codec import read_plain, write_plain
 from ._checkpoint_path import (
     create_temporary,
     forget_temporary,
@@ -39,11 +39,10 @@ from ._checkpoint_path import (
     resolve_target,
 )
 from ._stored import peek_trajectories
-from ._validation import check_payload_codec, check_tags, describe, describe_error
-from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
-from .config import SamplerConfig
+from ._validation import check_payload_codec, describe, describe_error
+from .checkpoint import FORMAT_VERSION, BufferCheckpoint
 from .errors import CheckpointError
-from .records import Group, Status, new_group, new_trajectory
+from .records import Group
 
 __all__ = ["PayloadCodec", "WriteTicket", "read_checkpoint", "write_checkpoint"]
 
@@ -183,7 +182,7 @@ def _write_file(
         if codec is None:
             _write_pickled(body, checkpoint)
         else:
-            _write_plain(body, checkpoint, codec[0])
+            write_plain(checkpoint, codec[0], body.frame, body.chunks)
         file.seek(len(MAGIC))
         flags = _PICKLE if codec is None else _CODEC
         digest = _digest(FORMAT_VERSION, flags, body.length, body.digest)
@@ -236,84 +235,6 @@ def _unpicklable(chunk: tuple[Group, ...], error: Exception) -> CheckpointError:
     return CheckpointError(f"the groups cannot be pickled: {describe_error(error)}")
 
 
-def _write_plain(body: _Body, checkpoint: BufferCheckpoint, encode: Callable[[Any], bytes]) -> None:
-    config = attrs.asdict(checkpoint.config)
-    config["exempt_partitions"] = sorted(config["exempt_partitions"])
-    config["sampler_kwargs"] = dict(config["sampler_kwargs"])
-    manifest = {
-        "config": config,
-        "policy": checkpoint.policy,
-        "partitions": [[p.name, p.last_sampled, dict(p.counters)] for p in checkpoint.partitions],
-        "clocks": dict(checkpoint.clocks),
-        "evicted_in_flight": list(checkpoint.evicted_in_flight),
-        "groups": len(checkpoint.groups),
-    }
-    body.frame(_to_json(manifest, "the config"))
-    for chunk in body.chunks(checkpoint.groups):
-        rows = [_group_row(group) for group in chunk]
-        for group, row in zip(chunk, rows, strict=True):  # one by one, to name the group at fault
-            _check_plain(row, f"group {describe(group.uid)}")
-        body.frame(json.dumps(rows, allow_nan=True, separators=(",", ":")).encode())
-        for group in chunk:
-            for trajectory in peek_trajectories(group):
-                try:
-                    data = encode(trajectory.payload)
-                except Exception as exc:
-                    raise CheckpointError(
-                        f"encode failed for trajectory {describe(trajectory.key)}: {describe_error(exc)}"
-                    ) from exc
-                if not isinstance(data, (bytes, bytearray, memoryview)):
-                    raise CheckpointError(
-                        f"encode must return bytes, got {type(data).__name__} "
-                        f"for trajectory {describe(trajectory.key)}"
-                    )
-                body.frame(data)
-
-
-def _group_row(group: Group) -> list[Any]:
-    trajectories = [[t.key, t.session_id, t.index, dict(t.tags)] for t in peek_trajectories(group)]
-    return [
-        group.uid,
-        group.partition,
-        group.dispatch_step,
-        group.status.value,
-        dict(group.tags),
-        group.finish_step,
-        group.generation_seconds,
-        trajectories,
-    ]
-
-
-def _to_json(value: Any, where: str) -> bytes:
-    _check_plain(value, where)
-    return json.dumps(value, allow_nan=True, separators=(",", ":")).encode()
-
-
-def _check_plain(value: Any, where: str) -> None:
-    """Raise CheckpointError naming the first value JSON cannot hold exactly."""
-    kind = type(value)
-    if value is None or kind in (str, int, bool):
-        return
-    if kind is float:
-        return
-    if kind is list:
-        for item in value:
-            _check_plain(item, where)
-        return
-    if kind is dict:
-        for key, item in value.items():
-            if type(key) is not str:
-                raise CheckpointError(
-                    f"{where}: a mapping key of type {type(key).__name__} cannot be saved as JSON"
-                )
-            _check_plain(item, f"{where}, key {describe(key)}")
-        return
-    raise CheckpointError(
-        f"{where}: a value of type {kind.__name__} ({describe(value)}) cannot be saved as JSON "
-        "(a plain format)"
-    )
-
-
 # -- reading ------------------------------------------------------------------------------------
 
 
@@ -341,7 +262,10 @@ def read_checkpoint(path: str | os.PathLike[str], codec: PayloadCodec | None) ->
         raise CheckpointError(f"{name!r} has unknown flags {flags}")
     frames = _frames(memoryview(body))
     try:
-        manifest, groups = _read_pickled(frames) if codec is None else _read_plain(frames, codec[1])
+        if codec is None:
+            manifest, groups = _read_pickled(frames)
+        else:
+            manifest, groups = read_plain(functools.partial(_next, frames), codec[1])
         if next(frames, None) is not None:
             raise CheckpointError("the file holds data past its last group")
         return checked(manifest, groups)
@@ -446,93 +370,3 @@ def _read_pickled(frames: Iterator[memoryview]) -> tuple[BufferCheckpoint, tuple
     if len(groups) != count:
         raise CheckpointError(f"the file holds {len(groups)} groups where its manifest says {count}")
     return manifest, tuple(groups)
-
-
-#: The keys of a codec file's manifest and the JSON type of each value (None: any).
-_MANIFEST = {"config": dict, "policy": None, "partitions": list, "clocks": dict, "evicted_in_flight": list,
-             "groups": int}  # fmt: skip
-
-
-def _read_plain(
-    frames: Iterator[memoryview], decode: Callable[[bytes], Any]
-) -> tuple[BufferCheckpoint, tuple[Group, ...]]:
-    # Shapes only: the values go to _checkpoint_checks as they are, so it names the field at fault.
-    manifest = json.loads(bytes(_next(frames)))
-    if type(manifest) is not dict or set(manifest) != set(_MANIFEST):
-        raise CheckpointError(
-            f"the file's manifest must be a JSON object with the keys {', '.join(_MANIFEST)}"
-        )
-    for key, kind in _MANIFEST.items():
-        if kind is not None and type(manifest[key]) is not kind:
-            raise CheckpointError(f"the checkpoint's {key} must be a JSON {kind.__name__}")
-    try:
-        config = SamplerConfig(**manifest["config"])
-    except Exception as exc:  # ConfigError naming the field, or TypeError for an unknown one
-        raise CheckpointError(f"the checkpoint's config is invalid: {describe_error(exc)}") from exc
-    partitions = []
-    for index, row in enumerate(manifest["partitions"]):
-        name, last_sampled, counters = _row(f"partitions[{index}]", row, 3)
-        if type(counters) is not dict:  # its converter would read a list of pairs as a mapping
-            raise CheckpointError(f"the checkpoint's partitions[{index}].counters must be a JSON object")
-        partitions.append(PartitionCheckpoint(name, last_sampled, counters))
-    groups: list[Group] = []
-    while len(groups) < manifest["groups"]:
-        chunk = json.loads(bytes(_next(frames)))
-        if type(chunk) is not list or not chunk:
-            raise CheckpointError(f"the file holds a {type(chunk).__name__} where a chunk of groups belongs")
-        groups.extend(
-            _group_from_row(f"groups[{len(groups) + i}]", row, frames, decode) for i, row in enumerate(chunk)
-        )
-    if len(groups) != manifest["groups"]:
-        raise CheckpointError(
-            f"the file holds {len(groups)} groups where its manifest says {manifest['groups']}"
-        )
-    checkpoint = BufferCheckpoint(FORMAT_VERSION, config, manifest["policy"], (), tuple(partitions),
-                                  manifest["clocks"], tuple(manifest["evicted_in_flight"]))  # fmt: skip
-    return checkpoint, tuple(groups)
-
-
-def _row(where: str, value: object, size: int) -> list[Any]:
-    """``value``, a JSON list of ``size`` fields.
-
-    Raises:
-        CheckpointError: it is something else.
-    """
-    if type(value) is not list or len(value) != size:
-        raise CheckpointError(f"the checkpoint's {where} must be a JSON list of {size} fields")
-    return value
-
-
-def _group_from_row(
-    where: str, row: object, frames: Iterator[memoryview], decode: Callable[[bytes], Any]
-) -> Group:
-    """The group of one JSON row, its payloads decoded from the next frames.
-
-    Raises:
-        CheckpointError: the row is not shaped as the writer writes it, or ``decode`` failed.
-    """
-    uid, partition, step, status, tags, finish_step, seconds, rows = _row(where, row, 8)
-    if type(rows) is not list:
-        raise CheckpointError(f"the checkpoint's {where}.trajectories must be a JSON list")
-    trajectories = []
-    for position, trajectory in enumerate(rows):
-        key, session_id, index, trajectory_tags = _row(f"{where}.trajectories[{position}]", trajectory, 4)
-        try:
-            payload = decode(bytes(_next(frames)))
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(
-                f"decode failed for trajectory {describe(key)}: {describe_error(exc)}"
-            ) from exc
-        trajectories.append(new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload))
-    with contextlib.suppress(ValueError):  # not a status: left for the checks to name
-        status = Status(status)
-    if type(seconds) is float and not math.isfinite(seconds):
-        seconds = 0.0  # JSON may hold NaN or Infinity; no clock measures either
-    return new_group(uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
-
-
-def _frozen(tags: object) -> Any:
-    """A JSON object's read-only copy; another value as it is, for the checks to name."""
-    return check_tags(tags) if type(tags) is dict else tags

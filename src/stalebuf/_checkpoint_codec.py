@@ -1,0 +1,215 @@
+"""The codec form of a checkpoint body: JSON rows and payloads through the user's codec."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from ._stored import peek_trajectories
+from ._validation import check_tags, describe, describe_error
+from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
+from .config import SamplerConfig
+from .errors import CheckpointError
+from .records import Group, Status, new_group, new_trajectory
+
+__all__ = ["read_plain", "write_plain"]
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def write_plain(
+    checkpoint: BufferCheckpoint,
+    encode: Callable[[Any], bytes],
+    write_frame: Callable[[bytes | bytearray | memoryview], None],
+    chunks: Callable[[tuple[Group, ...]], Iterator[tuple[Group, ...]]],
+) -> None:
+    """Write ``checkpoint`` as a codec body: its manifest, then each chunk of groups (as ``chunks``
+    hands them out) as one frame of JSON rows followed by one frame per payload, made by ``encode``.
+
+    Raises:
+        CheckpointError: a value JSON cannot hold (named), or ``encode`` failed or returned
+            something other than bytes.
+        Exception: whatever ``write_frame`` or ``chunks`` raise (the file's write stopping).
+    """
+    config = attrs.asdict(checkpoint.config)
+    config["exempt_partitions"] = sorted(config["exempt_partitions"])
+    config["sampler_kwargs"] = dict(config["sampler_kwargs"])
+    manifest = {
+        "config": config,
+        "policy": checkpoint.policy,
+        "partitions": [[p.name, p.last_sampled, dict(p.counters)] for p in checkpoint.partitions],
+        "clocks": dict(checkpoint.clocks),
+        "evicted_in_flight": list(checkpoint.evicted_in_flight),
+        "groups": len(checkpoint.groups),
+    }
+    write_frame(_to_json(manifest, "the config"))
+    for chunk in chunks(checkpoint.groups):
+        rows = [_group_row(group) for group in chunk]
+        for group, row in zip(chunk, rows, strict=True):  # one by one, to name the group at fault
+            _check_plain(row, f"group {describe(group.uid)}")
+        write_frame(json.dumps(rows, allow_nan=True, separators=(",", ":")).encode())
+        for group in chunk:
+            for trajectory in peek_trajectories(group):
+                try:
+                    data = encode(trajectory.payload)
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"encode failed for trajectory {describe(trajectory.key)}: {describe_error(exc)}"
+                    ) from exc
+                if not isinstance(data, (bytes, bytearray, memoryview)):
+                    raise CheckpointError(
+                        f"encode must return bytes, got {type(data).__name__} "
+                        f"for trajectory {describe(trajectory.key)}"
+                    )
+                write_frame(data)
+
+
+def _group_row(group: Group) -> list[Any]:
+    trajectories = [[t.key, t.session_id, t.index, dict(t.tags)] for t in peek_trajectories(group)]
+    return [
+        group.uid,
+        group.partition,
+        group.dispatch_step,
+        group.status.value,
+        dict(group.tags),
+        group.finish_step,
+        group.generation_seconds,
+        trajectories,
+    ]
+
+
+def _to_json(value: Any, where: str) -> bytes:
+    _check_plain(value, where)
+    return json.dumps(value, allow_nan=True, separators=(",", ":")).encode()
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Raise CheckpointError naming the first value JSON cannot hold exactly."""
+    kind = type(value)
+    if value is None or kind in (str, int, bool):
+        return
+    if kind is float:
+        return
+    if kind is list:
+        for item in value:
+            _check_plain(item, where)
+        return
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise CheckpointError(
+                    f"{where}: a mapping key of type {type(key).__name__} cannot be saved as JSON"
+                )
+            _check_plain(item, f"{where}, key {describe(key)}")
+        return
+    raise CheckpointError(
+        f"{where}: a value of type {kind.__name__} ({describe(value)}) cannot be saved as JSON "
+        "(a plain format)"
+    )
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+#: The keys of a codec file's manifest and the JSON type of each value (None: any).
+_MANIFEST = {"config": dict, "policy": None, "partitions": list, "clocks": dict, "evicted_in_flight": list,
+             "groups": int}  # fmt: skip
+
+
+def read_plain(
+    next_frame: Callable[[], memoryview], decode: Callable[[bytes], Any]
+) -> tuple[BufferCheckpoint, tuple[Group, ...]]:
+    """The manifest and groups of a codec body, read from the frames ``next_frame`` hands out,
+    payloads decoded by ``decode``.
+
+    Raises:
+        CheckpointError: the body is not shaped as ``write_plain`` writes it, ``decode`` failed,
+            or ``next_frame`` raised it (the file ends early).
+    """
+    # Shapes only: the values go to _checkpoint_checks as they are, so it names the field at fault.
+    manifest = json.loads(bytes(next_frame()))
+    if type(manifest) is not dict or set(manifest) != set(_MANIFEST):
+        raise CheckpointError(
+            f"the file's manifest must be a JSON object with the keys {', '.join(_MANIFEST)}"
+        )
+    for key, kind in _MANIFEST.items():
+        if kind is not None and type(manifest[key]) is not kind:
+            raise CheckpointError(f"the checkpoint's {key} must be a JSON {kind.__name__}")
+    try:
+        config = SamplerConfig(**manifest["config"])
+    except Exception as exc:  # ConfigError naming the field, or TypeError for an unknown one
+        raise CheckpointError(f"the checkpoint's config is invalid: {describe_error(exc)}") from exc
+    partitions = []
+    for index, row in enumerate(manifest["partitions"]):
+        name, last_sampled, counters = _row(f"partitions[{index}]", row, 3)
+        if type(counters) is not dict:  # its converter would read a list of pairs as a mapping
+            raise CheckpointError(f"the checkpoint's partitions[{index}].counters must be a JSON object")
+        partitions.append(PartitionCheckpoint(name, last_sampled, counters))
+    groups: list[Group] = []
+    while len(groups) < manifest["groups"]:
+        chunk = json.loads(bytes(next_frame()))
+        if type(chunk) is not list or not chunk:
+            raise CheckpointError(f"the file holds a {type(chunk).__name__} where a chunk of groups belongs")
+        groups.extend(
+            _group_from_row(f"groups[{len(groups) + i}]", row, next_frame, decode)
+            for i, row in enumerate(chunk)
+        )
+    if len(groups) != manifest["groups"]:
+        raise CheckpointError(
+            f"the file holds {len(groups)} groups where its manifest says {manifest['groups']}"
+        )
+    checkpoint = BufferCheckpoint(FORMAT_VERSION, config, manifest["policy"], (), tuple(partitions),
+                                  manifest["clocks"], tuple(manifest["evicted_in_flight"]))  # fmt: skip
+    return checkpoint, tuple(groups)
+
+
+def _row(where: str, value: object, size: int) -> list[Any]:
+    """``value``, a JSON list of ``size`` fields.
+
+    Raises:
+        CheckpointError: it is something else.
+    """
+    if type(value) is not list or len(value) != size:
+        raise CheckpointError(f"the checkpoint's {where} must be a JSON list of {size} fields")
+    return value
+
+
+def _group_from_row(
+    where: str, row: object, next_frame: Callable[[], memoryview], decode: Callable[[bytes], Any]
+) -> Group:
+    """The group of one JSON row, its payloads decoded from the next frames.
+
+    Raises:
+        CheckpointError: the row is not shaped as the writer writes it, or ``decode`` failed.
+    """
+    uid, partition, step, status, tags, finish_step, seconds, rows = _row(where, row, 8)
+    if type(rows) is not list:
+        raise CheckpointError(f"the checkpoint's {where}.trajectories must be a JSON list")
+    trajectories = []
+    for position, trajectory in enumerate(rows):
+        key, session_id, index, trajectory_tags = _row(f"{where}.trajectories[{position}]", trajectory, 4)
+        try:
+            payload = decode(bytes(next_frame()))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"decode failed for trajectory {describe(key)}: {describe_error(exc)}"
+            ) from exc
+        trajectories.append(new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload))
+    with contextlib.suppress(ValueError):  # not a status: left for the checks to name
+        status = Status(status)
+    if type(seconds) is float and not math.isfinite(seconds):
+        seconds = 0.0  # JSON may hold NaN or Infinity; no clock measures either
+    return new_group(uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
+
+
+def _frozen(tags: object) -> Any:
+    """A JSON object's read-only copy; another value as it is, for the checks to name."""
+    return check_tags(tags) if type(tags) is dict else tags
