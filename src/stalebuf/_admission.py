@@ -170,17 +170,20 @@ class Admission:
             )
         return tag
 
-    def free_slots(self, part: PartitionState) -> int | None:
-        """How many groups ``add_prompt`` would admit at the clock's step without waiting.
+    def free_slots(self, part: PartitionState | None, name: str) -> int | None:
+        """How many groups ``add_prompt`` would admit at the clock's step of partition ``name``
+        (``part``, None if unused: every slot at its clock's step) without waiting.
 
         Raises:
             Exception: whatever the policy's ``admits`` raised.
         """
+        if part is None:
+            return self.rules.admission_cap(name)
         cap = part.cap
         if cap is None:
             return None
         try:
-            tag = self.tag_for(part.name, part, None)
+            tag = self.tag_for(name, part, None)
         except BufferFullError:
             return 0
         return max(cap - part.resident_at_step(tag), 0)

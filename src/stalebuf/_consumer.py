@@ -172,6 +172,41 @@ class Consumer:
             total = total + item
         return BufferStats(closed=self.store.closed, partitions=MappingProxyType(partitions), total=total)
 
+    def subscribe(self, observer: SampleObserver) -> Callable[[], None]:
+        """Call ``observer(batch, metrics)`` with every batch returned; return what stops it."""
+        observers = self.observers
+        observers.append(observer)
+
+        def stop() -> None:
+            if observer in observers:
+                observers.remove(observer)
+
+        return stop
+
+    def sample_now(
+        self,
+        part: PartitionState | None,
+        name: str,
+        global_steps: int,
+        batch_size: int,
+        metrics: SampleMetrics,
+    ) -> tuple[Batch, dict[str, float]] | None:
+        """What ``sample`` does before it waits: evaluate (unless an earlier sample waits on
+        the partition, which goes first), move the clock once the call went through, and
+        return the batch and its metrics, or None.
+
+        Raises:
+            Exception: what :meth:`evaluate` raises (the clock not moved then).
+        """
+        if part is not None and not self.has_live_waiter(name):
+            groups = self.evaluate(part, global_steps, batch_size, metrics)
+            self.admission.advance(name, global_steps)  # a hook that raised changed nothing
+            if groups is not None:
+                return self.result(part, global_steps, groups, metrics, 0.0)
+            return None
+        self.admission.advance(name, global_steps)
+        return None
+
     # -- evaluation ---------------------------------------------------------------------
 
     def evaluate(
@@ -229,7 +264,7 @@ class Consumer:
             # The batch is already taken: a policy hook that raises here must not lose it, so
             # the error is logged and the metric reports NaN (unknown).
             try:
-                free: float = self.admission.free_slots(part) or 0
+                free: float = self.admission.free_slots(part, part.name) or 0
             except Exception:
                 logger.exception("a staleness policy hook raised while counting free admission slots")
                 free = math.nan

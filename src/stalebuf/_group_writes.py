@@ -46,6 +46,22 @@ class GroupWriter:
         self.admission = admission
         self.consumer = consumer
 
+    def add_prompt(self, uid: str, step: int, part: PartitionState, tags: Mapping[str, Any]) -> None:
+        """Admit a new PENDING group at ``step`` (checked arguments, slot granted); a parked
+        sample of a partition with deadlines sets its cut timer for it."""
+        self.store.admit(uid, step, part, tags)
+        if part.deadlines:
+            self.consumer.admitted(part)
+
+    def end_watched(self, group: OpenGroup, finished: bool) -> bool:
+        """Finish (or fail) ``group`` if that very group is still in flight; return whether it did."""
+        store = self.store
+        if store.closed or store.groups.get(group.uid) is not group:
+            return False
+        clock = self.admission.clocks.get(group.partition, 0)
+        self.consumer.notify(store.end(group, _FINISHED if finished else _FAILURE, clock))
+        return True
+
     def put_new_finished(
         self,
         part: PartitionState,

@@ -11,6 +11,7 @@ writers of their state.
 
 from __future__ import annotations
 
+import importlib
 import os
 from time import monotonic
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from ._admission import Admission
 from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
-from ._custom_sampler import load_custom_sampler
+from ._custom_sampler import build_from_config, load_custom_sampler
 from ._eviction import Eviction, check_on_evict
 from ._store import GroupStore
 from ._stored import count_trajectories
@@ -26,19 +27,25 @@ from ._validation import check_payload_codec, check_status_log_interval, describ
 from .checkpoint import (
     COUNTERS,
     FORMAT_VERSION,
+    IN_FLIGHT_MODES,
     NOT_GIVEN,
     BufferCheckpoint,
     InFlightMode,
     PartitionCheckpoint,
-    check_in_flight,
-    policy_from_name,
 )
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
 from .policy import StalenessPolicy
 from .records import EvictionEvent, Group, Status
 
-__all__ = ["capture", "read_restore_arguments", "rebuild"]
+__all__ = [
+    "build_restored",
+    "capture",
+    "check_in_flight",
+    "policy_from_name",
+    "read_restore_arguments",
+    "rebuild",
+]
 
 _PENDING, _RUNNING = Status.PENDING, Status.RUNNING
 
@@ -266,3 +273,60 @@ def read_restore_arguments(
     if on_evict is not None:  # "restart" evictions are reported to it, from inside restore
         options["on_evict"] = on_evict
     return checkpoint, mode, options
+
+
+def build_restored(
+    cls: type[Any], base: type[Any], checkpoint: BufferCheckpoint, options: dict[str, Any]
+) -> Any:
+    """Build the empty buffer ``ReplayBuffer.restore`` fills: ``cls`` with the checkpoint's
+    policy, or what ``from_config`` builds from its config (``base`` is ReplayBuffer).
+
+    Raises:
+        CheckpointError: the policy cannot be rebuilt, or the config's custom sampler cannot
+            be built (a config the live API would refuse: the checkpoint is at fault).
+    """
+    config = checkpoint.config
+    if checkpoint.policy is not None:
+        return cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
+    if cls is base and config.custom_sampler is None:
+        # Only ReplayBuffer(config) built such a buffer: its constructor takes no sampler_kwargs
+        # (from_config would pass them, and fail, when the config carries some).
+        return cls(config, **options)
+    try:
+        return build_from_config(cls, base, config, options)
+    except ConfigError as exc:
+        raise CheckpointError(
+            f"the checkpoint's config.custom_sampler {describe(config.custom_sampler)} cannot be built: {exc}"
+        ) from exc
+
+
+def check_in_flight(in_flight: object) -> InFlightMode:
+    """Return ``in_flight`` if it is one of the modes; raise ConfigError otherwise."""
+    if type(in_flight) is not str or in_flight not in IN_FLIGHT_MODES:
+        raise ConfigError(f"in_flight must be one of {', '.join(map(repr, IN_FLIGHT_MODES))}")
+    return in_flight  # type: ignore[return-value]
+
+
+def policy_from_name(name: str, config: SamplerConfig) -> Any:
+    """Build the policy a checkpoint names (``"module:QualName"``) as ``Cls(config, **kwargs)``.
+
+    Raises:
+        CheckpointError: it cannot be imported or built.
+    """
+    module_name, _, qualname = name.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot import the checkpoint's policy {describe(name)}: {describe_error(exc)}"
+        ) from exc
+    if not (isinstance(target, type) and issubclass(target, StalenessPolicy)):
+        raise CheckpointError(f"the checkpoint's policy {describe(name)} is not a StalenessPolicy subclass")
+    try:
+        return target(config, **config.sampler_kwargs)
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot rebuild the checkpoint's policy {describe(name)}: {describe_error(exc)}"
+        ) from exc

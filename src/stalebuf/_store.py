@@ -9,7 +9,7 @@ changes after, so a refused call leaves the store as it was.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from operator import attrgetter
 from time import monotonic
 from types import MappingProxyType
@@ -132,6 +132,18 @@ class GroupStore:
         raise InvalidTransitionError(
             f"cannot {action} group {describe(uid)}: it is already {group.status.value} (a late write)"
         )
+
+    def watch(self, uid: object, callback: Callable[[], object]) -> OpenGroup:
+        """Add ``callback`` to the watchers of the in-flight group ``uid``; return that group.
+
+        Raises:
+            The errors of :meth:`open_group`.
+        """
+        group = self.open_group(uid, "watch")
+        if group.watchers is None:
+            group.watchers = []
+        group.watchers.append(callback)
+        return group
 
     def in_flight(self) -> Iterator[OpenGroup]:
         """Every group still in flight, in admission order."""

@@ -15,8 +15,11 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+import anyio.lowlevel
+
 from ._group_writes import GroupStatus
-from .errors import BufferClosedError
+from ._waiting import LoopBinding
+from .errors import BufferClosedError, WrongThreadError
 
 __all__ = ["ThreadsafeProducer"]
 
@@ -80,6 +83,26 @@ class ThreadsafeProducer:
             self._submit: Callable[[Callable[[], object]], object] = native_token.call_soon_threadsafe
         else:  # trio's TrioToken
             self._submit = native_token.run_sync_soon  # type: ignore[attr-defined]
+
+    @classmethod
+    def bound_to(cls, buffer: NowaitProducer, binding: LoopBinding) -> ThreadsafeProducer:
+        """Bind ``buffer`` (its loop ``binding``) to the running loop and return its handle.
+
+        Raises:
+            WrongThreadError: no event loop runs in this thread, or the buffer is bound to
+                the loop of another thread.
+            BackendMismatchError: the buffer is bound to another async backend.
+        """
+        binding.check_thread()
+        binding.check_backend()
+        try:
+            token = anyio.lowlevel.current_token()
+        except RuntimeError as exc:  # no async backend runs here (sniffio could not tell)
+            raise WrongThreadError(
+                "threadsafe() must be called inside the buffer's running event loop"
+            ) from exc
+        binding.bind()
+        return cls(buffer, token.native_token, binding.loop_running)
 
     def add_prompt(
         self,

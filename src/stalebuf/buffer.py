@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import anyio.lowlevel
 
+from . import _validation as checks
 from ._admission import Admission
 from ._checkpoint_file import PayloadCodec
 from ._consumer import Consumer, EvictCallback, SampleObserver
@@ -36,44 +37,22 @@ from ._custom_sampler import build_from_config, refuse_custom_sampler
 from ._eviction import check_on_evict
 from ._group_writes import GroupStatus, GroupWriter
 from ._open_group import GroupWatch, OpenGroup
-from ._restore import capture, read_restore_arguments, rebuild
+from ._restore import build_restored, capture, read_restore_arguments, rebuild
 from ._rollout import RolloutGroup, rollout
 from ._rules import build_rules
 from ._save_order import SaveSequencer
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
-from ._validation import (
-    check_batch_size,
-    check_index,
-    check_partition,
-    check_payload_codec,
-    check_status_log_interval,
-    check_step,
-    check_tags,
-    check_timeout,
-    check_uid,
-    describe,
-    describe_typed,
-)
 from ._waiting import LoopBinding
-from .checkpoint import (
-    NOT_GIVEN,
-    BufferCheckpoint,
-    InFlightMode,
-    RestoreResult,
-    policy_from_name,
-)
+from .checkpoint import NOT_GIVEN, BufferCheckpoint, InFlightMode, RestoreResult
 from .config import SamplerConfig
 from .errors import (
     BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
-    CheckpointError,
-    ConfigError,
     DuplicateGroupError,
     FutureTagError,
     TagClosedError,
-    WrongThreadError,
 )
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
@@ -83,7 +62,7 @@ from .stats import BufferStats
 __all__ = ["GroupStatus", "ReplayBuffer"]
 
 _Self = TypeVar("_Self", bound="ReplayBuffer")
-_UNSET: Any = NOT_GIVEN  # an argument not given (restore_buffer knows it too)
+_UNSET: Any = NOT_GIVEN  # an argument not given (read_restore_arguments knows it too)
 _FINISHED, _FAILURE = Status.FINISHED, Status.FAILURE
 _HOOKS = ("_is_stale", "_must_wait_for", "_select")
 
@@ -128,7 +107,7 @@ class ReplayBuffer:
         overridden = any(getattr(type(self), hook) is not getattr(ReplayBuffer, hook) for hook in _HOOKS)
         rules = build_rules(config, policy, self if overridden else None)
         check_on_evict(on_evict)
-        interval = check_status_log_interval(status_log_interval)
+        interval = checks.check_status_log_interval(status_log_interval)
         binding = LoopBinding()
         self.__store = store = GroupStore(rules, binding)
         self.__admission = admission = Admission(store, rules, binding)
@@ -196,21 +175,7 @@ class ReplayBuffer:
         checkpoint, mode, options = read_restore_arguments(
             source, in_flight, on_evict, status_log_interval, payload_codec
         )
-        config = checkpoint.config
-        if checkpoint.policy is not None:
-            buffer: ReplayBuffer = cls(config, policy=policy_from_name(checkpoint.policy, config), **options)
-        elif cls is ReplayBuffer and config.custom_sampler is None:
-            # Only ReplayBuffer(config) built such a buffer: its constructor takes no sampler_kwargs
-            # (from_config would pass them, and fail, when the config carries some).
-            buffer = cls(config, **options)
-        else:
-            try:
-                buffer = build_from_config(cls, ReplayBuffer, config, options)
-            except ConfigError as exc:  # a config the live API would refuse: the file is at fault
-                raise CheckpointError(
-                    f"the checkpoint's config.custom_sampler {describe(config.custom_sampler)} cannot be "
-                    f"built: {exc}"
-                ) from exc
+        buffer: ReplayBuffer = build_restored(cls, ReplayBuffer, checkpoint, options)
         reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
         return RestoreResult(buffer, reissue)
 
@@ -244,7 +209,7 @@ class ReplayBuffer:
                 callables (as for :meth:`restore`); nothing is written.
             OSError: the file could not be written (PermissionError: ``path`` is read-only).
         """
-        check_payload_codec(payload_codec)
+        checks.check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
         await self.__saves.write(path, checkpoint, payload_codec)
 
@@ -277,17 +242,7 @@ class ReplayBuffer:
                 the loop of another thread.
             BackendMismatchError: the buffer is bound to another async backend.
         """
-        binding = self.__store.binding
-        binding.check_thread()
-        binding.check_backend()
-        try:
-            token = anyio.lowlevel.current_token()
-        except RuntimeError as exc:  # no async backend runs here (sniffio could not tell)
-            raise WrongThreadError(
-                "threadsafe() must be called inside the buffer's running event loop"
-            ) from exc
-        binding.bind()
-        return ThreadsafeProducer(self, token.native_token, binding.loop_running)
+        return ThreadsafeProducer.bound_to(self, self.__store.binding)
 
     def __contains__(self, uid: object) -> bool:
         """Whether a group with this uid is in the buffer (in flight or terminal).
@@ -336,21 +291,18 @@ class ReplayBuffer:
             self.__check_usable()
         # The hot path: each check is inlined, the slow helpers only build the error.
         if type(uid) is not str or not uid or "_" in uid or not uid.isascii():
-            check_uid(uid)  # raises, unless a non-ASCII uid UTF-8 can encode
+            checks.check_uid(uid)  # raises, unless a non-ASCII uid UTF-8 can encode
         if global_steps is not None and (type(global_steps) is not int or not 0 <= global_steps < 1 << 63):
-            check_step(global_steps)
+            checks.check_step(global_steps)
         part = store.partitions.get(partition) if type(partition) is str else None
         if part is None:
-            check_partition(partition)
-        frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+            checks.check_partition(partition)
+        frozen_tags = EMPTY_TAGS if tags is None else checks.check_tags(tags)
         if uid in store.groups:
-            raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
+            raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
         if part is None or part.cap is not None or global_steps is None:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
-        part = part or store.partition(partition)
-        store.admit(uid, global_steps, part, frozen_tags)
-        if part.deadlines:  # a parked sample with no timer (nothing was in flight) sets one
-            self.__consumer.admitted(part)
+        self.__writer.add_prompt(uid, global_steps, part or store.partition(partition), frozen_tags)
 
     def mark_running_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING to RUNNING.
@@ -394,10 +346,12 @@ class ReplayBuffer:
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
         if type(session_id) is not int or not 0 <= session_id < 1 << 63:
-            check_index(session_id, "session_id")
+            checks.check_index(session_id, "session_id")
         if type(index) is not int or not 0 <= index < 1 << 63:
-            check_index(index, "index")
-        return store.put(uid, payload, session_id, index, EMPTY_TAGS if tags is None else check_tags(tags))
+            checks.check_index(index, "index")
+        return store.put(
+            uid, payload, session_id, index, EMPTY_TAGS if tags is None else checks.check_tags(tags)
+        )
 
     def mark_finished_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
@@ -409,14 +363,7 @@ class ReplayBuffer:
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
         """
-        store = self.__store
-        thread = store.binding.thread
-        if store.closed or (thread is not None and thread != get_ident()):
-            self.__check_usable()
-        group = store.groups.get(uid) if type(uid) is str else None
-        if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
-            group = store.open_group(uid, "mark finished")
-        self.__consumer.notify(store.end(group, _FINISHED, self.__admission.clocks.get(group.partition, 0)))
+        self.__end(uid, _FINISHED, "mark finished")
 
     def mark_failed_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FAILURE.
@@ -431,12 +378,18 @@ class ReplayBuffer:
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
         """
+        self.__end(uid, _FAILURE, "mark failed")
+
+    def __end(self, uid: object, status: Status, action: str) -> None:
+        """End the in-flight group ``uid`` with ``status`` (the two ``mark_*_nowait``)."""
         store = self.__store
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
-        group = store.open_group(uid, "mark failed")
-        self.__consumer.notify(store.end(group, _FAILURE, self.__admission.clocks.get(group.partition, 0)))
+        group = store.groups.get(uid) if type(uid) is str else None
+        if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
+            group = store.open_group(uid, action)
+        self.__consumer.notify(store.end(group, status, self.__admission.clocks.get(group.partition, 0)))
 
     def put_group_nowait(
         self,
@@ -523,16 +476,13 @@ class ReplayBuffer:
             raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
-        store, consumer = self.__store, self.__consumer
+        store = self.__store
 
         def admit(tag: int) -> None:
             self.__check_usable()
             if uid in store.groups:
-                raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
-            part = store.partition(partition)
-            store.admit(uid, tag, part, check_tags(tags))
-            if part.deadlines:
-                consumer.admitted(part)
+                raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
+            self.__writer.add_prompt(uid, tag, store.partition(partition), checks.check_tags(tags))
 
         await self.__admission.wait_for_slot(store.partition(partition), global_steps, admit)
 
@@ -599,22 +549,22 @@ class ReplayBuffer:
             raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
-        arguments = (
-            uid,
-            payloads,
-            global_steps,
-            partition,
-            tags,
-            trajectory_tags,
-            session_ids,
-            indices,
-            status,
-        )
         writer = self.__writer
 
         def admit(tag: int) -> list[str]:
             self.__check_usable()
-            return writer.put(*arguments, granted=tag)
+            return writer.put(
+                uid,
+                payloads,
+                global_steps,
+                partition,
+                tags,
+                trajectory_tags,
+                session_ids,
+                indices,
+                status,
+                tag,
+            )
 
         return await self.__admission.wait_for_slot(self.__store.partition(partition), global_steps, admit)
 
@@ -651,11 +601,7 @@ class ReplayBuffer:
             WrongThreadError, BufferClosedError: as for the producer calls.
         """
         self.__check_usable()
-        group = self.__store.open_group(uid, "watch")
-        if group.watchers is None:
-            group.watchers = []
-        group.watchers.append(callback)
-        return GroupWatch(group)
+        return GroupWatch(self.__store.watch(uid, callback))
 
     def end_watched(self, watch: GroupWatch, *, finished: bool) -> bool:
         """Finish (or fail) the group ``watch`` was taken on if that very group is still in
@@ -669,13 +615,7 @@ class ReplayBuffer:
         if not isinstance(watch, GroupWatch):
             raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
         self.__store.binding.check_thread()
-        store = self.__store
-        group = watch.group
-        if store.closed or store.groups.get(group.uid) is not group:
-            return False
-        clock = self.__admission.clocks.get(group.partition, 0)
-        self.__consumer.notify(store.end(group, _FINISHED if finished else _FAILURE, clock))
-        return True
+        return self.__writer.end_watched(watch.group, finished)
 
     def put_back(self, group: Group) -> bool:
         """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status and
@@ -705,7 +645,7 @@ class ReplayBuffer:
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
         """
-        check_partition(partition)
+        checks.check_partition(partition)
         return self.__admission.clocks.get(partition, 0)
 
     def capacity(self, partition: str = "train") -> int | None:
@@ -717,7 +657,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
         """
         self.__store.binding.check_thread()
-        check_partition(partition)
+        checks.check_partition(partition)
         return self.__admission.capacity(self.__store.partitions.get(partition), partition)
 
     def free_slots(self, partition: str = "train") -> int | None:
@@ -730,11 +670,8 @@ class ReplayBuffer:
             Exception: whatever the policy's ``admits`` raised.
         """
         self.__store.binding.check_thread()
-        check_partition(partition)
-        part = self.__store.partitions.get(partition)
-        if part is None:  # an unused partition: every slot at its clock step
-            return self.__store.rules.admission_cap(partition)
-        return self.__admission.free_slots(part)
+        checks.check_partition(partition)
+        return self.__admission.free_slots(self.__store.partitions.get(partition), partition)
 
     def full(self, partition: str = "train") -> bool:
         """Return whether ``free_slots(partition) == 0`` (never True without admission control).
@@ -765,17 +702,11 @@ class ReplayBuffer:
             Exception: whatever a policy hook or ``on_evict`` raised, with the buffer consistent.
         """
         part = self.__check_sample(global_steps, batch_size, partition)
-        consumer = self.__consumer
-        if part is not None and not consumer.has_live_waiter(partition):
-            metrics = SampleMetrics()
-            groups = consumer.evaluate(part, global_steps, batch_size, metrics)
-            # The clock moves once the call went through: a hook that raised changed nothing.
-            self.__admission.advance(partition, global_steps)
-            if groups is not None:
-                return consumer.result(part, global_steps, groups, metrics, 0.0)
-        self.__admission.advance(partition, global_steps)
+        result = self.__consumer.sample_now(part, partition, global_steps, batch_size, SampleMetrics())
+        if result is not None:
+            return result
         raise BatchNotReadyError(
-            f"no batch of {batch_size} may be returned from partition {describe(partition)} now"
+            f"no batch of {batch_size} may be returned from partition {checks.describe(partition)} now"
         )
 
     async def sample(
@@ -811,7 +742,7 @@ class ReplayBuffer:
             Exception: whatever a policy hook or ``on_evict`` raised, with the buffer consistent.
         """
         if timeout is not None:
-            timeout = check_timeout(timeout)
+            timeout = checks.check_timeout(timeout)
         if timeout != 0:
             # A call that may wait needs the bound backend: refuse another one before anything
             # changes. (One with timeout=0 never touches the backend, so any caller may check.)
@@ -819,17 +750,12 @@ class ReplayBuffer:
         part = self.__check_sample(global_steps, batch_size, partition)
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
             part = self.__store.partition(partition)
-        consumer, admission = self.__consumer, self.__admission
-        metrics = SampleMetrics()
-        if part is not None and not consumer.has_live_waiter(partition):
-            groups = consumer.evaluate(part, global_steps, batch_size, metrics)
-            admission.advance(partition, global_steps)  # once the call went through (not if a hook raised)
-            if groups is not None:
-                return consumer.result(part, global_steps, groups, metrics, 0.0)
-        else:
-            admission.advance(partition, global_steps)
+        consumer, metrics = self.__consumer, SampleMetrics()
+        result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)
+        if result is not None:
+            return result
         if timeout == 0:
-            raise TimeoutError(f"no batch of {batch_size} ready in partition {describe(partition)}")
+            raise TimeoutError(f"no batch of {batch_size} ready in partition {checks.describe(partition)}")
         assert part is not None  # created above for a call that may wait
         groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)
         return consumer.result(part, global_steps, groups, metrics, waited)
@@ -838,13 +764,13 @@ class ReplayBuffer:
         """Validate a sample's arguments; return its partition (None if it does not exist yet)."""
         # Inlined fast checks; the helpers run (and raise) only when a value looks wrong.
         if type(global_steps) is not int or not 0 <= global_steps < 1 << 63:
-            check_step(global_steps)
+            checks.check_step(global_steps)
         if type(batch_size) is not int or not 1 <= batch_size < 1 << 63:
-            check_batch_size(batch_size)
+            checks.check_batch_size(batch_size)
         store = self.__store
         part = store.partitions.get(partition) if type(partition) is str else None
         if part is None:
-            check_partition(partition)
+            checks.check_partition(partition)
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
@@ -863,8 +789,8 @@ class ReplayBuffer:
             Exception: whatever the policy's ``is_stale`` raised.
         """
         self.__store.binding.check_thread()
-        check_step(global_steps)
-        check_partition(partition)
+        checks.check_step(global_steps)
+        checks.check_partition(partition)
         part = self.__store.partitions.get(partition)
         return 0 if part is None else self.__store.rules.count_fresh(part, global_steps)
 
@@ -880,16 +806,9 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
         """
         if not callable(observer):
-            raise TypeError(f"observer must be callable, got {describe_typed(observer)}")
+            raise TypeError(f"observer must be callable, got {checks.describe_typed(observer)}")
         self.__store.binding.check_thread()
-        observers = self.__consumer.observers
-        observers.append(observer)
-
-        def stop() -> None:
-            if observer in observers:
-                observers.remove(observer)
-
-        return stop
+        return self.__consumer.subscribe(observer)
 
     def stats(self) -> BufferStats:
         """Return an immutable snapshot of per-partition and total counts (works after close).

@@ -7,28 +7,23 @@ the file.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, Generic, Literal, TypeVar
 
 import attrs
 
-from ._validation import describe, describe_error
 from .config import SamplerConfig
-from .errors import CheckpointError, ConfigError
-from .policy import StalenessPolicy
 from .records import Group
 
 __all__ = [
     "COUNTERS",
     "FORMAT_VERSION",
+    "IN_FLIGHT_MODES",
     "BufferCheckpoint",
     "InFlightMode",
     "PartitionCheckpoint",
     "RestoreResult",
-    "check_in_flight",
-    "policy_from_name",
 ]
 
 #: The version of the checkpoint format (the value and the file); a newer one is refused, an
@@ -56,7 +51,8 @@ COUNTERS: tuple[str, ...] = (
     "cut_trajectories",
 )
 InFlightMode = Literal["reissue", "keep", "evict"]
-_IN_FLIGHT_MODES = ("reissue", "keep", "evict")
+#: The ``in_flight`` modes of ``restore``.
+IN_FLIGHT_MODES = ("reissue", "keep", "evict")
 _Buffer = TypeVar("_Buffer")
 
 
@@ -147,38 +143,6 @@ class RestoreResult(Generic[_Buffer]):
     def __iter__(self) -> Iterator[Any]:
         """Unpack as ``buffer, reissue = ...``, in that order."""
         return iter((self.buffer, self.reissue))
-
-
-def check_in_flight(in_flight: object) -> InFlightMode:
-    """Return ``in_flight`` if it is one of the modes; raise ConfigError otherwise."""
-    if type(in_flight) is not str or in_flight not in _IN_FLIGHT_MODES:
-        raise ConfigError(f"in_flight must be one of {', '.join(map(repr, _IN_FLIGHT_MODES))}")
-    return in_flight  # type: ignore[return-value]
-
-
-def policy_from_name(name: str, config: SamplerConfig) -> Any:
-    """Build the policy a checkpoint names (``"module:QualName"``) as ``Cls(config, **kwargs)``.
-
-    Raises:
-        CheckpointError: it cannot be imported or built.
-    """
-    module_name, _, qualname = name.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            target = getattr(target, part)
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot import the checkpoint's policy {describe(name)}: {describe_error(exc)}"
-        ) from exc
-    if not (isinstance(target, type) and issubclass(target, StalenessPolicy)):
-        raise CheckpointError(f"the checkpoint's policy {describe(name)} is not a StalenessPolicy subclass")
-    try:
-        return target(config, **config.sampler_kwargs)
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot rebuild the checkpoint's policy {describe(name)}: {describe_error(exc)}"
-        ) from exc
 
 
 #: ``restore``'s default ``status_log_interval``: the built class's own default.

@@ -20,8 +20,9 @@ import attrs
 import ray
 
 from .._checkpoint_file import PayloadCodec
+from .._restore import check_in_flight
 from .._validation import check_payload_codec
-from ..checkpoint import NOT_GIVEN, InFlightMode, check_in_flight
+from ..checkpoint import NOT_GIVEN, InFlightMode
 from ..config import SamplerConfig
 from ..errors import ConfigError
 from ..records import Group
