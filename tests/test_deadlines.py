@@ -488,10 +488,6 @@ def test_the_readme_skyrl_example_runs() -> None:
 # -- defects found by attacking the deadlines (each a regression test) -------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a parked sample woken to evict re-parks with its old (no) cut timer: on_evict refill never cut",
-)
 async def test_a_straggler_that_on_evict_refills_inside_a_parked_sample_is_cut() -> None:
     """Defect (wedge): a parked sample woken to evict a stale group runs ``on_evict``, which
     refills a prompt (the README's pattern); the refill hangs. Admitting it asked the head sample
@@ -516,10 +512,6 @@ async def test_a_straggler_that_on_evict_refills_inside_a_parked_sample_is_cut()
     assert_conserved(buf)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a median that appears in a wake-up that evicts never becomes a cut timer: straggler never cut",
-)
 async def test_a_median_that_appears_while_the_parked_sample_evicts_sets_its_timer() -> None:
     """Defect (wedge): a sample parked before the factor's median existed has no cut timer. The
     16th measured group finished while a failed group (``failure_strategy="evict"``) had already
@@ -547,10 +539,6 @@ async def test_a_median_that_appears_while_the_parked_sample_evicts_sets_its_tim
     assert_conserved(buf)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sample that becomes the head woken to evict never sets a cut timer: the straggler is never cut",
-)
 async def test_a_sample_that_becomes_the_head_and_evicts_sets_its_cut_timer() -> None:
     """Defect (wedge): a second sample queued behind the head has no cut timer (only the head
     has one). When the head returned, the turn passed to it with a wake-up because a stale group
