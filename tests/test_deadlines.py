@@ -568,10 +568,6 @@ class NoDeadlineSubclass(ReplayBuffer):
         return super()._select(candidates, batch_size, global_steps, partition)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a ReplayBuffer subclass overriding a verl hook has deadlines on every partition, none configured",
-)
 async def test_a_verl_style_subclass_without_a_deadline_has_no_deadlines() -> None:
     """Defect: whether a partition has deadlines asked whether ``group_deadline`` is overridden
     on the rule book a subclass's hooks put in front of the policy, which always defines it. So
@@ -596,6 +592,18 @@ async def test_a_verl_style_subclass_without_a_deadline_has_no_deadlines() -> No
             metrics[name] = sorted(waiting.result[1])
     assert not [key for key in metrics["subclass"] if "/rollout/cut" in key]
     assert metrics["subclass"] == metrics["plain"]
+    # Configured, or answered by its policy, a subclass's deadlines cut as any buffer's do.
+    answering = NumpyDeadline(SamplerConfig())
+    answering.answer = 0.01
+    for buf in (
+        NoDeadlineSubclass(SamplerConfig(group_deadline_seconds=0.01), status_log_interval=None),
+        NoDeadlineSubclass(policy=answering, status_log_interval=None),
+    ):
+        buf.add_prompt_nowait("g")
+        await anyio.sleep(0.02)
+        batch, cut_metrics = await buf.sample(0, 1, timeout=0)
+        assert cut_tagged(batch.groups[0])
+        assert cut_metrics["training/rollout/cut_groups"] == 1
 
 
 class Payload:

@@ -90,10 +90,12 @@ class Rules:
         """
         policy, config = self.policy, self.config
         exempt = bool(policy.is_exempt(name))
+        # The policy's own group_deadline (``base``: a subclass's hooks in front of it always
+        # define one, which only passes the question on).
         deadlines = not exempt and (
             config.group_deadline_seconds is not None
             or config.group_deadline_factor is not None
-            or not asks_defaults(policy, ("group_deadline",))
+            or not asks_defaults(self.base, ("group_deadline",))
         )
         return (
             exempt,
