@@ -610,10 +610,6 @@ class Payload:
     """A payload a test can hold a weak reference to."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the deadline heap keeps every group that ended behind a group still in flight, payloads included",
-)
 async def test_trained_groups_are_not_kept_alive_by_the_deadline_heap() -> None:
     """Defect (memory): the deadline heap was cleaned from its top only, so while one group stayed
     in flight within its deadline, every group admitted after it stayed in the heap once it ended,
@@ -638,10 +634,6 @@ async def test_trained_groups_are_not_kept_alive_by_the_deadline_heap() -> None:
     assert alive <= 100, f"{alive} of 1000 trained groups' payloads are still alive"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cutting one group reads every entry of the deadline heap: O(N) per cut with N groups in flight",
-)
 def test_cutting_one_group_costs_the_same_with_many_groups_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Defect (performance): to find the overdue groups, a cut read (and filtered) the whole deadline
     heap, so with N groups in flight every sample that cut one cost O(N): with 50,000 in flight,
