@@ -694,10 +694,6 @@ class NumpyDeadline(StalenessPolicy):
         return self.answer  # type: ignore[no-any-return]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="group_deadline answers that are real numbers but not int or float (numpy, Fraction) are refused",
-)
 @pytest.mark.parametrize("kind", ["float32", "int64", "Fraction"])
 async def test_a_deadline_hook_may_answer_any_real_number(kind: str) -> None:
     """Defect: ``group_deadline`` answers were checked as Python ints and floats only, so a policy
@@ -718,3 +714,8 @@ async def test_a_deadline_hook_may_answer_any_real_number(kind: str) -> None:
     batch, _ = await buf.sample(0, 1, timeout=0)
     assert batch.uids == ["g"]
     assert cut_tagged(batch.groups[0])
+    buf.add_prompt_nowait("h")  # in flight: each sample asks the hook
+    for nonsense in (np.float32("nan"), np.float64(-1.0), np.int64(0), np.bool_(True), np.float32("inf")):
+        policy.answer = nonsense
+        with pytest.raises(StalebufError, match=r"group_deadline\('train', \.\.\.\) must return"):
+            await buf.sample(0, 1, timeout=0)

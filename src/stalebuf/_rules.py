@@ -11,6 +11,7 @@ question); this module is the only place that does. Every method only *reads*: i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Iterable
@@ -131,7 +132,8 @@ class Rules:
         ``group_deadline``), or None for none now.
 
         Raises:
-            StalebufError: the hook answered something other than None or a number > 0.
+            StalebufError: the hook answered something other than None or a finite real number
+                > 0 (numpy's numbers are real numbers).
             Exception: whatever the hook raised.
         """
         seconds = self.policy.group_deadline(part.name, part.median_generation())
@@ -139,6 +141,12 @@ class Rules:
             return seconds
         if is_finite_number(seconds) and seconds > 0:
             return float(seconds)
+        if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool):
+            # numpy's floats and ints, a Fraction: a number of seconds all the same
+            with contextlib.suppress(ArithmeticError, TypeError, ValueError):
+                value = float(seconds)
+                if 0 < value < math.inf:
+                    return value
         raise StalebufError(
             f"{hook_label(self.policy, 'group_deadline')}({describe(part.name)}, ...) must return None "
             f"or a finite number > 0, got {describe_typed(seconds)}"
