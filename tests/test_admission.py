@@ -487,10 +487,6 @@ def test_admission_batch_size_answers_are_checked_and_numpy_integers_accepted() 
         assert capacity is None or type(capacity) is int
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an exempt partition is gated by the policy's admission_batch_size until its first group exists",
-)
 def test_an_exempt_partition_is_never_gated_even_before_its_first_group() -> None:
     """Defect: the buffer ignores the policy's ``admission_batch_size`` answer for an exempt
     partition once the partition exists, but not before: ``capacity("val")`` and

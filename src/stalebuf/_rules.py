@@ -102,19 +102,25 @@ class Rules:
             exempt,
             bool(policy.evicts_failures(name)),
             bool(policy.evicts_in_flight(name)),
-            self.admission_cap(name),
+            self.admission_cap(name, exempt),
             deadlines,
         )
 
-    def admission_cap(self, name: str) -> int | None:
+    def admission_cap(self, name: str, exempt: bool | None = None) -> int | None:
         """The per-dispatch-step cap ``b`` of partition ``name``, or None (no admission control).
+        An exempt partition is never gated, whatever the policy answers (``exempt``: whether it
+        is, if known; else the policy is asked).
 
         Raises:
             StalebufError: the policy's ``admission_batch_size`` answered something other than
                 None or an int >= 1 (0, -1, NaN or "3" would make producers wait forever or
                 ``capacity()`` lie).
-            Exception: whatever that hook raised.
+            Exception: whatever that hook (or ``is_exempt``) raised.
         """
+        if exempt is None:
+            exempt = bool(self.policy.is_exempt(name))
+        if exempt:
+            return None
         cap = self.policy.admission_batch_size(name)
         if cap is None or (type(cap) is int and 1 <= cap < 1 << 63):
             return cap
