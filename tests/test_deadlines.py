@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import time
 import weakref
 from functools import partial
@@ -647,15 +648,15 @@ def test_cutting_one_group_costs_the_same_with_many_groups_in_flight(monkeypatch
         for index in range(in_flight):
             now[0] = float(index)
             buf.add_prompt_nowait(f"g{index}")
-        spent = 0.0
+        spent = []
         for index in range(200):
             now[0] = float(in_flight + index)  # g{index} is due now, and only it
             started = time.perf_counter()
             with pytest.raises(BatchNotReadyError):
                 buf.sample_nowait(0, in_flight)
-            spent += time.perf_counter() - started
+            spent.append(time.perf_counter() - started)
         assert train_stats(buf).cut_groups == 200
-        return spent / 200
+        return statistics.median(spent)  # a noisy machine's pauses do not count
 
     few, many = min(seconds_per_cut(1_000) for _ in range(2)), seconds_per_cut(50_000)
     assert many < 10 * few, f"{many * 1e6:.0f} us per cut with 50,000 in flight, {few * 1e6:.0f} with 1,000"
