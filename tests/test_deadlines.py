@@ -720,3 +720,36 @@ async def test_a_deadline_hook_may_answer_any_real_number(kind: str) -> None:
         policy.answer = nonsense
         with pytest.raises(StalebufError, match=r"group_deadline\('train', \.\.\.\) must return"):
             await buf.sample(0, 1, timeout=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a median generation time of 0 makes the default group_deadline 0.0, which the buffer refuses",
+)
+def test_a_zero_median_generation_time_gives_no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect: groups that finish within one tick of the clock (a coarse ``time.monotonic()``:
+    15.6 ms on Windows before Python 3.13; instant generations in a test) measure 0 s, and with
+    half of the window at 0 the default policy answered ``factor * 0 = 0.0``, which the buffer
+    refuses: every sample raised StalebufError naming ``StalenessPolicy.group_deadline``, the
+    default rules. A median of 0 gives no deadline (a deadline of 0 would cut every group)."""
+    now = [100.0]
+    patch_deadline_clock(monkeypatch, lambda: now[0])
+    buf = make(group_deadline_factor=3.0)
+    for index in range(16):
+        buf.add_prompt_nowait(f"g{index}")
+        buf.mark_finished_nowait(f"g{index}")  # within one tick: 0 s measured
+    buf.add_prompt_nowait("slow")
+    now[0] += 1.0
+    batch, _ = buf.sample_nowait(0, 16)
+    assert len(batch) == 16
+    with pytest.raises(BatchNotReadyError):
+        buf.sample_nowait(0, 1)
+    assert resident_groups(buf)["slow"].in_flight  # no deadline: nothing is cut
+    for index in range(16):  # measured times above 0: the median gives a deadline again
+        buf.add_prompt_nowait(f"h{index}")
+        now[0] += 0.01
+        buf.mark_finished_nowait(f"h{index}")
+    now[0] += 1.0
+    batch, _ = buf.sample_nowait(0, 17)
+    [cut] = [group for group in batch.groups if group.uid == "slow"]
+    assert cut_tagged(cut)
