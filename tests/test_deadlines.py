@@ -722,10 +722,6 @@ async def test_a_deadline_hook_may_answer_any_real_number(kind: str) -> None:
             await buf.sample(0, 1, timeout=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a median generation time of 0 makes the default group_deadline 0.0, which the buffer refuses",
-)
 def test_a_zero_median_generation_time_gives_no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Defect: groups that finish within one tick of the clock (a coarse ``time.monotonic()``:
     15.6 ms on Windows before Python 3.13; instant generations in a test) measure 0 s, and with
