@@ -47,6 +47,7 @@ __all__ = [
     "make",
     "map_payloads",
     "oldest_in_flight",
+    "patch_deadline_clock",
     "producer_ledger",
     "ready_order",
     "ready_steps",
@@ -367,6 +368,18 @@ def admission_counts(buf: ReplayBuffer, partition: str = "train") -> dict[int, i
     if part is None or part.resident_at is None:
         return None
     return dict(part.resident_at)
+
+
+def patch_deadline_clock(monkeypatch: Any, clock: Callable[[], float]) -> None:
+    """Make ``clock`` the deadline clock of every buffer (the ``time.monotonic`` that the modules
+    measuring admission times and deadlines imported), so a test sets when each group was admitted
+    and when a sample evaluates. Patches the store's, the deadlines' and the consumer's."""
+    import stalebuf._consumer
+    import stalebuf._deadlines
+    import stalebuf._store
+
+    for module in (stalebuf._store, stalebuf._deadlines, stalebuf._consumer):
+        monkeypatch.setattr(module, "monotonic", clock)
 
 
 def evaluations(buf: ReplayBuffer) -> int:

@@ -10,6 +10,7 @@ tests/test_bad_inputs.py. Async tests run on asyncio and trio, every wait bounde
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -33,6 +34,7 @@ from stalebuf import (
     BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
+    FutureTagError,
     ReplayBuffer,
     SamplerConfig,
     StalebufError,
@@ -443,3 +445,95 @@ async def test_a_tag_the_policy_calls_stale_at_the_next_sample_is_refused_for_go
         await buf.add_prompt("late", global_steps=0)
     assert "late" not in buf
     assert buf.stats().total.waiting_producers == 0
+
+
+# -- the policy's admission_batch_size answer (issue 21 item 8) and tags ahead of the clock (item 11) --
+
+
+class AnswersCap(StalenessPolicy):
+    """``admission_batch_size`` answers ``answer`` for every partition (the exempt ones too)."""
+
+    answer: Any = None
+
+    def admission_batch_size(self, partition: str) -> int | None:
+        return self.answer  # type: ignore[no-any-return]
+
+
+def answering(answer: object) -> ReplayBuffer:
+    config = SamplerConfig(max_off_policy_threshold=2)
+    policy = AnswersCap(config)
+    policy.answer = answer
+    return ReplayBuffer(config, policy=policy, status_log_interval=None)
+
+
+def test_admission_batch_size_answers_are_checked_and_numpy_integers_accepted() -> None:
+    """Item 8: 0, -1, NaN, "3", floats, bools and steps past 2**63 make producers wait forever or
+    ``capacity()`` lie, so they are a StalebufError naming the hook (before anything is created);
+    numpy's integers are ints."""
+    import numpy as np
+
+    for answer in (0, -1, 2**63, 3.0, np.float64(3.0), math.nan, "3", True, np.bool_(True), np.int64(-1)):
+        buf = answering(answer)
+        with pytest.raises(StalebufError, match=r"AnswersCap\.admission_batch_size\('train'\) must return"):
+            buf.add_prompt_nowait("a")
+        with pytest.raises(StalebufError, match="admission_batch_size"):
+            buf.capacity()
+        assert buf.stats().partitions == {}, type(answer)
+    for answer, cap in ((np.int64(3), 3), (np.uint8(2), 2), (2**63 - 1, 2**63 - 1), (None, None)):
+        buf = answering(answer)
+        buf.add_prompt_nowait("a")
+        capacity = buf.capacity()
+        assert capacity == (None if cap is None else 2 * cap)
+        assert capacity is None or type(capacity) is int
+
+
+def test_an_exempt_partition_is_never_gated_even_before_its_first_group() -> None:
+    """Defect: the buffer ignores the policy's ``admission_batch_size`` answer for an exempt
+    partition once the partition exists, but not before: ``capacity("val")`` and
+    ``free_slots("val")`` reported a bound, and the first ``add_prompt`` there with a step ahead
+    of the clock was refused as FutureTagError, while the same call a moment later was admitted.
+    Exempt partitions are never gated: the answer for them does not count."""
+    buf = answering(2)  # a policy that does not special-case exempt partitions
+    assert (buf.capacity(), buf.free_slots()) == (4, 2)
+    assert (buf.capacity("val"), buf.free_slots("val"), buf.full("val")) == (None, None, False)
+    buf.add_prompt_nowait("v1", partition="val", global_steps=5)  # exempt: never refused
+    buf.add_prompt_nowait("v2", partition="val", global_steps=5)
+    assert (buf.capacity("val"), buf.free_slots("val")) == (None, None)
+
+
+async def test_every_producer_refuses_a_step_ahead_of_the_clock_at_once() -> None:
+    """Item 11: under admission, a step ahead of the dispatch clock is refused at once (never a
+    wait that could not end) by ``add_prompt``, ``put_group`` (both paths), ``rollout()`` and the
+    threadsafe handle, also while other producers wait; the clock's own step is admitted; exempt
+    partitions are not gated."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2)
+    with pytest.raises(BatchNotReadyError):
+        buf.sample_nowait(3, 1)  # the clock to 3
+    with anyio.fail_after(LIMIT):
+        await buf.add_prompt("at-clock", global_steps=3)  # the clock's own step: admitted
+        async with anyio.create_task_group() as tg:
+            queued = await start_call(tg, partial(buf.add_prompt, "queued"))  # step 3 is full: it waits
+            assert buf.stats().total.waiting_producers == 1
+            refusals: list[Any] = [
+                partial(buf.add_prompt, "a", global_steps=4),
+                partial(buf.put_group, "b", [1], global_steps=4),
+                partial(buf.put_group, "c", [1], global_steps=4, session_ids=[3]),
+            ]
+            for call in refusals:
+                with pytest.raises(FutureTagError, match="ahead of its dispatch clock 3"):
+                    await call()
+            with pytest.raises(FutureTagError):
+                async with buf.rollout("d", global_steps=4):
+                    raise AssertionError("entered")
+            handle = buf.threadsafe()
+
+            def from_a_thread() -> None:
+                handle.add_prompt("e", global_steps=10**18)
+
+            with pytest.raises(FutureTagError):
+                await anyio.to_thread.run_sync(from_a_thread)
+            buf.add_prompt_nowait("v", partition="val", global_steps=10**6)  # exempt: not gated
+            assert not queued.done
+            tg.cancel_scope.cancel()
+    assert not [uid for uid in ("a", "b", "c", "d", "e") if uid in buf]
+    assert_conserved(buf)

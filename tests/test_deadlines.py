@@ -9,15 +9,30 @@ deadlines are real (monotonic) time, short, with generous slack for a noisy 2-co
 
 from __future__ import annotations
 
+import gc
 import math
+import statistics
 import time
+import weakref
+from functools import partial
 from typing import Any
 
 import anyio
 import pytest
 
-from _helpers import LIMIT, assert_conserved, make, resident_groups, settle, start_call
+from _helpers import (
+    LIMIT,
+    assert_conserved,
+    evaluations,
+    make,
+    patch_deadline_clock,
+    resident_groups,
+    settle,
+    start_call,
+    train_stats,
+)
 from stalebuf import (
+    BatchNotReadyError,
     BufferClosedError,
     ConfigError,
     EvictionEvent,
@@ -469,3 +484,268 @@ def test_the_readme_skyrl_example_runs() -> None:
     block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert block is not None
     exec(compile(block.group(1), "README.md (Deadlines)", "exec"), {"__name__": "readme"})
+
+
+# -- defects found by attacking the deadlines (each a regression test) -------------------------
+
+
+async def test_a_straggler_that_on_evict_refills_inside_a_parked_sample_is_cut() -> None:
+    """Defect (wedge): a parked sample woken to evict a stale group runs ``on_evict``, which
+    refills a prompt (the README's pattern); the refill hangs. Admitting it asked the head sample
+    to set its cut timer, but that sample was the one running (its wake-up was spent), and it
+    re-parked with the timer it had: none, nothing was in flight when it parked. The refill was
+    never cut and the sample waited for good."""
+    buf: ReplayBuffer
+
+    def refill(event: EvictionEvent) -> None:
+        for group in event.groups:
+            buf.add_prompt_nowait(f"re{group.uid}")  # at the clock; it hangs (nobody generates it)
+
+    buf = make(max_off_policy_threshold=1, group_deadline_seconds=DEADLINE, on_evict=refill)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(5, 1))  # nothing in flight: no timer
+            buf.put_group_nowait("old", [1], global_steps=0)  # stale at 5: the parked sample evicts it
+            await anyio.sleep(DEADLINE + SLACK)
+            assert waiting.returned, "the refill was never cut: the sample waits for good"
+    assert waiting.result[0].uids == ["reold"]
+    assert cut_tagged(waiting.result[0].groups[0])
+    assert_conserved(buf)
+
+
+async def test_a_median_that_appears_while_the_parked_sample_evicts_sets_its_timer() -> None:
+    """Defect (wedge): a sample parked before the factor's median existed has no cut timer. The
+    16th measured group finished while a failed group (``failure_strategy="evict"``) had already
+    woken it: that wake-up evicted, got no batch, and re-parked without a timer, though the
+    straggler now had a deadline. It was never cut and the sample waited for good."""
+    generation = 0.3
+    buf = make(group_deadline_factor=2.0, group_quorum=1, failure_strategy="evict")
+    for index in range(15):
+        buf.add_prompt_nowait(f"m{index}")
+    await anyio.sleep(generation)
+    for index in range(15):
+        buf.mark_finished_nowait(f"m{index}")  # 15 measured, about 0.3 s each: no median yet
+    for uid in ("slow", "failed", "m15"):
+        buf.add_prompt_nowait(uid)
+    buf.put_nowait("slow", "partial")  # it hangs: due at about 2 x 0.3 s once the median exists
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 17))  # no deadline yet: no timer
+            buf.mark_failed_nowait("failed")  # wakes it, to evict
+            buf.mark_finished_nowait("m15")  # the 16th measured: the median exists now
+            await anyio.sleep(2 * generation + 2 * SLACK)
+            assert waiting.returned, "the straggler was never cut: the sample waits for good"
+    [cut] = [group for group in waiting.result[0].groups if group.uid == "slow"]
+    assert cut_tagged(cut)
+    assert_conserved(buf)
+
+
+async def test_a_sample_that_becomes_the_head_and_evicts_sets_its_cut_timer() -> None:
+    """Defect (wedge): a second sample queued behind the head has no cut timer (only the head
+    has one). When the head returned, the turn passed to it with a wake-up because a stale group
+    was there to evict; it evicted, got no batch and re-parked without a timer, so the straggler
+    it waits for was never cut."""
+    deadline = 0.5
+    buf = make(max_off_policy_threshold=1, group_deadline_seconds=deadline, group_quorum=1)
+    buf.add_prompt_nowait("slow", global_steps=5)  # it hangs
+    buf.put_nowait("slow", "partial")
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            first = await start_call(tg, lambda: buf.sample(0, 1))  # the head: its timer is slow's
+            second = await start_call(tg, lambda: buf.sample(5, 1))  # queued: no timer of its own
+            buf.put_group_nowait("x", [1], global_steps=0)  # the head takes it and leaves
+            buf.put_group_nowait("y", [1], global_steps=0)  # stale at 5: the new head evicts it
+            await anyio.sleep(deadline + SLACK)
+            assert first.returned
+            assert second.returned, "the straggler was never cut: the second sample waits for good"
+    assert second.result[0].uids == ["slow"]
+    assert_conserved(buf)
+
+
+class NoDeadlineSubclass(ReplayBuffer):
+    """A verl-style plugin (it overrides ``_select``) that configures no deadline."""
+
+    def _select(self, candidates: Any, batch_size: int, global_steps: int, partition: str) -> Any:
+        return super()._select(candidates, batch_size, global_steps, partition)
+
+
+async def test_a_verl_style_subclass_without_a_deadline_has_no_deadlines() -> None:
+    """Defect: whether a partition has deadlines asked whether ``group_deadline`` is overridden
+    on the rule book a subclass's hooks put in front of the policy, which always defines it. So
+    every verl-style subclass (``_select``, ``_is_stale`` or ``_must_wait_for``) had deadlines
+    without configuring any: every admission woke the parked sample to evaluate for nothing,
+    ``sample`` reported ``rollout/cut_*`` metrics, and every in-flight group entered the deadline
+    heap (which, with no deadline to cut the oldest, kept ended groups behind it)."""
+    metrics: dict[str, list[str]] = {}
+    with anyio.fail_after(LIMIT):
+        subclass = NoDeadlineSubclass(SamplerConfig(), status_log_interval=None)
+        for name, buf in (("plain", make()), ("subclass", subclass)):
+            async with anyio.create_task_group() as tg:
+                waiting = await start_call(tg, partial(buf.sample, 0, 1))
+                before = evaluations(buf)
+                for index in range(10):
+                    buf.add_prompt_nowait(f"g{index}")
+                await settle()
+                assert evaluations(buf) == before, f"{name}: admitting groups woke the sample for nothing"
+                buf.mark_finished_nowait("g0")
+                await settle()
+            assert waiting.returned
+            metrics[name] = sorted(waiting.result[1])
+    assert not [key for key in metrics["subclass"] if "/rollout/cut" in key]
+    assert metrics["subclass"] == metrics["plain"]
+    # Configured, or answered by its policy, a subclass's deadlines cut as any buffer's do.
+    answering = NumpyDeadline(SamplerConfig())
+    answering.answer = 0.01
+    for buf in (
+        NoDeadlineSubclass(SamplerConfig(group_deadline_seconds=0.01), status_log_interval=None),
+        NoDeadlineSubclass(policy=answering, status_log_interval=None),
+    ):
+        buf.add_prompt_nowait("g")
+        await anyio.sleep(0.02)
+        batch, cut_metrics = await buf.sample(0, 1, timeout=0)
+        assert cut_tagged(batch.groups[0])
+        assert cut_metrics["training/rollout/cut_groups"] == 1
+
+
+class Payload:
+    """A payload a test can hold a weak reference to."""
+
+
+async def test_trained_groups_are_not_kept_alive_by_the_deadline_heap() -> None:
+    """Defect (memory): the deadline heap was cleaned from its top only, so while one group stayed
+    in flight within its deadline, every group admitted after it stayed in the heap once it ended,
+    trajectories and all: the payloads of every trained group were kept alive for as long as the
+    deadline (an hour of rollouts with ``group_deadline_seconds=3600``)."""
+    buf = make(group_deadline_seconds=3600.0)
+    buf.add_prompt_nowait("slow")  # one long generation, well within its deadline
+    refs = []
+    for index in range(1_000):
+        uid = f"g{index}"
+        buf.add_prompt_nowait(uid)
+        payload = Payload()
+        refs.append(weakref.ref(payload))
+        buf.put_nowait(uid, payload)
+        del payload
+        buf.mark_finished_nowait(uid)
+        batch, _ = buf.sample_nowait(0, 1)
+        assert batch.uids == [uid]
+        del batch  # trained: the buffer holds nothing of it now
+    gc.collect()
+    alive = sum(ref() is not None for ref in refs)
+    assert alive <= 100, f"{alive} of 1000 trained groups' payloads are still alive"
+
+
+def test_cutting_one_group_costs_the_same_with_many_groups_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect (performance): to find the overdue groups, a cut read (and filtered) the whole deadline
+    heap, so with N groups in flight every sample that cut one cost O(N): with 50,000 in flight,
+    milliseconds per sample instead of microseconds. Groups are admitted one clock unit apart and
+    each sample finds exactly one more overdue; its cost must not grow with the groups in flight."""
+    now = [0.0]
+    patch_deadline_clock(monkeypatch, lambda: now[0])
+
+    def seconds_per_cut(in_flight: int) -> float:
+        buf = make(group_deadline_seconds=float(in_flight), max_off_policy_threshold=10**6)
+        for index in range(in_flight):
+            now[0] = float(index)
+            buf.add_prompt_nowait(f"g{index}")
+        spent = []
+        for index in range(200):
+            now[0] = float(in_flight + index)  # g{index} is due now, and only it
+            started = time.perf_counter()
+            with pytest.raises(BatchNotReadyError):
+                buf.sample_nowait(0, in_flight)
+            spent.append(time.perf_counter() - started)
+        assert train_stats(buf).cut_groups == 200
+        return statistics.median(spent)  # a noisy machine's pauses do not count
+
+    few, many = min(seconds_per_cut(1_000) for _ in range(2)), seconds_per_cut(50_000)
+    assert many < 10 * few, f"{many * 1e6:.0f} us per cut with 50,000 in flight, {few * 1e6:.0f} with 1,000"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="restore forgets why a uid was remembered: a cut group's producer hears GroupEvictedError",
+)
+async def test_a_cut_groups_producer_hears_group_cut_error_after_a_restore() -> None:
+    """Defect: a checkpoint keeps the uids of groups the buffer ended in flight, not why. After a
+    restore, a producer that survived the restart (a Ray worker, a remote client) and writes to its
+    cut group heard ``GroupEvictedError`` "evicted as stale" (an UnknownGroupError, not an
+    InvalidTransitionError) for a group that was cut and trained, or a plain late write for a cut
+    group still resident, instead of ``GroupCutError`` naming the deadline."""
+    buf = make(group_deadline_seconds=DEADLINE, group_quorum=1)
+    for uid in ("trained", "resident"):
+        buf.add_prompt_nowait(uid)
+        buf.put_nowait(uid, "partial")
+    await anyio.sleep(DEADLINE * 1.5)
+    batch, _ = await buf.sample(0, 1, timeout=0)  # cuts both, trains the first
+    assert batch.uids == ["trained"]
+    restored, _ = ReplayBuffer.restore(buf.checkpoint())
+    for each in (buf, restored):
+        for uid in ("trained", "resident"):
+            with pytest.raises(GroupCutError, match="deadline"):
+                each.put_nowait(uid, "late", session_id=1)
+
+
+class NumpyDeadline(StalenessPolicy):
+    """Answers the deadline as numpy computes it (a float32 median, an int64 setting)."""
+
+    answer: Any = None
+
+    def group_deadline(self, partition: str, median_generation_seconds: float | None) -> float | None:
+        return self.answer  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("kind", ["float32", "int64", "Fraction"])
+async def test_a_deadline_hook_may_answer_any_real_number(kind: str) -> None:
+    """Defect: ``group_deadline`` answers were checked as Python ints and floats only, so a policy
+    that computes its deadline with numpy (``np.float32``, ``np.int64``: ``admission_batch_size``
+    accepts numpy's integers) or a ``Fraction`` made every sample raise StalebufError."""
+    import fractions
+
+    import numpy as np
+
+    config = SamplerConfig(group_deadline_seconds=60.0, group_quorum=1)
+    policy = NumpyDeadline(config)
+    answers = {"float32": np.float32(0.01), "int64": np.int64(1), "Fraction": fractions.Fraction(1, 100)}
+    policy.answer = answers[kind]
+    buf = ReplayBuffer(config, policy=policy, status_log_interval=None)
+    buf.add_prompt_nowait("g")
+    buf.put_nowait("g", "partial")
+    await anyio.sleep(0.02 if kind != "int64" else 1.05)
+    batch, _ = await buf.sample(0, 1, timeout=0)
+    assert batch.uids == ["g"]
+    assert cut_tagged(batch.groups[0])
+    buf.add_prompt_nowait("h")  # in flight: each sample asks the hook
+    for nonsense in (np.float32("nan"), np.float64(-1.0), np.int64(0), np.bool_(True), np.float32("inf")):
+        policy.answer = nonsense
+        with pytest.raises(StalebufError, match=r"group_deadline\('train', \.\.\.\) must return"):
+            await buf.sample(0, 1, timeout=0)
+
+
+def test_a_zero_median_generation_time_gives_no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect: groups that finish within one tick of the clock (a coarse ``time.monotonic()``:
+    15.6 ms on Windows before Python 3.13; instant generations in a test) measure 0 s, and with
+    half of the window at 0 the default policy answered ``factor * 0 = 0.0``, which the buffer
+    refuses: every sample raised StalebufError naming ``StalenessPolicy.group_deadline``, the
+    default rules. A median of 0 gives no deadline (a deadline of 0 would cut every group)."""
+    now = [100.0]
+    patch_deadline_clock(monkeypatch, lambda: now[0])
+    buf = make(group_deadline_factor=3.0)
+    for index in range(16):
+        buf.add_prompt_nowait(f"g{index}")
+        buf.mark_finished_nowait(f"g{index}")  # within one tick: 0 s measured
+    buf.add_prompt_nowait("slow")
+    now[0] += 1.0
+    batch, _ = buf.sample_nowait(0, 16)
+    assert len(batch) == 16
+    with pytest.raises(BatchNotReadyError):
+        buf.sample_nowait(0, 1)
+    assert resident_groups(buf)["slow"].in_flight  # no deadline: nothing is cut
+    for index in range(16):  # measured times above 0: the median gives a deadline again
+        buf.add_prompt_nowait(f"h{index}")
+        now[0] += 0.01
+        buf.mark_finished_nowait(f"h{index}")
+    now[0] += 1.0
+    batch, _ = buf.sample_nowait(0, 17)
+    [cut] = [group for group in batch.groups if group.uid == "slow"]
+    assert cut_tagged(cut)

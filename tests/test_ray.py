@@ -42,6 +42,7 @@ from stalebuf.errors import (
     ConfigError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
+    FutureTagError,
     GroupCutError,
     GroupEvictedError,
     InvalidTransitionError,
@@ -922,6 +923,44 @@ async def test_a_deadline_cut_in_the_actor_cancels_a_remote_rollout_body() -> No
             error = await expect(GroupCutError, buffer.put("hung", "late", session_id=1))
             assert "deadline" in str(error)
             assert (await buffer.stats()).total.cut_groups == 1
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_remote_producer_is_refused_a_step_ahead_of_the_clock_at_once() -> None:
+    """Issue 21 item 11 across the boundary: under admission every remote producer call with a
+    step ahead of the actor's dispatch clock raises FutureTagError at once, also while another
+    producer waits in the actor (none parks for a slot that could never open); the clock's own
+    step is admitted."""
+    config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=1)
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            assert await buffer.dispatch_step() == 0  # the actor answers: timeout=0 reaches it below
+            with contextlib.suppress(TimeoutError):
+                await buffer.sample(3, 1, timeout=0)  # the clock to 3
+            assert await buffer.dispatch_step() == 3
+            await buffer.add_prompt("at-clock", global_steps=3)
+            queued = asyncio.ensure_future(buffer.add_prompt("queued"))  # step 3 is full: it parks
+            await _until_waiting(buffer, 1)
+            for call in (
+                lambda: buffer.add_prompt("a", global_steps=4),
+                lambda: buffer.add_prompt_nowait("a", global_steps=4),
+                lambda: buffer.put_group("b", [1], global_steps=4),
+                lambda: buffer.put_group_nowait("b", [1], global_steps=4),
+            ):
+                await expect(FutureTagError, call())
+
+            async def enter() -> None:
+                async with buffer.rollout("c", global_steps=4):
+                    raise AssertionError("entered")
+
+            await expect(FutureTagError, enter())
+            assert not queued.done()
+            stats = (await buffer.stats()).total
+            assert (stats.admitted_groups, stats.waiting_producers) == (1, 1)
+            queued.cancel()
     finally:
         buffer.kill()
 

@@ -110,7 +110,7 @@ class Consumer:
             if not wake and part.deadlines:  # a new head, or a deadline moved earlier: set the timer
                 cut_at = self.deadlines.next_cut(part)
                 if cut_at is not None and cut_at < head.cut_at:
-                    head.reschedule = wake = True
+                    wake = True  # woken, it evaluates and sets its timer again
         except Exception:
             logger.exception("a staleness policy hook raised while checking a waiting sample")
             wake = True
@@ -130,8 +130,7 @@ class Consumer:
             logger.exception("a deadline hook raised while checking a waiting sample")
             timer = True
         if timer:
-            head.reschedule = True
-            head.wake()
+            head.wake()  # woken, it evaluates and sets its timer
 
     def has_live_waiter(self, name: str) -> bool:
         """Whether a ``sample`` that can still run waits on partition ``name``."""
@@ -386,8 +385,8 @@ class Consumer:
     ) -> list[Group]:
         """Park on a partition with group deadlines: as :meth:`_park_with_deadlines`, and the
         head also wakes when the first straggler reaches its deadline, to cut it and evaluate.
-        A producer whose change moves that time earlier asks it to set its timer again
-        (``waiter.reschedule``), so the cut is on time without any background task.
+        Every wake-up that gets no batch sets the timer again, and a producer whose change moves
+        that time earlier wakes it, so the cut is on time without any background task.
 
         Raises:
             TimeoutError: ``timeout`` passed first.
@@ -400,10 +399,14 @@ class Consumer:
         next_log = math.inf if timer_logs or interval is None else started + interval
 
         def attempt_or_reschedule() -> list[Group] | None:
-            if waiter.reschedule:
-                waiter.reschedule = False
+            # Every wake-up evaluates, and one that gets no batch sets the timer again: the
+            # evaluation (a cut, an on_evict refill), or what woke it (a new head, a median that
+            # appeared), may have moved the first deadline, and nothing else would re-arm it.
+            groups = attempt()
+            if groups is None:
+                waiter.arm()
                 return _RESCHEDULE
-            return attempt()
+            return groups
 
         while True:
             now = backend.current_time()

@@ -77,11 +77,27 @@ class Deadlines:
 
 def _overdue(part: PartitionState, started_before: float) -> list[OpenGroup]:
     """The in-flight groups of ``part`` whose deadline clock started at or before
-    ``started_before``, oldest first (read from the heap without changing it)."""
+    ``started_before``, oldest first (read from the heap without changing it).
+
+    Only the heap's entries that started by then are visited, with their children: they form a
+    subtree at its root (a heap's children never start earlier), so finding k overdue groups
+    costs O(k log k) however many groups are in flight.
+    """
+    starts, in_flight = part.starts, part.in_flight.groups
+    size = len(starts)
+    found = []
+    pending = [0] if size else []
+    while pending:
+        index = pending.pop()
+        entry = starts[index]
+        if entry[0] <= started_before:
+            found.append(entry)
+            child = 2 * index + 1
+            pending.extend(range(child, min(child + 2, size)))
+    found.sort()
     groups = []
-    in_flight = part.in_flight.groups
-    for started, _, group in sorted(entry for entry in part.starts if entry[0] <= started_before):
+    for _, _, group in found:
         at_step = in_flight.get(group.dispatch_step)
-        if started <= started_before and at_step is not None and at_step.get(group.uid) is group:
+        if at_step is not None and at_step.get(group.uid) is group:
             groups.append(group)
     return groups

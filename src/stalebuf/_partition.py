@@ -27,6 +27,12 @@ _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 _status_of = attrgetter("status")
 
 
+def _in_flight(in_flight: dict[int, dict[str, OpenGroup]], group: OpenGroup) -> bool:
+    """Whether ``group`` (by identity) is still in flight in the index ``in_flight``."""
+    at_step = in_flight.get(group.dispatch_step)
+    return at_step is not None and at_step.get(group.uid) is group
+
+
 class PartitionState:
     """Everything the group store tracks for one partition.
 
@@ -129,15 +135,22 @@ class PartitionState:
 
     def track(self, group: OpenGroup) -> None:
         """Remember when the in-flight ``group``'s deadline clock started (with deadlines)."""
-        heapq.heappush(self.starts, (group.started_at, group.seq, group))
+        starts = self.starts
+        if len(starts) > 2 * (self.pending + self.running) + 64:
+            # Ended groups leave the heap from its top only: behind one group still in flight,
+            # they (and their payloads) would stay for as long as its deadline. Dropping them
+            # once they outnumber the groups in flight costs O(1) per group, amortised.
+            in_flight = self.in_flight.groups
+            starts = self.starts = [entry for entry in starts if _in_flight(in_flight, entry[2])]
+            heapq.heapify(starts)
+        heapq.heappush(starts, (group.started_at, group.seq, group))
 
     def first_started(self) -> OpenGroup | None:
         """The in-flight group whose deadline clock started first (ended ones are dropped)."""
         starts, in_flight = self.starts, self.in_flight.groups
         while starts:
             group = starts[0][2]
-            at_step = in_flight.get(group.dispatch_step)
-            if at_step is not None and at_step.get(group.uid) is group:
+            if _in_flight(in_flight, group):
                 return group
             heapq.heappop(starts)
         return None

@@ -11,6 +11,7 @@ question); this module is the only place that does. Every method only *reads*: i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Iterable
@@ -90,28 +91,36 @@ class Rules:
         """
         policy, config = self.policy, self.config
         exempt = bool(policy.is_exempt(name))
+        # The policy's own group_deadline (``base``: a subclass's hooks in front of it always
+        # define one, which only passes the question on).
         deadlines = not exempt and (
             config.group_deadline_seconds is not None
             or config.group_deadline_factor is not None
-            or not asks_defaults(policy, ("group_deadline",))
+            or not asks_defaults(self.base, ("group_deadline",))
         )
         return (
             exempt,
             bool(policy.evicts_failures(name)),
             bool(policy.evicts_in_flight(name)),
-            self.admission_cap(name),
+            self.admission_cap(name, exempt),
             deadlines,
         )
 
-    def admission_cap(self, name: str) -> int | None:
+    def admission_cap(self, name: str, exempt: bool | None = None) -> int | None:
         """The per-dispatch-step cap ``b`` of partition ``name``, or None (no admission control).
+        An exempt partition is never gated, whatever the policy answers (``exempt``: whether it
+        is, if known; else the policy is asked).
 
         Raises:
             StalebufError: the policy's ``admission_batch_size`` answered something other than
                 None or an int >= 1 (0, -1, NaN or "3" would make producers wait forever or
                 ``capacity()`` lie).
-            Exception: whatever that hook raised.
+            Exception: whatever that hook (or ``is_exempt``) raised.
         """
+        if exempt is None:
+            exempt = bool(self.policy.is_exempt(name))
+        if exempt:
+            return None
         cap = self.policy.admission_batch_size(name)
         if cap is None or (type(cap) is int and 1 <= cap < 1 << 63):
             return cap
@@ -129,7 +138,8 @@ class Rules:
         ``group_deadline``), or None for none now.
 
         Raises:
-            StalebufError: the hook answered something other than None or a number > 0.
+            StalebufError: the hook answered something other than None or a finite real number
+                > 0 (numpy's numbers are real numbers).
             Exception: whatever the hook raised.
         """
         seconds = self.policy.group_deadline(part.name, part.median_generation())
@@ -137,6 +147,12 @@ class Rules:
             return seconds
         if is_finite_number(seconds) and seconds > 0:
             return float(seconds)
+        if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool):
+            # numpy's floats and ints, a Fraction: a number of seconds all the same
+            with contextlib.suppress(ArithmeticError, TypeError, ValueError):
+                value = float(seconds)
+                if 0 < value < math.inf:
+                    return value
         raise StalebufError(
             f"{hook_label(self.policy, 'group_deadline')}({describe(part.name)}, ...) must return None "
             f"or a finite number > 0, got {describe_typed(seconds)}"

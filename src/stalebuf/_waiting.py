@@ -31,7 +31,7 @@ class Waiter:
     Subclasses hold the backend's primitive; ``arm`` makes a fresh one before each park.
     """
 
-    __slots__ = ("batch_size", "cut_at", "global_steps", "log_due", "now", "reschedule", "started")
+    __slots__ = ("batch_size", "cut_at", "global_steps", "log_due", "now", "started")
 
     #: The running loop's clock (the backend's ``current_time``), for timing the wait.
     now: Callable[[], float]
@@ -43,9 +43,8 @@ class Waiter:
         # sample, or when a producer parks), and when its next status line is due.
         self.started = self.log_due = math.inf
         # A sample waiting on a partition with group deadlines: when (monotonic()) its timer
-        # will cut the first straggler, and whether a producer asked it to set the timer again.
+        # will cut the first straggler.
         self.cut_at = math.inf
-        self.reschedule = False
 
     def arm(self) -> None:
         """Prepare a fresh, unset signal for the next park."""

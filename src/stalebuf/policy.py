@@ -106,13 +106,15 @@ class StalenessPolicy:
         when a ``sample`` evaluates the partition. ``median_generation_seconds`` is the rolling
         median generation time of the partition's last 256 groups seen in flight that finished
         uncut (None before 16 have). Default: never for exempt partitions; else
-        ``group_deadline_seconds``, or ``group_deadline_factor`` times the median."""
+        ``group_deadline_seconds``, or ``group_deadline_factor`` times the median (none while
+        the median is 0: groups that finish within one tick of a coarse clock measure 0 s, and
+        a deadline of 0 would cut every group)."""
         config = self.config
         if self.is_exempt(partition):
             return None
         if config.group_deadline_seconds is not None:
             return float(config.group_deadline_seconds)
-        if config.group_deadline_factor is not None and median_generation_seconds is not None:
+        if config.group_deadline_factor is not None and median_generation_seconds:
             return float(config.group_deadline_factor) * median_generation_seconds
         return None
 
