@@ -418,7 +418,8 @@ def producer_ledger(buf: ReplayBuffer, partition: str = "train") -> tuple[int, i
 
 
 # The facade's parts are name-mangled private attributes (a subclass cannot clobber them); these
-# white-box helpers are the only code outside the facade that reads them.
+# white-box helpers are the only test code outside the facade that reads them (benchmarks/soak.py
+# and benchmarks/workloads.py read two counters the same way).
 
 
 def _store(buf: ReplayBuffer) -> Any:

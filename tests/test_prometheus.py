@@ -372,7 +372,8 @@ def test_after_the_loop_ended_a_scrape_from_any_thread_reads_directly(backend: s
 
 
 class FakeRemote:
-    """Stands in for a RemoteReplayBuffer: async ``stats`` and ``sample``, no ``sample_nowait``."""
+    """A buffer of another library, shaped like a RemoteReplayBuffer (async ``stats`` and ``sample``, no
+    ``sample_nowait``) but without ``observe_samples``: the collector falls back to wrapping ``sample``."""
 
     def __init__(self, stats: Callable[[], Any]) -> None:
         self._stats = stats
