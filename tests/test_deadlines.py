@@ -19,6 +19,8 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _helpers import (
     LIMIT,
@@ -43,6 +45,7 @@ from stalebuf import (
     StalenessPolicy,
     Status,
 )
+from stalebuf._partition import GENERATION_WINDOW, MEDIAN_AFTER, PartitionState
 
 pytestmark = pytest.mark.anyio
 
@@ -749,3 +752,15 @@ def test_a_zero_median_generation_time_gives_no_deadline(monkeypatch: pytest.Mon
     batch, _ = buf.sample_nowait(0, 17)
     [cut] = [group for group in batch.groups if group.uid == "slow"]
     assert cut_tagged(cut)
+
+
+@given(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 1e-9, 1e9]) | st.floats(0, 100), max_size=600))
+def test_the_rolling_median_is_the_median_of_the_last_256_measured_times(times: list[float]) -> None:
+    """The window is kept sorted as times come and go (a sort per finish cost 13 µs while a sample
+    waited): its median equals a brute-force median of the last 256, and None before 16."""
+    part = PartitionState("train", exempt=False, evict_failures=False, deadlines=True)
+    for index, seconds in enumerate(times):
+        part.record_generation(seconds)
+        window = times[max(0, index + 1 - GENERATION_WINDOW) : index + 1]
+        expected = statistics.median(window) if len(window) >= MEDIAN_AFTER else None
+        assert part.median_generation() == expected

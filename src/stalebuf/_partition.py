@@ -7,6 +7,7 @@ is written only by the group store that owns it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from operator import attrgetter
@@ -43,7 +44,7 @@ class PartitionState:
     """
 
     __slots__ = (
-        "_median",
+        "_sorted_generation",
         "admitted_groups",
         "admitted_trajectories",
         "cap",
@@ -106,7 +107,9 @@ class PartitionState:
         self.deadlines = deadlines and not exempt
         self.starts: list[tuple[float, int, OpenGroup]] = []
         self.generation: deque[float] = deque(maxlen=GENERATION_WINDOW)
-        self._median: float | None = None
+        # The same times kept sorted: the median in O(1), each new time in O(window) memmove
+        # (a sort of the window per finish cost 13 µs while a sample waited).
+        self._sorted_generation: list[float] = []
         self.recent_cuts: list[float] = [0, 0, 0.0]  # groups, trajectories, generation seconds
         self.cut_groups = self.cut_trajectories = 0
         self.pending = self.running = self.finished = self.failure = 0
@@ -157,18 +160,19 @@ class PartitionState:
 
     def record_generation(self, seconds: float) -> None:
         """Count the generation time of a group that finished uncut, seen in flight."""
-        self.generation.append(seconds)
-        self._median = None
+        window, ordered = self.generation, self._sorted_generation
+        if len(window) == GENERATION_WINDOW:  # the oldest leaves the window
+            del ordered[bisect.bisect_left(ordered, window[0])]
+        window.append(seconds)
+        bisect.insort(ordered, seconds)
 
     def median_generation(self) -> float | None:
         """The median of the recorded generation times; None before :data:`MEDIAN_AFTER`."""
-        if len(self.generation) < MEDIAN_AFTER:
+        times = self._sorted_generation
+        if len(times) < MEDIAN_AFTER:
             return None
-        if self._median is None:
-            times = sorted(self.generation)
-            middle = len(times) // 2
-            self._median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
-        return self._median
+        middle = len(times) // 2
+        return times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
 
     def take_recent_cuts(self) -> tuple[int, int, float]:
         """Return the cuts since the last call (groups, trajectories, generation seconds)."""
