@@ -10,11 +10,13 @@ deadlines are real (monotonic) time, short, with generous slack for a noisy 2-co
 from __future__ import annotations
 
 import gc
+import json
 import math
 import statistics
 import time
 import weakref
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -665,16 +667,13 @@ def test_cutting_one_group_costs_the_same_with_many_groups_in_flight(monkeypatch
     assert many < 10 * few, f"{many * 1e6:.0f} us per cut with 50,000 in flight, {few * 1e6:.0f} with 1,000"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore forgets why a uid was remembered: a cut group's producer hears GroupEvictedError",
-)
-async def test_a_cut_groups_producer_hears_group_cut_error_after_a_restore() -> None:
+async def test_a_cut_groups_producer_hears_group_cut_error_after_a_restore(tmp_path: Path) -> None:
     """Defect: a checkpoint keeps the uids of groups the buffer ended in flight, not why. After a
     restore, a producer that survived the restart (a Ray worker, a remote client) and writes to its
     cut group heard ``GroupEvictedError`` "evicted as stale" (an UnknownGroupError, not an
     InvalidTransitionError) for a group that was cut and trained, or a plain late write for a cut
-    group still resident, instead of ``GroupCutError`` naming the deadline."""
+    group still resident, instead of ``GroupCutError`` naming the deadline. The checkpoint keeps
+    the reasons now (``evicted_reasons``), in files of both forms."""
     buf = make(group_deadline_seconds=DEADLINE, group_quorum=1)
     for uid in ("trained", "resident"):
         buf.add_prompt_nowait(uid)
@@ -683,10 +682,34 @@ async def test_a_cut_groups_producer_hears_group_cut_error_after_a_restore() -> 
     batch, _ = await buf.sample(0, 1, timeout=0)  # cuts both, trains the first
     assert batch.uids == ["trained"]
     restored, _ = ReplayBuffer.restore(buf.checkpoint())
-    for each in (buf, restored):
+    await buf.save(tmp_path / "pickle.ckpt")
+    codec = (lambda value: json.dumps(value).encode(), json.loads)
+    await buf.save(tmp_path / "codec.ckpt", payload_codec=codec)
+    from_pickle, _ = ReplayBuffer.restore(tmp_path / "pickle.ckpt")
+    from_codec, _ = ReplayBuffer.restore(tmp_path / "codec.ckpt", payload_codec=codec)
+    for each in (buf, restored, from_pickle, from_codec):
         for uid in ("trained", "resident"):
             with pytest.raises(GroupCutError, match="deadline"):
                 each.put_nowait(uid, "late", session_id=1)
+
+
+async def test_a_restore_keeps_the_measured_median_so_a_factor_deadline_still_cuts(tmp_path: Path) -> None:
+    """Found by the hostile review: a restore dropped the measured generation times, so a factor
+    deadline was off until 16 new groups finished: a server still dead after the restart wedged
+    the run again. The checkpoint keeps each partition's window now."""
+    buf = make(group_deadline_factor=2.0, group_quorum=1)
+    for index in range(16):
+        buf.add_prompt_nowait(f"fast{index}")
+        buf.mark_finished_nowait(f"fast{index}")
+    await buf.save(tmp_path / "window.ckpt")
+    restored, _ = ReplayBuffer.restore(tmp_path / "window.ckpt")
+    restored.add_prompt_nowait("stuck")
+    restored.put_nowait("stuck", "partial")
+    await anyio.sleep(0.05)  # far past twice a median of microseconds
+    with anyio.fail_after(LIMIT):
+        batch, _ = await restored.sample(0, 17)
+    assert "stuck" in batch.uids
+    assert restored.stats().total.cut_groups == 1
 
 
 class NumpyDeadline(StalenessPolicy):

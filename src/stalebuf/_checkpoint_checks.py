@@ -11,18 +11,18 @@ no live buffer could reach.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping
-from itertools import chain, compress, repeat
 from math import isfinite
-from operator import add, attrgetter, is_, is_not, itemgetter, le
+from operator import is_
 from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
 import attrs
 
+from ._checkpoint_scan import behind_dicts, resident_if_valid
 from ._lazy_group import LazyGroup, new_lazy_group
-from ._store import EVICTED_UIDS_REMEMBERED
+from ._partition import GENERATION_WINDOW
+from ._store import CUT_REASON, EVICTED_UIDS_REMEMBERED
 from ._validation import (
     MAX_INT,
     check_index,
@@ -33,7 +33,6 @@ from ._validation import (
     describe,
     describe_error,
     is_finite_number,
-    is_utf8,
 )
 from .checkpoint import COUNTERS, FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
@@ -84,7 +83,10 @@ def checked(checkpoint: object, groups: object = None) -> BufferCheckpoint:
     for index, saved in enumerate(partitions.values()):
         _check_conserved(index, saved, *resident.get(saved.name, (0, 0)))
     evicted = _checked_evicted(checkpoint.evicted_in_flight)
-    return BufferCheckpoint(version, config, policy, records, tuple(partitions.values()), clocks, evicted)
+    reasons = _checked_reasons(checkpoint.evicted_reasons, len(evicted))
+    return BufferCheckpoint(
+        version, config, policy, records, tuple(partitions.values()), clocks, evicted, reasons
+    )
 
 
 def _invalid(where: str, why: str) -> CheckpointError:
@@ -207,7 +209,8 @@ def _checked_partitions(partitions: object, clocks: Mapping[str, int]) -> dict[s
         counters = {key: counters.get(key, 0) for key in COUNTERS}
         if counters["evicted_in_flight_groups"] > counters["evicted_stale_groups"]:  # a part of it
             raise _invalid(f"{where}.counters", "count more groups evicted in flight than as stale")
-        checked_partitions[name] = PartitionCheckpoint(name, last, counters)
+        generation = _checked_generation(f"{where}.generation", saved.generation)
+        checked_partitions[name] = PartitionCheckpoint(name, last, counters, generation)
     return checked_partitions
 
 
@@ -251,6 +254,44 @@ def _checked_evicted(uids: object) -> tuple[str, ...]:
     return values
 
 
+def _checked_reasons(reasons: object, count: int) -> tuple[str | None, ...]:
+    """Why each remembered uid was ended in flight: none given (an older file), or one each of
+    None (stale), "restart" or a cut's "cut at its deadline of ... s".
+
+    Raises:
+        CheckpointError: another value, or another count than the uids'.
+    """
+    values = _sequence("evicted_reasons", reasons)
+    if values and len(values) != count:
+        raise _invalid("evicted_reasons", f"holds {len(values)} reasons for {count} uids")
+    for index, reason in enumerate(values):
+        if not (reason is None or reason == "restart" or _is_cut_reason(reason)):
+            raise _invalid(
+                f"evicted_reasons[{index}]",
+                f"must be None, 'restart' or 'cut at its deadline of ...', got {describe(reason)}",
+            )
+    return tuple(values)
+
+
+def _is_cut_reason(reason: object) -> bool:
+    return type(reason) is str and len(reason) <= 80 and reason.startswith(CUT_REASON)
+
+
+def _checked_generation(where: str, times: object) -> tuple[float, ...]:
+    """Measured generation times: at most the window, each a finite float >= 0.
+
+    Raises:
+        CheckpointError: another value, or more than the window holds.
+    """
+    values = _sequence(where, times)
+    if len(values) > GENERATION_WINDOW:
+        raise _invalid(where, f"holds {len(values)} times; a partition keeps {GENERATION_WINDOW}")
+    for index, seconds in enumerate(values):
+        if type(seconds) is not float or not isfinite(seconds) or seconds < 0.0:
+            raise _invalid(f"{where}[{index}]", f"must be a finite float >= 0, got {describe(seconds)}")
+    return tuple(values)
+
+
 # -- groups -----------------------------------------------------------------------------------------
 
 
@@ -264,7 +305,7 @@ def _checked_groups(
         CheckpointError: a group is invalid, of an unknown partition, or repeats a uid.
     """
     records = _sequence("groups", groups)
-    resident = _resident_if_valid(records, partitions)
+    resident = resident_if_valid(records, partitions)
     if resident is not None:  # the common case, checked by C-level loops over every group at once
         return records, resident
     # Group by group: slower, and names the field at fault.
@@ -386,113 +427,9 @@ def _checked_tags(where: str, tags: object) -> Mapping[str, Any]:
     Raises:
         CheckpointError: ``tags`` is not a mapping, or reading it raised.
     """
-    if tags is EMPTY_TAGS or (type(tags) is MappingProxyType and _behind_dicts([tags])):
+    if tags is EMPTY_TAGS or (type(tags) is MappingProxyType and behind_dicts([tags])):
         return tags
     try:
         return check_tags(tags)
     except TypeError as exc:
         raise _invalid(where, f"is invalid: {exc}") from exc
-
-
-# -- the fast path: every group at once ---------------------------------------------------------------
-
-_GROUP_KINDS = frozenset({Group, LazyGroup})
-# The field accessors of the records read their slots in C (a lazily stored group's getitem would
-# build its trajectory records; "_stored" reads the slot that holds them or its payloads).
-_FIELDS = tuple("_stored" if name == "trajectories" else name for name in Group._fields)
-_uid, _partition, _step, _status, _tags, _stored, _finish, _seconds = map(attrgetter, _FIELDS)
-
-
-def _resident_if_valid(
-    records: tuple[Any, ...], partitions: Mapping[str, PartitionCheckpoint]
-) -> dict[str, tuple[int, int]] | None:
-    """Each partition's resident (groups, trajectories) if every record is a valid group with
-    read-only tags, of a known partition, and no uid repeats; else None (the group-by-group
-    check then names the fault). The same rules as :func:`_checked_group`, or stricter."""
-    if not records:
-        return {}
-    kinds = list(map(type, records))
-    if not _GROUP_KINDS.issuperset(kinds) or set(map(len, records)) != {len(Group._fields)}:
-        return None
-    uids, names, steps, finishes = (list(map(get, records)) for get in (_uid, _partition, _step, _finish))
-    if not (_valid_uids(uids) and set(map(type, names)) == {str} and partitions.keys() >= set(names)):
-        return None
-    if not (_valid_steps(steps) and _valid_steps(finishes) and all(map(le, steps, finishes))):
-        return None
-    seconds = list(map(_seconds, records))
-    if set(map(type, seconds)) != {float} or not all(map(isfinite, seconds)) or min(seconds) < 0:
-        return None
-    if set(map(type, map(_status, records))) != {Status} or not _read_only(list(map(_tags, records))):
-        return None
-    stored = list(map(_stored, records))
-    if set(map(type, stored)) != {tuple}:
-        return None
-    eager = list(map(is_not, kinds, repeat(LazyGroup)))
-    if not _valid_trajectories(list(compress(uids, eager)), list(compress(stored, eager))):
-        return None
-    resident: dict[str, tuple[int, int]] = {}
-    for name, count in zip(names, map(len, stored), strict=True):
-        held = resident.get(name, (0, 0))
-        resident[name] = (held[0] + 1, held[1] + count)
-    return resident
-
-
-def _valid_uids(uids: list[Any]) -> bool:
-    """Whether every uid passes ``check_uid`` and none repeats."""
-    if set(map(type, uids)) != {str} or not all(uids) or len(set(uids)) != len(uids):
-        return False
-    joined = "".join(uids)  # holds "_" or a lone surrogate exactly when one of them does
-    return "_" not in joined and is_utf8(joined)
-
-
-def _valid_steps(steps: list[Any]) -> bool:
-    """Whether every step passes ``check_step``."""
-    if set(map(type, steps)) != {int}:  # first: a set of the values would merge True into 1
-        return False
-    distinct: set[int] = set(steps)  # few: the bounds are then checked on them alone
-    return min(distinct) >= 0 and max(distinct) <= MAX_INT
-
-
-def _read_only(tags: list[Any]) -> bool:
-    """Whether every tags mapping is the shared empty one or a read-only view of a plain dict (as
-    ``put`` makes them: a dict cannot raise while read, a subclass or another mapping may)."""
-    tagged = list(compress(tags, map(is_not, tags, repeat(EMPTY_TAGS))))
-    if not tagged:
-        return True
-    if set(map(type, tagged)) != {MappingProxyType}:
-        return False
-    return _behind_dicts(tagged)
-
-
-def _behind_dicts(proxies: list[Any]) -> bool:
-    """Whether each read-only mapping of ``proxies`` reads through a plain dict: its one referent
-    (on CPython; another interpreter gets its tags copied, which is as safe)."""
-    behind = list(chain.from_iterable(map(gc.get_referents, proxies)))
-    return len(behind) == len(proxies) and set(map(type, behind)) == {dict}
-
-
-class _Suffixes(dict[tuple[int, int], str]):
-    """``"_{session}_{index}"`` by ``(session, index)``, each formatted once per check."""
-
-    def __missing__(self, pair: tuple[int, int]) -> str:
-        suffix = self[pair] = f"_{pair[0]}_{pair[1]}"
-        return suffix
-
-
-def _valid_trajectories(uids: list[str], stored: list[tuple[Any, ...]]) -> bool:
-    """Whether the eager groups ``uids`` hold, in ``stored``, valid Trajectory records whose keys
-    spell their uid, session id and index, with read-only tags; the keys are then distinct within
-    a group exactly when they are distinct overall (a key names its uid, which holds no "_")."""
-    records = list(chain.from_iterable(stored))
-    if not records:
-        return True
-    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {len(Trajectory._fields)}:
-        return False
-    keys, sessions, indices, tags = (list(map(itemgetter(i), records)) for i in range(4))
-    if set(map(type, keys)) != {str} or not (_valid_steps(sessions) and _valid_steps(indices)):
-        return False
-    owners = chain.from_iterable(map(repeat, uids, map(len, stored)))
-    suffixes = map(_Suffixes().__getitem__, zip(sessions, indices, strict=True))
-    if list(map(add, owners, suffixes)) != keys or len(set(keys)) != len(keys):
-        return False
-    return _read_only(tags)

@@ -43,9 +43,12 @@ def write_plain(
     manifest = {
         "config": config,
         "policy": checkpoint.policy,
-        "partitions": [[p.name, p.last_sampled, dict(p.counters)] for p in checkpoint.partitions],
+        "partitions": [
+            [p.name, p.last_sampled, dict(p.counters), list(p.generation)] for p in checkpoint.partitions
+        ],
         "clocks": dict(checkpoint.clocks),
         "evicted_in_flight": list(checkpoint.evicted_in_flight),
+        "evicted_reasons": list(checkpoint.evicted_reasons),
         "groups": len(checkpoint.groups),
     }
     write_frame(_to_json(manifest, "the config"))
@@ -119,7 +122,9 @@ def _check_plain(value: Any, where: str) -> None:
 
 #: The keys of a codec file's manifest and the JSON type of each value (None: any).
 _MANIFEST = {"config": dict, "policy": None, "partitions": list, "clocks": dict, "evicted_in_flight": list,
-             "groups": int}  # fmt: skip
+             "evicted_reasons": list, "groups": int}  # fmt: skip
+#: Keys added since the first codec files, with what an older file means by their absence.
+_ADDED: dict[str, Any] = {"evicted_reasons": []}
 
 
 def read_plain(
@@ -134,6 +139,8 @@ def read_plain(
     """
     # Shapes only: the values go to _checkpoint_checks as they are, so it names the field at fault.
     manifest = json.loads(bytes(next_frame()))
+    if type(manifest) is dict and set(manifest) == set(_MANIFEST) - set(_ADDED):  # an older file
+        manifest.update(_ADDED)
     if type(manifest) is not dict or set(manifest) != set(_MANIFEST):
         raise CheckpointError(
             f"the file's manifest must be a JSON object with the keys {', '.join(_MANIFEST)}"
@@ -147,10 +154,14 @@ def read_plain(
         raise CheckpointError(f"the checkpoint's config is invalid: {describe_error(exc)}") from exc
     partitions = []
     for index, row in enumerate(manifest["partitions"]):
-        name, last_sampled, counters = _row(f"partitions[{index}]", row, 3)
+        if type(row) is list and len(row) == 3:  # an older file: no generation times
+            row = [*row, []]
+        name, last_sampled, counters, generation = _row(f"partitions[{index}]", row, 4)
         if type(counters) is not dict:  # its converter would read a list of pairs as a mapping
             raise CheckpointError(f"the checkpoint's partitions[{index}].counters must be a JSON object")
-        partitions.append(PartitionCheckpoint(name, last_sampled, counters))
+        if type(generation) is not list:
+            raise CheckpointError(f"the checkpoint's partitions[{index}].generation must be a JSON list")
+        partitions.append(PartitionCheckpoint(name, last_sampled, counters, generation))
     groups: list[Group] = []
     while len(groups) < manifest["groups"]:
         chunk = json.loads(bytes(next_frame()))
@@ -165,7 +176,8 @@ def read_plain(
             f"the file holds {len(groups)} groups where its manifest says {manifest['groups']}"
         )
     checkpoint = BufferCheckpoint(FORMAT_VERSION, config, manifest["policy"], (), tuple(partitions),
-                                  manifest["clocks"], tuple(manifest["evicted_in_flight"]))  # fmt: skip
+                                  manifest["clocks"], tuple(manifest["evicted_in_flight"]),
+                                  tuple(manifest["evicted_reasons"]))  # fmt: skip
     return checkpoint, tuple(groups)
 
 

@@ -75,7 +75,12 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
         for group in store.groups.values()
     )
     partitions = tuple(
-        PartitionCheckpoint(name, admission.last_sampled(name), {key: getattr(part, key) for key in COUNTERS})
+        PartitionCheckpoint(
+            name,
+            admission.last_sampled(name),
+            {key: getattr(part, key) for key in COUNTERS},
+            tuple(part.generation),
+        )
         for name, part in store.partitions.items()
     )
     return BufferCheckpoint(
@@ -86,6 +91,7 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
         partitions,
         dict(clocks),
         tuple(store.evicted_in_flight),
+        tuple(store.evicted_in_flight.values()),
     )
 
 
@@ -208,7 +214,7 @@ def rebuild(
         dict(checkpoint.clocks), {saved.name: saved.last_sampled for saved in checkpoint.partitions}
     )
     for saved in checkpoint.partitions:
-        store.partition(saved.name)
+        store.restore_generation(store.partition(saved.name), saved.generation)
     reissue: list[Group] = []
     reissued: dict[str, list[int]] = {}  # partition -> [groups, trajectories discarded]
     restarted: dict[str, list[Group]] = {}
@@ -235,7 +241,7 @@ def rebuild(
             {key: saved.counters.get(key, 0) for key in COUNTERS},
             (counts[0], counts[1]),
         )
-    store.restore_sequence(len(checkpoint.groups), checkpoint.evicted_in_flight)
+    store.restore_sequence(len(checkpoint.groups), checkpoint.evicted_in_flight, checkpoint.evicted_reasons)
     events = []
     for name, groups in restarted.items():
         store.count_restarted(store.partitions[name], groups)

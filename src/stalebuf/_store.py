@@ -40,10 +40,12 @@ from .records import (
     new_trajectory,
 )
 
-__all__ = ["CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
+__all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
 
 #: The group tag every group cut at its deadline carries (True), finished or failed.
 CUT_TAG = "stalebuf_cut"
+#: How a remembered reason for a cut starts (the deadline in seconds follows).
+CUT_REASON = "cut at its deadline of "
 
 #: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
 #: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
@@ -299,7 +301,7 @@ class GroupStore:
         part.cut_trajectories += count
         recent = part.recent_cuts
         recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + count, recent[2] + seconds
-        self.remember_evicted(group.uid, f"cut at its deadline of {deadline:.6g} s")
+        self.remember_evicted(group.uid, f"{CUT_REASON}{deadline:.6g} s")
         evicted = status is not _FINISHED and part.evict_failures
         group.notify_watchers("cut-evicted" if evicted else "cut")
 
@@ -371,10 +373,23 @@ class GroupStore:
         part.reissued_groups += reissued[0]
         part.reissued_trajectories += reissued[1]
 
-    def restore_sequence(self, next_seq: int, evicted_in_flight: tuple[str, ...]) -> None:
-        """Set the admission sequence and the remembered in-flight evictions of a restore."""
+    def restore_sequence(
+        self, next_seq: int, evicted_in_flight: tuple[str, ...], reasons: tuple[str | None, ...]
+    ) -> None:
+        """Set the admission sequence and the remembered in-flight evictions of a restore, with
+        their reasons (``()``: all None, as older files hold)."""
         self.next_seq = next_seq
-        self.evicted_in_flight = OrderedDict.fromkeys(evicted_in_flight)
+        if reasons:
+            self.evicted_in_flight = OrderedDict(zip(evicted_in_flight, reasons, strict=True))
+        else:
+            self.evicted_in_flight = OrderedDict.fromkeys(evicted_in_flight)
+
+    @staticmethod
+    def restore_generation(part: PartitionState, times: tuple[float, ...]) -> None:
+        """Put back ``part``'s measured generation times (the median ``group_deadline_factor``
+        needs survives a restart: a dead server after it must still be cut)."""
+        for seconds in times:
+            part.record_generation(seconds)
 
     def count_restarted(self, part: PartitionState, groups: list[Group]) -> None:
         """Count in-flight ``groups`` a restore evicted (never put back) and remember them."""

@@ -64,6 +64,14 @@ def _as_tuple(value: Iterable[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _as_times(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(value)
+
+
+def _as_reasons(value: Iterable[str | None]) -> tuple[str | None, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class PartitionCheckpoint:
     """One partition's saved state.
@@ -73,15 +81,18 @@ class PartitionCheckpoint:
         last_sampled: the largest step a ``sample`` on it returned a batch at (-1 before any);
             part of the admission state.
         counters: the cumulative counters named in :data:`COUNTERS`.
+        generation: the generation times (seconds) of its last groups measured in flight, oldest
+            first, that ``group_deadline_factor`` takes the median of (``()`` in older files).
     """
 
     name: str
     last_sampled: int
     counters: Mapping[str, int] = attrs.field(converter=_frozen_map)
+    generation: tuple[float, ...] = attrs.field(default=(), converter=_as_times)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: the read-only mapping travels as a dict."""
-        return (PartitionCheckpoint, (self.name, self.last_sampled, dict(self.counters)))
+        return (PartitionCheckpoint, (self.name, self.last_sampled, dict(self.counters), self.generation))
 
 
 @attrs.frozen(eq=False)
@@ -99,7 +110,10 @@ class BufferCheckpoint:
             ``generation_seconds`` elapsed since their ``add_prompt``.
         partitions: every partition's admission state and cumulative counters.
         clocks: each partition's dispatch clock.
-        evicted_in_flight: uids of groups evicted in flight that the buffer remembers.
+        evicted_in_flight: uids of groups the buffer ended in flight and remembers, oldest first.
+        evicted_reasons: why, for each of them: None (evicted as stale), "restart", or "cut at
+            its deadline of ... s" (its producer then hears GroupCutError); ``()`` in older files,
+            read as all None.
     """
 
     format_version: int
@@ -109,6 +123,7 @@ class BufferCheckpoint:
     partitions: tuple[PartitionCheckpoint, ...]
     clocks: Mapping[str, int] = attrs.field(converter=_frozen_map)
     evicted_in_flight: tuple[str, ...] = attrs.field(converter=_as_tuple)
+    evicted_reasons: tuple[str | None, ...] = attrs.field(default=(), converter=_as_reasons)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: the read-only mapping travels as a dict."""
@@ -122,6 +137,7 @@ class BufferCheckpoint:
                 self.partitions,
                 dict(self.clocks),
                 self.evicted_in_flight,
+                self.evicted_reasons,
             ),
         )
 
