@@ -25,6 +25,7 @@ __all__ = [
     "default_records",
     "new_group",
     "new_trajectory",
+    "record_repr",
     "tags_for_pickle",
 ]
 
@@ -60,25 +61,17 @@ class Status(enum.Enum):
 _field: Any = getattr(collections, "_tuplegetter", lambda index, doc: property(itemgetter(index), doc=doc))
 
 
-class _Record(tuple):  # type: ignore[type-arg]
-    """Shared behaviour of the tuple-based records: identity equality, a readable repr."""
-
-    __slots__ = ()
-    _fields: tuple[str, ...] = ()
-
-    __eq__ = object.__eq__
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return self._repr(type(self).__name__)
-
-    def _repr(self, name: str) -> str:
-        values = ", ".join(f"{field}={getattr(self, field)!r}" for field in self._fields)
-        return f"{name}({values})"
+def record_repr(record: Any, name: str) -> str:
+    """``Name(field=value, ...)`` of a tuple-based record, over its ``_fields``."""
+    values = ", ".join(f"{field}={getattr(record, field)!r}" for field in record._fields)
+    return f"{name}({values})"
 
 
-class Trajectory(_Record):
+def _repr(self: Any) -> str:
+    return record_repr(self, type(self).__name__)
+
+
+class Trajectory(tuple):  # type: ignore[type-arg]
     """One rollout session's output: a payload plus its key and tags (immutable).
 
     Attributes:
@@ -90,6 +83,12 @@ class Trajectory(_Record):
     """
 
     __slots__ = ()
+    # Identity equality and a readable repr, as class attributes rather than from a shared base
+    # class (which would put LazyGroup four levels deep).
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+    __repr__ = _repr
     _fields = ("key", "session_id", "index", "tags", "payload")
 
     def __new__(
@@ -109,7 +108,7 @@ class Trajectory(_Record):
         return (_trajectory, (self.key, self.session_id, self.index, _plain(self.tags), self.payload))
 
 
-class Group(_Record):
+class Group(tuple):  # type: ignore[type-arg]
     """A group as the buffer hands it out: one prompt and its trajectories (immutable).
 
     Attributes:
@@ -127,6 +126,12 @@ class Group(_Record):
     """
 
     __slots__ = ()
+    # Identity equality and a readable repr, as class attributes rather than from a shared base
+    # class (which would put LazyGroup four levels deep).
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+    __repr__ = _repr
     _fields = (
         "uid",
         "partition",

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, SupportsIndex
 
+from ._group_records import record_repr
 from .records import EMPTY_TAGS, Group, Status, Trajectory, default_keys, default_records, tags_for_pickle
 
 __all__ = ["LazyGroup", "new_lazy_group"]
@@ -91,7 +92,7 @@ class LazyGroup(_WithInstanceDict):
         return built
 
     def __repr__(self) -> str:
-        return self._repr("Group")
+        return record_repr(self, "Group")
 
     def __copy__(self) -> Group:
         return self.replace()  # the same records, as copying an eager group keeps them
