@@ -787,3 +787,22 @@ def test_the_rolling_median_is_the_median_of_the_last_256_measured_times(times: 
         window = times[max(0, index + 1 - GENERATION_WINDOW) : index + 1]
         expected = statistics.median(window) if len(window) >= MEDIAN_AFTER else None
         assert part.median_generation() == expected
+
+
+async def test_a_sample_whose_first_cut_leaves_it_short_parks_again_for_the_next_deadline() -> None:
+    """A timed wait that fires, cuts one straggler, still has no batch and parks again: on asyncio
+    the expired cancel scope cancels the waiter's bare future, which must be armed afresh (awaiting
+    it again would raise CancelledError out of the sample). The second deadline then cuts the
+    second straggler and the sample returns both."""
+    buf = make(group_deadline_seconds=DEADLINE)  # no quorum: cut groups fail, and are sampleable
+    buf.add_prompt_nowait("first")
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.sample(0, 2))
+            await anyio.sleep(DEADLINE / 2)
+            buf.add_prompt_nowait("second")  # its deadline comes half a deadline later
+            await anyio.sleep(DEADLINE * 2 + 0.3)
+            assert waiting.returned, waiting.error
+    assert waiting.result[0].uids == ["first", "second"]
+    assert [group.status for group in waiting.result[0].groups] == [Status.FAILURE] * 2
+    assert buf.stats().total.cut_groups == 2
