@@ -14,11 +14,11 @@ from .errors import ConfigError
 __all__ = ["FAILURE_STRATEGIES", "STRATEGIES", "SamplerConfig"]
 
 #: Accepted values of ``max_off_policy_strategy``.
-STRATEGIES: tuple[str, ...] = ("drop", "wait")
+STRATEGIES: tuple[str, ...] = ("drop", "wait", "mask")
 #: Accepted values of ``failure_strategy``.
 FAILURE_STRATEGIES: tuple[str, ...] = ("sample", "evict")
 
-Strategy = Literal["drop", "wait"]
+Strategy = Literal["drop", "wait", "mask"]
 FailureStrategy = Literal["sample", "evict"]
 
 
@@ -77,6 +77,12 @@ def _check_admission_batch_size(
 def _check_evict_stale_in_flight(instance: SamplerConfig, _attribute: object, value: object) -> None:
     if type(value) is not bool:
         raise ConfigError(f"evict_stale_in_flight must be a bool, got {describe(value)}")
+    if value and instance.max_off_policy_strategy == "mask":
+        raise ConfigError(
+            "evict_stale_in_flight=True cannot be used with max_off_policy_strategy='mask': an "
+            "in-flight group can always still gain fresh tokens, so no in-flight group is provably "
+            "useless (mask evicts only terminal groups without one fresh token)"
+        )
     if value and instance.max_off_policy_strategy != "drop":
         raise ConfigError(
             "evict_stale_in_flight=True needs max_off_policy_strategy='drop' (under 'wait' every "
@@ -115,8 +121,11 @@ class SamplerConfig:
 
     Attributes:
         max_off_policy_threshold: the staleness threshold ``T`` (int >= 1).
-        max_off_policy_strategy: "drop" evicts terminal groups with ``s > T`` before selecting;
-            "wait" never drops and waits while an in-flight group has ``s >= T``.
+        max_off_policy_strategy: "drop" evicts terminal groups whose head (oldest token; the
+            dispatch step without versions) has ``s > T`` before selecting; "wait" never drops
+            and waits while an in-flight group's head has ``s >= T``; "mask" evicts only
+            terminal groups whose tail (newest token) has ``s > T`` and returns the rest with
+            their stale tokens masked (``Batch.freshness_mask``, ``Batch.loss_excluded``).
         parameter_sync_step: ``S``, the trainer steps between weight syncs (int >= 1);
             staleness is ``(g - p + 1) / S``.
         failure_strategy: "sample" treats failed groups as sampleable; "evict" evicts them
