@@ -15,9 +15,9 @@ from time import monotonic
 from types import MappingProxyType
 from typing import Any
 
+from ._judged_index import JudgedEntry
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
-from ._judged_index import JudgedEntry
 from ._partition import PartitionState, group_tokens
 from ._rules import Rules
 from ._stored import count_trajectories
