@@ -40,6 +40,7 @@ from .records import (
     default_keys,
     new_group,
     new_trajectory,
+    pack_runs,
 )
 
 __all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
@@ -224,7 +225,19 @@ class GroupStore:
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
-        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, tags, payload, segments, tokens))
+        trajectories[key] = _tuple_new(
+            Trajectory,
+            (
+                key,
+                session_id,
+                index,
+                tags,
+                payload,
+                segments,
+                tokens,
+                pack_runs(segments) if segments else b"",
+            ),
+        )
         part = self.partitions[group.partition]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
