@@ -165,7 +165,7 @@ async def test_every_gauge_and_counter_equals_its_stats_field() -> None:
     buffer = await busy_buffer()
     registry = CollectorRegistry()
     register(buffer, registry)
-    buffer.put_group_nowait("now", [1], global_steps=2)  # fills step 2 (reissued is there too)
+    buffer.put_group_nowait("now", [1], global_steps=2, tokens=[5])  # fills step 2 (reissued is there too)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(until_closed, buffer.add_prompt("blocked"))  # admission: no slot at step 2
         tasks.start_soon(until_closed, buffer.sample(2, 5))  # 1 ready group: waits
@@ -181,7 +181,7 @@ async def test_every_gauge_and_counter_equals_its_stats_field() -> None:
     assert moved >= {"admitted_groups", "sampled_groups", "evicted_stale_groups", "evicted_failure_groups",
                      "evicted_in_flight_groups", "reissued_groups", "reissued_trajectories",
                      "waiting_samplers", "waiting_producers", "pending", "finished", "capacity",
-                     "admitted_tokens", "sampled_tokens", "evicted_tokens"}  # fmt: skip
+                     "tokens"}  # fmt: skip
 
 
 def vars_of(item: PartitionStats) -> dict[str, Any]:
@@ -224,7 +224,9 @@ def test_names_types_and_labels_follow_prometheus_conventions() -> None:
         "stalebuf_admitted_groups", "stalebuf_admitted_trajectories", "stalebuf_sampled_groups",
         "stalebuf_sampled_trajectories", "stalebuf_evicted_groups", "stalebuf_evicted_trajectories",
         "stalebuf_evicted_in_flight_groups", "stalebuf_reissued_groups", "stalebuf_reissued_trajectories",
-        "stalebuf_cut_groups", "stalebuf_cut_trajectories",
+        "stalebuf_cut_groups", "stalebuf_cut_trajectories", "stalebuf_admitted_tokens",
+        "stalebuf_sampled_tokens", "stalebuf_masked_tokens", "stalebuf_evicted_tokens",
+        "stalebuf_reissued_tokens",
     }  # fmt: skip
     for name in counters:
         assert all(sample.name == f"{name}_total" for sample in families[name].samples)
