@@ -204,7 +204,7 @@ def fresh_span(batch: Batch) -> int:
     return arrays.MAX_INT + 1 if threshold is None else threshold * batch.parameter_sync_step
 
 
-EvictionReason = Literal["stale", "failure", "restart"]
+EvictionReason = Literal["stale", "failure", "restart", "filtered"]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -215,10 +215,11 @@ class EvictionEvent:
         partition: the partition they were evicted from.
         reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``),
             "failure" (``failure_strategy="evict"``) or "restart" (in-flight groups evicted by
-            ``ReplayBuffer.restore(..., in_flight="evict")``).
+            ``ReplayBuffer.restore(..., in_flight="evict")``) or "filtered" (a group filter
+            rejected it as it finished).
         groups: the evicted groups, oldest first.
-        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart",
-            the partition's dispatch clock).
+        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart"
+            and "filtered", the partition's dispatch clock).
     """
 
     partition: str

@@ -90,6 +90,13 @@ def _check_evict_stale_in_flight(instance: SamplerConfig, _attribute: object, va
         )
 
 
+def _check_filter_metric(_instance: object, _attribute: attrs.Attribute[str | None], value: object) -> None:
+    if value is not None and (type(value) is not str or not value):
+        raise ConfigError(
+            f"filter_groups_metric must be None or a non-empty str (a tag name), got {describe(value)}"
+        )
+
+
 def _check_deadline_seconds(
     _instance: object, _attribute: attrs.Attribute[float | None], value: object
 ) -> None:
@@ -149,6 +156,11 @@ class SamplerConfig:
         group_quorum: None, or an int >= 1: a cut group holding at least this many trajectories
             is finished with what it has; one with fewer is failed (None: every cut group fails).
 
+        filter_groups_metric: None, or a trajectory tag name: the buffer filters groups with
+            ``stalebuf.filters.zero_variance(filter_groups_metric)`` (verl's
+            ``algorithm.filter_groups`` with ``enable: true`` and that ``metric``), before any
+            filter given to the buffer.
+
     Raises:
         ConfigError: on construction, for any invalid value (the message names the field).
     """
@@ -173,6 +185,7 @@ class SamplerConfig:
     group_deadline_seconds: float | None = attrs.field(default=None, validator=_check_deadline_seconds)
     group_deadline_factor: float | None = attrs.field(default=None, validator=_check_deadline_factor)
     group_quorum: int | None = attrs.field(default=None, validator=_check_quorum)
+    filter_groups_metric: str | None = attrs.field(default=None, validator=_check_filter_metric)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: rebuilt through the constructor (and so validated again)."""
