@@ -78,7 +78,8 @@ class RolloutGroup:
         """Add one trajectory to the group and return its key (see ``ReplayBuffer.put_nowait``).
 
         Raises:
-            The errors of ``ReplayBuffer.put_nowait`` (GroupEvictedError once it was evicted).
+            GroupEvictedError: the group was evicted in flight; and the other errors of
+                ``ReplayBuffer.put_nowait``.
         """
         return self._buffer.put_nowait(self.uid, payload, session_id=session_id, index=index, tags=tags)
 

@@ -597,7 +597,7 @@ class ReplayBuffer:
         For integrations that run producers elsewhere (``rollout()`` and ``stalebuf.ray`` use it).
 
         Raises:
-            The errors a write to ``uid`` raises (UnknownGroupError, InvalidTransitionError...).
+            UnknownGroupError, InvalidTransitionError: as a write to ``uid`` raises them.
             WrongThreadError, BufferClosedError: as for the producer calls.
         """
         self.__check_usable()
