@@ -83,6 +83,19 @@ def test_no_threshold_policy_and_subclass_hooks() -> None:
     assert sample_now(buf, 10**6, 1)[0].uids == ["ancient"]
 
 
+def test_no_threshold_mask_masks_nothing() -> None:
+    """Under mask, no token is stale without a threshold: nothing evicted, nothing masked."""
+    buf = make(max_off_policy_threshold=None, max_off_policy_strategy="mask")
+    buf.add_prompt_nowait("old", global_steps=0)
+    buf.mark_running_nowait("old", version=0)
+    buf.put_nowait("old", "completion", versions=[(0, 3), (5, 2)])
+    buf.mark_finished_nowait("old")
+    batch, metrics = sample_now(buf, 1000, 1)
+    assert batch.uids == ["old"]
+    assert metrics["training/off_policy/masked_tokens"] == 0.0
+    assert not any("dropped" in key for key in metrics)
+
+
 def test_no_threshold_has_no_admission() -> None:
     """Admission's bound is T*S*b: the config refuses it, and the buffer reports no capacity."""
     buf = make(max_off_policy_threshold=None)

@@ -345,7 +345,7 @@ def _checked_group(index: int, group: object) -> tuple[Group, int]:
     if record is None or len(values) != len(Group._fields):
         got = f"one of {len(values)} fields" if record is not None else kind.__name__
         raise _invalid(where, f"must be a Group record, got {got}")
-    uid, partition, step, status, tags, stored, finish, seconds = values
+    uid, partition, step, status, tags, stored, finish, seconds, start = values
     uid = _field(f"{where}.uid", check_uid, uid)
     _field(f"{where}.partition", check_partition, partition)
     _field(f"{where}.dispatch_step", lambda value: check_step(value, "dispatch_step"), step)
@@ -370,8 +370,10 @@ def _checked_group(index: int, group: object) -> tuple[Group, int]:
     if frozen is tags and records is stored:
         return record, len(records)
     if kind is LazyGroup:
-        return new_lazy_group(uid, partition, step, status, frozen, records, finish, seconds), len(records)
-    return new_group(uid, partition, step, status, frozen, records, finish, seconds), len(records)
+        return new_lazy_group(uid, partition, step, status, frozen, records, finish, seconds, start), len(
+            records
+        )
+    return new_group(uid, partition, step, status, frozen, records, finish, seconds, start), len(records)
 
 
 def _checked_trajectories(where: str, uid: str, records: object) -> tuple[Trajectory, ...]:
@@ -405,10 +407,10 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
     """
     record = trajectory if type(trajectory) is Trajectory else None
     values: tuple[Any, ...] = () if record is None else tuple(tuple.__iter__(record))
-    if record is None or len(values) != len(Trajectory._fields):
+    if record is None or len(values) != Trajectory.SLOTS:
         got = f"one of {len(values)} fields" if record is not None else type(trajectory).__name__
         raise _invalid(where, f"must be a Trajectory record, got {got}")
-    key, session_id, index, tags, payload = values
+    key, session_id, index, tags, payload, versions, tokens, _ = values
     _field(f"{where}.session_id", lambda value: check_index(value, "session_id"), session_id)
     _field(f"{where}.index", lambda value: check_index(value, "index"), index)
     expected = f"{uid}_{session_id}_{index}"
@@ -417,7 +419,11 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
             f"{where}.key", f"must be {describe(expected)} (uid_session_index), got {describe(key)}"
         )
     frozen = _checked_tags(f"{where}.tags", tags)
-    return record if frozen is tags else new_trajectory(key, session_id, index, frozen, payload)
+    return (
+        record
+        if frozen is tags
+        else new_trajectory(key, session_id, index, frozen, payload, versions, tokens)
+    )
 
 
 def _checked_tags(where: str, tags: object) -> Mapping[str, Any]:

@@ -219,7 +219,9 @@ def _group_from_row(
         status = Status(status)
     if type(seconds) is float and not math.isfinite(seconds):
         seconds = 0.0  # JSON may hold NaN or Infinity; no clock measures either
-    return new_group(uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
+    return new_group(
+        uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds, step
+    )
 
 
 def _frozen(tags: object) -> Any:

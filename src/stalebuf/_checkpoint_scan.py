@@ -25,7 +25,7 @@ _GROUP_KINDS = frozenset({Group, LazyGroup})
 # The field accessors of the records read their slots in C (a lazily stored group's getitem would
 # build its trajectory records; "_stored" reads the slot that holds them or its payloads).
 _FIELDS = tuple("_stored" if name == "trajectories" else name for name in Group._fields)
-_uid, _partition, _step, _status, _tags, _stored, _finish, _seconds = map(attrgetter, _FIELDS)
+_uid, _partition, _step, _status, _tags, _stored, _finish, _seconds, _start = map(attrgetter, _FIELDS)
 
 
 def resident_if_valid(
@@ -43,6 +43,8 @@ def resident_if_valid(
     if not (_valid_uids(uids) and set(map(type, names)) == {str} and partitions.keys() >= set(names)):
         return None
     if not (_valid_steps(steps) and _valid_steps(finishes) and all(map(le, steps, finishes))):
+        return None
+    if not _valid_steps(list(map(_start, records))):
         return None
     seconds = list(map(_seconds, records))
     if set(map(type, seconds)) != {float} or not all(map(isfinite, seconds)) or min(seconds) < 0:
@@ -111,9 +113,11 @@ def _valid_trajectories(uids: list[str], stored: list[tuple[Any, ...]]) -> bool:
     records = list(chain.from_iterable(stored))
     if not records:
         return True
-    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {len(Trajectory._fields)}:
+    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {Trajectory.SLOTS}:
         return False
     keys, sessions, indices, tags = (list(map(itemgetter(i), records)) for i in range(4))
+    if set(map(itemgetter(5), records)) != {()} or set(map(itemgetter(6), records)) != {0}:
+        return False  # versions or tokens: the group-by-group check reads them
     if set(map(type, keys)) != {str} or not (_valid_steps(sessions) and _valid_steps(indices)):
         return False
     owners = chain.from_iterable(map(repeat, uids, map(len, stored)))

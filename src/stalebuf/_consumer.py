@@ -24,6 +24,7 @@ from ._partition import PartitionState
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
 from ._status_log import StatusLog, log_waiting, logger, next_due
 from ._store import GroupStore
+from ._token_metrics import token_metrics
 from ._validation import describe
 from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
@@ -256,8 +257,10 @@ class Consumer:
 
         An observer that raises is logged, never turned into an error: the batch is taken.
         """
-        sync_step = self.rules.sync_step
-        batch = new_batch(part.name, global_steps, tuple(groups), sync_step)
+        rules = self.rules
+        sync_step = rules.sync_step
+        masks = rules.masks and not part.exempt
+        batch = new_batch(part.name, global_steps, tuple(groups), sync_step, rules.threshold, masks)
         admission = None
         if part.cap is not None:
             # The batch is already taken: a policy hook that raises here must not lose it, so
@@ -278,6 +281,11 @@ class Consumer:
             rendered[f"{prefix}/cut_generation_seconds/mean"] = (
                 cut_seconds / cut_groups if cut_groups else 0.0
             )
+        if part.admitted_tokens:  # a partition that never held a token skips the token metrics
+            token_rendered, masked = token_metrics(batch, metric_prefix(part.name))
+            rendered.update(token_rendered)
+            if masked:
+                self.store.count_masked(part, masked)
         for observer in self.observers:
             try:
                 observer(batch, rendered)

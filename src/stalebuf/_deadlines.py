@@ -97,7 +97,7 @@ def _overdue(part: PartitionState, started_before: float) -> list[OpenGroup]:
     found.sort()
     groups = []
     for _, _, group in found:
-        at_step = in_flight.get(group.dispatch_step)
+        at_step = in_flight.get(group.head)
         if at_step is not None and at_step.get(group.uid) is group:
             groups.append(group)
     return groups

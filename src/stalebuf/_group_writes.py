@@ -18,6 +18,7 @@ from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._store import GroupStore
 from ._validation import check_group_payloads, check_partition, check_step, check_tags, check_uid, describe
+from ._versions import check_group_versions, check_start_version
 from .errors import DuplicateGroupError, DuplicateTrajectoryError
 from .records import EMPTY_TAGS, Group, Status
 
@@ -69,21 +70,24 @@ class GroupWriter:
         payloads: list[Any] | tuple[Any, ...],
         global_steps: int | None,
         tags: Mapping[str, Any] | None,
+        version: int | None = None,
     ) -> list[str]:
-        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked.
-        What can raise runs before any change.
+        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked
+        (``version``: its start version, unchecked). What can raise runs before any change.
 
         Raises:
-            TypeError, ValueError: ``tags`` is invalid.
+            TypeError, ValueError: ``tags`` or ``version`` is invalid.
             BufferFullError: admission control has no slot for it now.
         """
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        if version is not None:
+            version = check_start_version(version)
         clock = self.admission.clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
         if part.cap is not None:
             step = self.admission.tag_for(part.name, part, global_steps)
         stored = payloads if type(payloads) is tuple else tuple(payloads)
-        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags)
+        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags, version)
         consumer = self.consumer
         if consumer.waiting.get(part.name):  # notify's own first test, without the call: per group
             consumer.notify(part)
@@ -101,10 +105,12 @@ class GroupWriter:
         indices: Sequence[int] | None,
         status: object,
         granted: int | None = None,
+        versioning: tuple[object, object, object] = (None, None, None),
     ) -> list[str]:
         """``put_group_nowait`` after the open/thread check: check everything, then change.
 
-        ``granted`` is the admission slot a waiting producer was given (its dispatch step).
+        ``granted`` is the admission slot a waiting producer was given (its dispatch step);
+        ``versioning`` the ``(versions, tokens, version)`` arguments.
 
         Raises:
             The errors of ``ReplayBuffer.put_group_nowait``.
@@ -115,7 +121,13 @@ class GroupWriter:
         check_partition(partition)
         group_tags = check_tags(tags)
         terminal = _terminal_status(status)
-        keys, rows = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
+        keys, checked = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
+        rows: tuple[tuple[Any, ...], ...] = checked
+        versions, tokens, version = versioning
+        start = None if version is None else check_start_version(version)
+        counted = check_group_versions(len(rows), versions, tokens)
+        if counted is not None:
+            rows = tuple((*row, *count) for row, count in zip(rows, counted, strict=True))
         store = self.store
         group: OpenGroup | Group | None = store.groups.get(uid)
         measured = group is not None  # in flight before this call: its generation time is real
@@ -133,6 +145,8 @@ class GroupWriter:
             )
             # Everything is valid: from here on nothing raises, so the group lands whole.
             group = store.admit(uid, step, store.partition(partition), group_tags)
+        if start is not None:
+            store.set_start_version(group, start)
         store.fill(group, rows)
         part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured)
         self.consumer.notify(part)
@@ -162,6 +176,11 @@ class GroupWriter:
             [t.index for t in trajectories],
             _FINISHED if group.status is _FINISHED else _FAILURE,
             granted=group.global_steps,  # its slot was granted when it was first admitted
+            versioning=(
+                [t.versions or None for t in trajectories],
+                [t.tokens for t in trajectories],
+                group.start_version,
+            ),
         )
         return True
 

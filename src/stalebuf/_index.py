@@ -288,6 +288,30 @@ class ReadyIndex:
         heapq.heapify(self.newest)
         self.count -= len(chosen)
 
+    def remove(self, doomed: dict[int, set[int]]) -> None:
+        """Remove the groups whose ids ``doomed`` lists under their dispatch step (all present);
+        O(the buckets touched + S)."""
+        buckets, emptied = self.buckets, False
+        for step, ids in doomed.items():
+            bucket = buckets[step]
+            if len(ids) == len(bucket):
+                del buckets[step]
+                emptied = True
+            else:
+                bucket.keep([entry for entry in bucket.live_entries() if id(entry[1]) not in ids])
+            self.count -= len(ids)
+        if emptied:
+            self.steps = list(buckets)
+            heapq.heapify(self.steps)
+            self.newest = [-step for step in buckets]
+            heapq.heapify(self.newest)
+
+    def entries(self) -> Iterator[tuple[int, int, Group]]:
+        """Yield ``(step, seq, group)`` for every group, bucket by bucket (in no step order)."""
+        for step, bucket in self.buckets.items():
+            for seq, group in bucket.live_entries():
+                yield step, seq, group
+
     def steps_in_order(self) -> Iterator[int]:
         """Yield the steps in ascending order, lazily: O(j log j) for the first j.
 

@@ -16,7 +16,8 @@ import math
 import numbers
 from collections.abc import Iterable
 
-from ._partition import PartitionState
+from ._judged_index import JudgedEntry
+from ._partition import BY_DISPATCH, BY_HEAD, BY_TAIL, PartitionState
 from ._validation import describe, describe_typed, is_finite_number
 from .config import SamplerConfig
 from .errors import ConfigError, StalebufError
@@ -48,8 +49,11 @@ class Rules:
         base: the policy the buffer was given (``ReplayBuffer.policy``).
         policy: what the buffer asks: ``base``, or the subclass's hooks in front of it.
         config: the buffer's config (a checkpoint keeps it; the policy's may differ).
-        threshold, sync_step, drops: the policy's (S is the policy's: the rules and the
-            staleness a batch reports must agree, even for a policy of another config).
+        threshold, sync_step, drops, masks: the policy's (S is the policy's: the rules and
+            the staleness a batch reports must agree, even for a policy of another config).
+        evicts: whether ``sample`` evicts stale ready groups (``drop`` or ``mask``).
+        judge: which version ready groups are judged by (``_partition.BY_*``): the head under
+            ``drop``, the tail under ``mask``; under ``wait`` none is evicted as stale.
     """
 
     __slots__ = (
@@ -57,6 +61,9 @@ class Rules:
         "base",
         "config",
         "drops",
+        "evicts",
+        "judge",
+        "masks",
         "plain",
         "plain_admission",
         "policy",
@@ -72,6 +79,9 @@ class Rules:
         self.threshold = base.threshold
         self.sync_step = base.sync_step
         self.drops = base.drops
+        self.masks = base.masks
+        self.evicts = base.drops or base.masks
+        self.judge = BY_TAIL if base.masks else BY_HEAD if base.drops else BY_DISPATCH
         # The default is_stale as one comparison: p < g + 1 - span (see staleness.drop_span).
         self.span = drop_span(base.threshold, base.sync_step)
         self.plain = asks_defaults(self.policy, ("is_stale", "must_wait_for", "select"))
@@ -176,14 +186,16 @@ class Rules:
     # -- drop -------------------------------------------------------------------------
 
     def is_stale(self, global_steps: int, dispatch_step: int, name: str) -> bool:
-        """Whether a terminal group dispatched at ``dispatch_step`` is dropped at ``global_steps``."""
+        """Whether a terminal group judged by version ``dispatch_step`` (its dispatch step
+        without versions) is dropped at ``global_steps``."""
         if self.plain:
             return dispatch_step < global_steps + 1 - self.span
         return self.policy.is_stale(global_steps, dispatch_step, name)
 
     def stale_steps(self, part: PartitionState, global_steps: int) -> list[int]:
-        """The dispatch steps, oldest first, whose ready groups the drop rule evicts now."""
-        if not self.drops or part.exempt or not part.ready.count:
+        """The dispatch steps, oldest first, whose ready groups the drop rule evicts now (none
+        while the partition judges some group by another version: see :meth:`stale_judged`)."""
+        if not self.evicts or part.exempt or not part.ready.count or part.judged is not None:
             return []
         if self.plain:
             return part.ready.steps_before(global_steps + 1 - self.span)
@@ -192,9 +204,21 @@ class Rules:
             return []
         return part.ready.stale_steps(lambda step: policy.is_stale(global_steps, step, name))
 
+    def stale_judged(self, part: PartitionState, global_steps: int) -> list[JudgedEntry]:
+        """The ready groups the rule evicts now, by the version each is judged by (its head
+        under ``drop``, its tail under ``mask``), while the partition keeps a judged index."""
+        judged = part.judged
+        if judged is None or not self.evicts or part.exempt:
+            return []
+        if self.plain:
+            cutoff = global_steps + 1 - self.span
+            return judged.stale(cutoff.__gt__)
+        policy, name = self.policy, part.name
+        return judged.stale(lambda version: policy.is_stale(global_steps, version, name))
+
     def stale_in_flight_steps(self, part: PartitionState, global_steps: int) -> list[int]:
-        """The dispatch steps, oldest first, whose in-flight groups no later sample could
-        return (only with in-flight eviction): the drop rule already holds for them."""
+        """The heads, oldest first, of the in-flight groups no later sample could return (only
+        with in-flight eviction): the drop rule already holds for them."""
         if not part.evict_in_flight:
             return []
         name = part.name
@@ -202,16 +226,19 @@ class Rules:
 
     def count_fresh(self, part: PartitionState, global_steps: int) -> int:
         """How many ready groups of ``part`` the drop rule keeps at ``global_steps``."""
-        if not self.drops or part.exempt:
+        if not self.evicts or part.exempt:
             return part.ready.count
+        if part.judged is not None:
+            return part.ready.count - len(self.stale_judged(part, global_steps))
         name = part.name
         return part.ready.count_fresh(lambda step: self.is_stale(global_steps, step, name))
 
     # -- the wait gate and selection ------------------------------------------------------
 
     def gate_open(self, part: PartitionState, global_steps: int) -> bool:
-        """The wait gate: no in-flight group the sample at ``global_steps`` must wait for."""
-        if self.drops or part.exempt:
+        """The wait gate: no in-flight group (by its head) the sample at ``global_steps`` must
+        wait for."""
+        if self.evicts or part.exempt:
             return True
         oldest = part.in_flight.oldest()
         if oldest is None:
@@ -224,10 +251,10 @@ class Rules:
         """The common case of an evaluation, answered inline: :data:`NO_BATCH` or
         :data:`OLDEST_BATCH` when the default rules hold and nothing is to be evicted, else
         :data:`NEEDS_RULES` (ask :meth:`stale_steps` and :meth:`choose_batch`)."""
-        if not self.plain or part.failed or part.evict_in_flight:
+        if not self.plain or part.failed or part.evict_in_flight or part.judged is not None:
             return NEEDS_RULES
         ready = part.ready
-        if self.drops and not part.exempt and ready.count and ready.steps[0] < global_steps + 1 - self.span:
+        if self.evicts and not part.exempt and ready.count and ready.steps[0] < global_steps + 1 - self.span:
             return NEEDS_RULES  # the oldest is stale: eviction to do
         if ready.count < batch_size or not self.gate_open(part, global_steps):
             return NO_BATCH
@@ -242,20 +269,20 @@ class Rules:
             Exception: whatever a policy hook raised.
         """
         ready = part.ready
-        if self.plain and not part.failed and not part.evict_in_flight:
+        if self.plain and not part.failed and not part.evict_in_flight and part.judged is None:
             if ready.count >= batch_size and self.gate_open(part, global_steps):
                 return True
             return bool(
                 ready.count
-                and self.drops
+                and self.evicts
                 and not part.exempt
                 and ready.steps[0] < global_steps + 1 - self.span  # the oldest is stale
             )
         if part.failed or (
-            self.drops
+            self.evicts
             and ready.count
             and not part.exempt
-            and self.is_stale(global_steps, ready.oldest_step(), part.name)
+            and self.is_stale(global_steps, part.oldest_judged(), part.name)
         ):
             return True
         if part.evict_in_flight:

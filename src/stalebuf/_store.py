@@ -15,12 +15,14 @@ from time import monotonic
 from types import MappingProxyType
 from typing import Any
 
+from ._judged_index import JudgedEntry
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
-from ._partition import PartitionState
+from ._partition import PartitionState, group_tokens
 from ._rules import Rules
 from ._stored import count_trajectories
 from ._validation import describe
+from ._versions import VersionSpan
 from ._waiting import LoopBinding
 from .errors import (
     DuplicateTrajectoryError,
@@ -38,6 +40,7 @@ from .records import (
     default_keys,
     new_group,
     new_trajectory,
+    pack_runs,
 )
 
 __all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
@@ -100,6 +103,7 @@ class GroupStore:
                 evict_in_flight=evict_in_flight,
                 cap=cap,
                 deadlines=deadlines,
+                judge=self.rules.judge,
             )
             self.partitions[name] = part
         return part
@@ -165,8 +169,9 @@ class GroupStore:
             self.evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
         return group
 
-    def start(self, uid: object) -> None:
-        """Move the group ``uid`` from PENDING to RUNNING.
+    def start(self, uid: object, version: int | None = None) -> None:
+        """Move the group ``uid`` from PENDING to RUNNING; ``version`` (checked): its new start
+        version (None keeps the one it has).
 
         Raises:
             The errors of :meth:`open_group`; InvalidTransitionError if it is running already.
@@ -177,10 +182,31 @@ class GroupStore:
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
-        self.partitions[group.partition].start()
+        part = self.partitions[group.partition]
+        part.start()
+        if version is not None:
+            self.set_start_version(group, version)
 
-    def put(self, uid: object, payload: Any, session_id: int, index: int, tags: Mapping[str, Any]) -> str:
-        """Add one trajectory to the in-flight group ``uid`` (checked arguments); return its key.
+    def set_start_version(self, group: OpenGroup, version: int) -> None:
+        """Set the in-flight ``group``'s start version (checked); its head may move."""
+        group.start_version = version
+        head = group.head_now()
+        if head != group.head:
+            self.partitions[group.partition].move(group, head)
+
+    def put(
+        self,
+        uid: object,
+        payload: Any,
+        session_id: int,
+        index: int,
+        tags: Mapping[str, Any],
+        segments: tuple[tuple[int, int], ...] = (),
+        tokens: int = 0,
+    ) -> str:
+        """Add one trajectory to the in-flight group ``uid`` (checked arguments: ``segments``
+        and ``tokens`` as :func:`~stalebuf._versions.trajectory_versions` returns them); return
+        its key.
 
         Raises:
             The errors of :meth:`open_group`; DuplicateTrajectoryError for a key it holds.
@@ -199,11 +225,46 @@ class GroupStore:
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
-        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, tags, payload))
+        trajectories[key] = _tuple_new(
+            Trajectory,
+            (
+                key,
+                session_id,
+                index,
+                tags,
+                payload,
+                segments,
+                tokens,
+                pack_runs(segments) if segments else b"",
+            ),
+        )
         part = self.partitions[group.partition]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
+        if tokens or group.span is not None:
+            self._count_versions(group, part, ((segments, tokens),))
         return key
+
+    @staticmethod
+    def _count_versions(
+        group: OpenGroup, part: PartitionState, added: Collection[tuple[tuple[tuple[int, int], ...], int]]
+    ) -> None:
+        """Count the versions and tokens of trajectories just put into ``group`` (once one had
+        tokens, every later one: a trajectory without versions counts at the start version);
+        move its head."""
+        span = group.span
+        if span is None:
+            span = group.span = VersionSpan()
+            span.plain = len(group.trajectories) - len(added)  # the ones put without versions
+        tokens = 0
+        for segments, count in added:
+            span.add(segments, count)
+            tokens += count
+        part.tokens += tokens
+        part.admitted_tokens += tokens
+        head = span.head(group.start_version)
+        if head != group.head:
+            part.move(group, head)
 
     def end(self, group: OpenGroup, status: Status, clock: int, measured: bool = True) -> PartitionState:
         """Make the in-flight ``group`` terminal with ``status``; return its partition.
@@ -225,6 +286,7 @@ class GroupStore:
                 tuple(group.trajectories.values()),
                 clock if clock > step else step,
                 monotonic() - group.admitted_at,
+                group.start_version,
             ),
         )
         self.groups[group.uid] = record
@@ -234,7 +296,11 @@ class GroupStore:
     def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
         """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""
         group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
-        self.partitions[group.partition].add_trajectories(len(rows))
+        part = self.partitions[group.partition]
+        part.add_trajectories(len(rows))
+        added = [(row[5], row[6]) if len(row) > 5 else ((), 0) for row in rows]
+        if group.span is not None or any(tokens for _, tokens in added):
+            self._count_versions(group, part, added)
 
     def add_finished(
         self,
@@ -244,11 +310,13 @@ class GroupStore:
         clock: int,
         payloads: tuple[Any, ...],
         tags: Mapping[str, Any],
+        start_version: int | None = None,
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
         first read), straight to the ready index; return its keys."""
+        finish, start = clock if clock > step else step, step if start_version is None else start_version
         record = _tuple_new(  # _lazy_group.new_lazy_group, without the call
-            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, clock if clock > step else step, 0.0)
+            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, finish, 0.0, start)
         )
         seq = self.next_seq
         self.next_seq = seq + 1
@@ -270,9 +338,10 @@ class GroupStore:
         _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
         return groups
 
-    def evict_stale(self, part: PartitionState, steps: list[int]) -> list[Group]:
-        """Remove and return the ready groups of the oldest ``steps`` (the rules chose them)."""
-        groups = part.take_stale(steps)
+    def evict_stale(self, part: PartitionState, steps: list[int], judged: list[JudgedEntry]) -> list[Group]:
+        """Remove and return the ready groups of the oldest ``steps``, or the ``judged`` entries
+        (the rules chose them)."""
+        groups = part.take_stale(steps, judged)
         _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
         return groups
 
@@ -306,6 +375,11 @@ class GroupStore:
         group.notify_watchers("cut-evicted" if evicted else "cut")
 
     @staticmethod
+    def count_masked(part: PartitionState, tokens: int) -> None:
+        """Count ``tokens`` sampled tokens of ``part`` that the ``mask`` strategy masked."""
+        part.count_masked(tokens)
+
+    @staticmethod
     def take_recent_cuts(part: PartitionState) -> tuple[int, int, float]:
         """Return ``part``'s cuts since the last call: groups, trajectories, generation seconds."""
         return part.take_recent_cuts()
@@ -337,6 +411,7 @@ class GroupStore:
             tuple(group.trajectories.values()),
             max(clock, group.dispatch_step),
             now - group.admitted_at,
+            group.start_version,
         )
 
     def restore_terminal(self, part: PartitionState, group: Group, seq: int) -> None:
@@ -360,8 +435,12 @@ class GroupStore:
             if group.status is _RUNNING:
                 state.status = _RUNNING
                 part.start()
+            self.set_start_version(state, group.start_version)
             state.trajectories = {trajectory.key: trajectory for trajectory in group.trajectories}
             part.add_trajectories(len(group.trajectories))
+            added = [(t.versions, t.tokens) for t in group.trajectories]
+            if any(tokens for _, tokens in added):
+                self._count_versions(state, part, added)
 
     def restore_counters(
         self, part: PartitionState, counters: Mapping[str, int], reissued: tuple[int, int]
@@ -395,5 +474,6 @@ class GroupStore:
         """Count in-flight ``groups`` a restore evicted (never put back) and remember them."""
         part.evicted_restart_groups += len(groups)
         part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
+        part.evicted_tokens += sum(map(group_tokens, groups))
         for group in groups:  # a producer that survived the restart learns why on its next write
             self.remember_evicted(group.uid, "restart")

@@ -43,6 +43,7 @@ from ._rules import build_rules
 from ._save_order import SaveSequencer
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
+from ._versions import check_start_version, trajectory_versions
 from ._waiting import LoopBinding
 from .checkpoint import NOT_GIVEN, BufferCheckpoint, InFlightMode, RestoreResult
 from .config import SamplerConfig
@@ -304,13 +305,15 @@ class ReplayBuffer:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
         self.__writer.add_prompt(uid, global_steps, part or store.partition(partition), frozen_tags)
 
-    def mark_running_nowait(self, uid: str) -> None:
-        """Move group ``uid`` from PENDING to RUNNING.
+    def mark_running_nowait(self, uid: str, *, version: int | None = None) -> None:
+        """Move group ``uid`` from PENDING to RUNNING; ``version``: the policy version its
+        generation started at (its first token; None keeps the start version it has, its
+        dispatch step unless set or restored).
 
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
-            TypeError: ``uid`` is not a str.
+            TypeError, ValueError: ``uid`` is not a str, or ``version`` not an int >= 0.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is not PENDING.
         """
@@ -318,7 +321,7 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
-        store.start(uid)
+        store.start(uid, None if version is None else check_start_version(version))
 
     def put_nowait(
         self,
@@ -328,15 +331,23 @@ class ReplayBuffer:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Add one trajectory to the PENDING or RUNNING group ``uid``; return its key,
         ``f"{uid}_{session_id}_{index}"``.
 
+        ``versions``: run-length ``(version, n_tokens)`` pairs in generation order, the policy
+        version that generated each run of tokens; ``tokens``: its token count when
+        ``versions`` is not given (its tokens then count at the group's start version; both
+        given must agree).
+
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
-            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, or ``tags`` is
-                not a mapping.
+            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, ``tags`` is
+                not a mapping, ``versions`` not a non-empty sequence of ``(int >= 0, int >= 1)``
+                pairs, ``tokens`` not an int >= 0, or both given and disagreeing.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is terminal (a late write).
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
@@ -349,9 +360,10 @@ class ReplayBuffer:
             checks.check_index(session_id, "session_id")
         if type(index) is not int or not 0 <= index < 1 << 63:
             checks.check_index(index, "index")
-        return store.put(
-            uid, payload, session_id, index, EMPTY_TAGS if tags is None else checks.check_tags(tags)
-        )
+        frozen = EMPTY_TAGS if tags is None else checks.check_tags(tags)
+        if versions is None and tokens is None:
+            return store.put(uid, payload, session_id, index, frozen)
+        return store.put(uid, payload, session_id, index, frozen, *trajectory_versions(versions, tokens))
 
     def mark_finished_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
@@ -403,6 +415,9 @@ class ReplayBuffer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
 
@@ -414,6 +429,9 @@ class ReplayBuffer:
         ``tags`` is ignored (group tags are set when a group is added); ``global_steps=None``
         means the group's own step, or the dispatch clock for a new group. ``status`` is
         ``Status.FINISHED`` or ``Status.FAILURE`` or their values ("failed" also works).
+        ``versions[i]`` and ``tokens[i]`` are trajectory ``i``'s, as for :meth:`put_nowait`
+        (None entries allowed); ``version`` is the group's start version, as for
+        :meth:`mark_running_nowait` (without it, a new group starts at its dispatch step).
 
         Raises:
             BufferClosedError: the buffer is closed.
@@ -438,6 +456,8 @@ class ReplayBuffer:
             and indices is None
             and (type(payloads) is list or type(payloads) is tuple)
             and (status is _FINISHED or (type(status) is str and status == "finished"))
+            and versions is None
+            and tokens is None
             and (global_steps is None or (type(global_steps) is int and 0 <= global_steps < 1 << 63))
             and type(uid) is str
             and uid
@@ -446,9 +466,18 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags)
+            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags, version)
         return self.__writer.put(
-            uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
+            uid,
+            payloads,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
+            versioning=(versions, tokens, version),
         )
 
     async def add_prompt(
@@ -486,9 +515,9 @@ class ReplayBuffer:
 
         await self.__admission.wait_for_slot(store.partition(partition), global_steps, admit)
 
-    async def mark_running(self, uid: str) -> None:
+    async def mark_running(self, uid: str, *, version: int | None = None) -> None:
         """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
-        self.mark_running_nowait(uid)
+        self.mark_running_nowait(uid, version=version)
 
     async def put(
         self,
@@ -498,9 +527,13 @@ class ReplayBuffer:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same errors)."""
-        return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
+        return self.put_nowait(
+            uid, payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
+        )
 
     async def mark_finished(self, uid: str) -> None:
         """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait` (same errors)."""
@@ -522,6 +555,9 @@ class ReplayBuffer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group; like :meth:`put_group_nowait`, but a
         group that must be added waits under admission control (FIFO, cancellable) for a slot
@@ -544,6 +580,9 @@ class ReplayBuffer:
                 session_ids=session_ids,
                 indices=indices,
                 status=status,
+                versions=versions,
+                tokens=tokens,
+                version=version,
             )
         except (TagClosedError, FutureTagError):
             raise  # no slot there can ever open: waiting would be forever
@@ -564,6 +603,7 @@ class ReplayBuffer:
                 indices,
                 status,
                 tag,
+                (versions, tokens, version),
             )
 
         return await self.__admission.wait_for_slot(self.__store.partition(partition), global_steps, admit)
@@ -575,6 +615,7 @@ class ReplayBuffer:
         global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
+        version: int | None = None,
     ) -> AbstractAsyncContextManager[RolloutGroup]:
         """Return an ``async with`` block that generates one group: the recommended producer.
 
@@ -583,11 +624,15 @@ class ReplayBuffer:
         is FINISHED; when it raises, FAILED, and the error propagates. If the group is evicted
         while the body runs (in-flight eviction, or ``close()``), the body is cancelled, the
         block exits without raising and ``group.evicted`` is True. Works under asyncio and trio.
+        ``version`` is the group's start version, given to :meth:`mark_running`.
 
         Raises:
-            The errors of :meth:`add_prompt` (on entering).
+            The errors of :meth:`add_prompt` (on entering), and of :meth:`mark_running` for a
+                bad ``version`` (checked before waiting).
         """
-        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags)
+        if version is not None:
+            version = check_start_version(version)
+        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags, version=version)
 
     def watch(self, uid: str, callback: Callable[[], object]) -> GroupWatch:
         """Watch the in-flight group ``uid``: ``callback()`` runs once if that group is evicted

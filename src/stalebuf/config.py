@@ -15,7 +15,7 @@ from .errors import ConfigError
 __all__ = ["FAILURE_STRATEGIES", "IGNORED_VERL_KEYS", "METRIC_NAMINGS", "STRATEGIES", "SamplerConfig"]
 
 #: Accepted values of ``max_off_policy_strategy``.
-STRATEGIES: tuple[str, ...] = ("drop", "wait")
+STRATEGIES: tuple[str, ...] = ("drop", "wait", "mask")
 #: Accepted values of ``failure_strategy``.
 FAILURE_STRATEGIES: tuple[str, ...] = ("sample", "evict")
 #: Accepted values of ``metric_names``: stalebuf's keys, or verl main's eviction keys (verl #7082).
@@ -32,7 +32,7 @@ IGNORED_VERL_KEYS: Mapping[str, str] = MappingProxyType(
     }
 )
 
-Strategy = Literal["drop", "wait"]
+Strategy = Literal["drop", "wait", "mask"]
 FailureStrategy = Literal["sample", "evict"]
 MetricNaming = Literal["default", "verl-0.9"]
 
@@ -107,6 +107,12 @@ def _check_admission_batch_size(
 def _check_evict_stale_in_flight(instance: SamplerConfig, _attribute: object, value: object) -> None:
     if type(value) is not bool:
         raise ConfigError(f"evict_stale_in_flight must be a bool, got {describe(value)}")
+    if value and instance.max_off_policy_strategy == "mask":
+        raise ConfigError(
+            "evict_stale_in_flight=True cannot be used with max_off_policy_strategy='mask': an "
+            "in-flight group can always still gain fresh tokens, so no in-flight group is provably "
+            "useless (mask evicts only terminal groups without one fresh token)"
+        )
     if value and instance.max_off_policy_strategy != "drop":
         raise ConfigError(
             "evict_stale_in_flight=True needs max_off_policy_strategy='drop' (under 'wait' every "
@@ -145,10 +151,13 @@ class SamplerConfig:
 
     Attributes:
         max_off_policy_threshold: the staleness threshold ``T`` (int >= 1), or None for no
-            staleness control: no group is ever stale (nothing is dropped) and the wait gate
-            never closes (verl's ``max_off_policy_threshold: null``). None refuses admission.
-        max_off_policy_strategy: "drop" evicts terminal groups with ``s > T`` before selecting;
-            "wait" never drops and waits while an in-flight group has ``s >= T``.
+            staleness control: no group is ever stale (nothing is dropped or masked) and the wait
+            gate never closes (verl's ``max_off_policy_threshold: null``). None refuses admission.
+        max_off_policy_strategy: "drop" evicts terminal groups whose head (oldest token; the
+            dispatch step without versions) has ``s > T`` before selecting; "wait" never drops
+            and waits while an in-flight group's head has ``s >= T``; "mask" evicts only
+            terminal groups whose tail (newest token) has ``s > T`` and returns the rest with
+            their stale tokens masked (``Batch.freshness_mask``, ``Batch.loss_excluded``).
         parameter_sync_step: ``S``, the trainer steps between weight syncs (int >= 1);
             staleness is ``(g - p + 1) / S``.
         failure_strategy: "sample" treats failed groups as sampleable; "evict" evicts them

@@ -39,9 +39,14 @@ __all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "hook_label", "selec
 class StalenessPolicy:
     """The default rules, read from a :class:`~stalebuf.SamplerConfig`.
 
-    - drop (``max_off_policy_strategy="drop"``): a terminal group is evicted when its
-      staleness exceeds the threshold, ``s > T``;
-    - wait: a ``sample`` may not return while an in-flight group has ``s >= T``;
+    - drop (``max_off_policy_strategy="drop"``): a terminal group is evicted when the
+      staleness of its **head** (its oldest token's version; its dispatch step without
+      versions) exceeds the threshold, ``s > T``;
+    - wait: a ``sample`` may not return while an in-flight group's head has ``s >= T``;
+    - mask: a terminal group is evicted only when its **tail** (its newest token's version) is
+      stale: not one of its tokens could be trained; the others are returned with their stale
+      tokens masked (a token of version ``v`` sampled at ``g`` is fresh iff ``g - v + 1 <=
+      T*S``), and a trajectory all of whose tokens are stale is kept out of the loss;
     - failed groups are sampleable (``failure_strategy="sample"``) or evicted ("evict");
     - exempt partitions (``exempt_partitions``) have no eviction and no wait gate;
     - group deadlines (``group_deadline_seconds``/``group_deadline_factor``) cut a straggler,
@@ -64,6 +69,7 @@ class StalenessPolicy:
         self.threshold = config.max_off_policy_threshold
         self.sync_step = config.parameter_sync_step
         self.drops = config.max_off_policy_strategy == "drop"
+        self.masks = config.max_off_policy_strategy == "mask"
 
     def is_exempt(self, partition: str) -> bool:
         """Whether ``partition`` is exempt: nothing in it is evicted and no wait gate applies.
@@ -126,16 +132,18 @@ class StalenessPolicy:
         return Status.FINISHED if quorum is not None and trajectories >= quorum else Status.FAILURE
 
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
-        """Whether a terminal group dispatched at ``dispatch_step`` is dropped by a sample at
-        ``global_steps`` (asked under "drop", and by the default ``admits``; never for exempt
-        partitions). Must be monotone in both steps (see the module docs). Default:
-        ``s > threshold``."""
+        """Whether a terminal group judged by version ``dispatch_step`` is evicted by a sample
+        at ``global_steps`` (asked under "drop" about a group's head, under "mask" about its
+        tail, and by the default ``admits`` about a dispatch step; never for exempt
+        partitions). Without versions every group is judged by its dispatch step. Must be
+        monotone in both steps (see the module docs). Default: ``s > threshold``."""
         return staleness.exceeds_drop(global_steps, dispatch_step, self.threshold, self.sync_step)
 
     def must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
-        """Whether an in-flight group dispatched at ``dispatch_step`` must finish before a
-        sample at ``global_steps`` may return (asked only under "wait", never for exempt
-        partitions, and only about the oldest in-flight group). Must be monotone. Default:
+        """Whether an in-flight group whose head is ``dispatch_step`` (its oldest token's
+        version, or its start version; its dispatch step without versions) must finish before
+        a sample at ``global_steps`` may return (asked only under "wait", never for exempt
+        partitions, and only about the oldest head in flight). Must be monotone. Default:
         ``s >= threshold``."""
         return staleness.blocks_wait(global_steps, dispatch_step, self.threshold, self.sync_step)
 
@@ -173,11 +181,12 @@ class SubclassHooks(StalenessPolicy):
 
     def __init__(self, base: StalenessPolicy, owner: RuleHooks) -> None:
         # Not StalenessPolicy.__init__: ``base`` may be a subclass with state of its own.
-        self.config, self.threshold, self.sync_step, self.drops = (
+        self.config, self.threshold, self.sync_step, self.drops, self.masks = (
             base.config,
             base.threshold,
             base.sync_step,
             base.drops,
+            base.masks,
         )
         self.base = base
         self.owner = owner

@@ -37,10 +37,20 @@ class PartitionStats:
             where it goes from there (sampled, evicted as failed...).
         capacity: the bound on resident groups under admission control, ``T*S*b``; None without
             admission or for an exempt partition (in ``total``: the sum of the bounded partitions).
+        tokens: tokens held by resident groups, in flight or not (``put(..., tokens=)`` or the
+            lengths of ``versions``).
+        admitted_tokens: cumulative, tokens put.
+        sampled_tokens: cumulative, tokens of the trajectories ``sample`` returned.
+        masked_tokens: cumulative, sampled tokens the ``mask`` strategy kept out of the loss
+            (stale ones; a subset of ``sampled_tokens``).
+        evicted_tokens: cumulative, tokens of evicted groups (any reason).
+        reissued_tokens: cumulative, tokens of the partial trajectories
+            ``restore(..., in_flight="reissue")`` discarded.
 
     Conservation, for groups:
     ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart``;
-    for trajectories the same plus ``reissued_trajectories``.
+    for trajectories the same plus ``reissued_trajectories``; for tokens
+    ``admitted_tokens == tokens + sampled_tokens + evicted_tokens + reissued_tokens``.
     """
 
     pending: int = 0
@@ -66,6 +76,12 @@ class PartitionStats:
     cut_groups: int = 0
     cut_trajectories: int = 0
     capacity: int | None = None
+    tokens: int = 0
+    admitted_tokens: int = 0
+    sampled_tokens: int = 0
+    masked_tokens: int = 0
+    evicted_tokens: int = 0
+    reissued_tokens: int = 0
 
     @property
     def groups(self) -> int:

@@ -152,7 +152,7 @@ def stored(group: Group) -> Group:
         return group
     return group.replace(
         trajectories=tuple(
-            new_trajectory(t.key, t.session_id, t.index, t.tags, payload)
+            new_trajectory(t.key, t.session_id, t.index, t.tags, payload, t.versions, t.tokens)
             for t, payload in zip(trajectories, payloads, strict=True)
         ),
     )
