@@ -320,7 +320,8 @@ class Consumer:
                 logger.exception("a staleness policy hook raised while counting free admission slots")
                 free = math.nan
             admission = (free, self.admission.take_producer_wait(part.name))
-        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission)
+        naming = self.rules.config.metric_names  # the renaming is metrics.py's (one table)
+        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission, naming)
         if part.deadlines:  # the cuts since the partition's previous batch
             cut_groups, cut_trajectories, cut_seconds = self.store.take_recent_cuts(part)
             prefix = f"{metric_prefix(part.name)}/rollout"

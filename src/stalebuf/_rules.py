@@ -367,8 +367,11 @@ class Rules:
         return self.admits_by_default and self.is_stale(last_sampled + 1, tag, name)
 
     def capacity(self, cap: int | None) -> int | None:
-        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap``."""
-        return None if cap is None else cap * self.threshold * self.sync_step
+        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap`` (None
+        without a threshold: no tag ever closes, so nothing bounds residency)."""
+        if cap is None or self.threshold is None:
+            return None
+        return cap * self.threshold * self.sync_step
 
 
 def build_rules(config: object, policy: object, hooks: RuleHooks | None, filters: object = ()) -> Rules:

@@ -215,7 +215,7 @@ class ReplayBuffer:
         Overlapping saves to one file end with the state of the one called last that succeeded.
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
-        the file holds no pickle at all (see the README's trust model).
+        the file holds no pickle at all (see the trust model on the docs' Durability page).
 
         Raises:
             CheckpointError: a value the format cannot hold (the message names it): a payload
@@ -657,7 +657,7 @@ class ReplayBuffer:
         For integrations that run producers elsewhere (``rollout()`` and ``stalebuf.ray`` use it).
 
         Raises:
-            The errors a write to ``uid`` raises (UnknownGroupError, InvalidTransitionError...).
+            UnknownGroupError, InvalidTransitionError: as a write to ``uid`` raises them.
             WrongThreadError, BufferClosedError: as for the producer calls.
         """
         self.__check_usable()
@@ -788,7 +788,7 @@ class ReplayBuffer:
         waiting, so ``timeout=0`` means "check once, don't wait".
 
         Returns:
-            The batch and its metrics (see the README for the metric names).
+            The batch and its metrics (the docs' Trainers page lists every metric name).
 
         Raises:
             TypeError, ValueError: ``global_steps`` is not an int >= 0, ``batch_size`` not an

@@ -81,7 +81,8 @@ class RemoteRolloutGroup:
         """Add one trajectory to the group and return its key (see ``RemoteReplayBuffer.put``).
 
         Raises:
-            The errors of ``RemoteReplayBuffer.put`` (GroupEvictedError once it was evicted).
+            GroupEvictedError: the group was evicted in flight; and the other errors of
+                ``RemoteReplayBuffer.put``.
         """
         plain = dict(tags) if isinstance(tags, Mapping) else tags  # a mappingproxy does not pickle
         key: str = await self._connection.submit(Put(self.uid, payload, session_id, index, plain))
