@@ -40,6 +40,9 @@ def write_plain(
     config = attrs.asdict(checkpoint.config)
     config["exempt_partitions"] = sorted(config["exempt_partitions"])
     config["sampler_kwargs"] = dict(config["sampler_kwargs"])
+    config["task_thresholds"] = dict(config["task_thresholds"])
+    if config["mixture"] is not None:
+        config["mixture"] = dict(config["mixture"])
     manifest = {
         "config": config,
         "policy": checkpoint.policy,

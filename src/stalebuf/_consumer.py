@@ -16,27 +16,31 @@ from time import monotonic
 from types import MappingProxyType
 
 import anyio
+import attrs
 
 from ._admission import Admission
 from ._deadlines import Deadlines
 from ._eviction import Eviction
 from ._filtering import Filtering
+from ._mixture import Mixing
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
+from ._sample_report import SampleReport
 from ._status_log import StatusLog, log_waiting, logger, next_due
 from ._store import GroupStore
-from ._token_metrics import token_metrics
 from ._validation import describe
 from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
-from .metrics import SampleMetrics, metric_prefix
-from .records import Batch, EvictionEvent, Group, Status, new_batch
+from .metrics import SampleMetrics
+from .records import Batch, EvictionEvent, Group, Status
 from .stats import BufferStats, PartitionStats
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
 
 _FINISHED = Status.FINISHED
+#: A batch size no partition ever holds: has_work_for then answers "eviction work only".
+_NEVER = 1 << 63
 
 #: What a parked sample's attempt returns to set its deadline timer again (never a batch: a
 #: batch holds at least one group).
@@ -63,7 +67,9 @@ class Consumer:
         "evaluations",
         "eviction",
         "filtering",
+        "mixing",
         "observers",
+        "report",
         "rules",
         "status_interval",
         "status_log",
@@ -87,6 +93,8 @@ class Consumer:
         self.eviction = Eviction(store, admission, rules, on_evict)
         self.filtering = Filtering(rules.filters, self.eviction)
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
+        self.mixing = Mixing(store, rules)
+        self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None
         self.waiting: dict[str, deque[Waiter]] = {}
@@ -104,7 +112,7 @@ class Consumer:
                 the same), or StalebufError when its refills keep being filtered.
         """
         store = self.store
-        part = store.partitions[group.partition]
+        part = store.cell_of(group)
         if status is not _FINISHED or not self.filtering.applies(part):
             self.notify(store.end(group, status, clock, measured))
             return
@@ -153,7 +161,11 @@ class Consumer:
                 return
             head = waiters[0]
         try:
-            wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
+            parent = self.store.partitions[part.name]
+            if parent.cells is None:
+                wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
+            else:
+                wake = self._mixture_has_work(parent, head.global_steps, head.batch_size)
             if not wake and part.deadlines:  # a new head, or a deadline moved earlier: set the timer
                 cut_at = self.deadlines.next_cut(part)
                 if cut_at is not None and cut_at < head.cut_at:
@@ -163,6 +175,15 @@ class Consumer:
             wake = True
         if wake:
             head.wake()
+
+    def _mixture_has_work(self, part: PartitionState, global_steps: int, batch_size: int) -> bool:
+        """:meth:`Rules.has_work_for` for a partition under a mixture: a cell has something to
+        evict, or a batch may be taken."""
+        cells, rules = part.cells, self.rules
+        assert cells is not None
+        if any(rules.has_work_for(cell, global_steps, _NEVER) for cell in cells.values()):
+            return True  # (a batch of _NEVER groups is never ready: eviction work only)
+        return self.mixing.ready(part, global_steps, batch_size)
 
     def admitted(self, part: PartitionState) -> None:
         """A group of ``part`` (which has deadlines) was admitted: a head sample parked without
@@ -205,21 +226,33 @@ class Consumer:
     def stats(self) -> BufferStats:
         """Return the buffer's snapshot: the store's counts, with the queues of the consumer
         and admission (abandoned waiters, whose loop closed under them, left out)."""
-        admission = self.admission
-        admission.drop_abandoned()
+        self.admission.drop_abandoned()
         partitions = {
-            name: part.stats(
-                self.count_waiting(name),
-                admission.waiting(name),
-                admission.capacity(part, name),
-                self.filtering.errors(name),
-            )
-            for name, part in sorted(self.store.partitions.items())
+            name: self._partition_stats(part) for name, part in sorted(self.store.partitions.items())
         }
         total = PartitionStats()
         for item in partitions.values():
             total = total + item
         return BufferStats(closed=self.store.closed, partitions=MappingProxyType(partitions), total=total)
+
+    def _partition_stats(self, part: PartitionState) -> PartitionStats:
+        """``part``'s snapshot (under a mixture: its cells' counts summed, and per task)."""
+        name, admission = part.name, self.admission
+        outside = (self.count_waiting(name), admission.waiting(name), admission.capacity(part, name))
+        if part.cells is None:
+            return part.stats(*outside, self.filtering.errors(name))
+        total = PartitionStats()
+        for cell in part.cells.values():
+            total = total + cell.stats(0, 0, None)
+        waiting, producers, capacity = outside
+        return attrs.evolve(
+            total,
+            waiting_samplers=waiting,
+            waiting_producers=producers,
+            capacity=capacity,
+            filter_errors=self.filtering.errors(name),
+            tasks=self.mixing.task_stats(part),
+        )
 
     def subscribe(self, observer: SampleObserver) -> Callable[[], None]:
         """Call ``observer(batch, metrics)`` with every batch returned; return what stops it."""
@@ -271,6 +304,8 @@ class Consumer:
         self.evaluations += 1
         if part.deadlines:
             self.deadlines.cut_overdue(part)
+        if part.cells is not None:
+            return self._evaluate_mixture(part, global_steps, batch_size, metrics)
         verdict = self.rules.quick_verdict(part, global_steps, batch_size)
         if verdict != NEEDS_RULES:  # the common case: the default rules and nothing to evict
             if verdict == NO_BATCH:
@@ -285,6 +320,24 @@ class Consumer:
             return None
         metrics.oldest_first = oldest
         return self._take_batch(part, None if oldest else chosen, global_steps, batch_size)
+
+    def _evaluate_mixture(
+        self, part: PartitionState, global_steps: int, batch_size: int, metrics: SampleMetrics
+    ) -> list[Group] | None:
+        """:meth:`evaluate` for a partition under a task mixture: evict in every task's cell,
+        then take each task's share of a batch if one may be returned (see ``_mixture.py``)."""
+        left = False
+        for cell in part.cells.values():  # type: ignore[union-attr]  # a mixture's parent
+            left = self.eviction.run(cell, global_steps, metrics) or left
+        mixing = self.mixing
+        if not mixing.ready(part, global_steps, batch_size):
+            if left:
+                self.admission.wake(part.name)
+            return None
+        groups = mixing.take(part, mixing.choose(part, global_steps, batch_size), batch_size)
+        self.admission.batch_taken(part.name, global_steps)
+        metrics.oldest_first = False
+        return groups
 
     def _take_batch(
         self, part: PartitionState, chosen: list[Group] | None, global_steps: int, batch_size: int
@@ -306,44 +359,7 @@ class Consumer:
 
         An observer that raises is logged, never turned into an error: the batch is taken.
         """
-        rules = self.rules
-        sync_step = rules.sync_step
-        masks = rules.masks and not part.exempt
-        batch = new_batch(part.name, global_steps, tuple(groups), sync_step, rules.threshold, masks)
-        admission = None
-        if part.cap is not None:
-            # The batch is already taken: a policy hook that raises here must not lose it, so
-            # the error is logged and the metric reports NaN (unknown).
-            try:
-                free: float = self.admission.free_slots(part, part.name) or 0
-            except Exception:
-                logger.exception("a staleness policy hook raised while counting free admission slots")
-                free = math.nan
-            admission = (free, self.admission.take_producer_wait(part.name))
-        naming = self.rules.config.metric_names  # the renaming is metrics.py's (one table)
-        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission, naming)
-        if part.deadlines:  # the cuts since the partition's previous batch
-            cut_groups, cut_trajectories, cut_seconds = self.store.take_recent_cuts(part)
-            prefix = f"{metric_prefix(part.name)}/rollout"
-            rendered[f"{prefix}/cut_groups"] = float(cut_groups)
-            rendered[f"{prefix}/cut_trajectories"] = float(cut_trajectories)
-            rendered[f"{prefix}/cut_generation_seconds/mean"] = (
-                cut_seconds / cut_groups if cut_groups else 0.0
-            )
-        recent = self.filtering.take_recent(part)
-        if recent is not None:
-            filtered, errors, rate = recent
-            prefix = f"{metric_prefix(part.name)}/filter_groups"
-            rendered[f"{prefix}/evicted_samples"] = float(filtered)
-            if rate is not None:
-                rendered[f"{prefix}/pass_rate"] = rate
-            if errors:
-                rendered[f"{prefix}/errors"] = float(errors)
-        if part.admitted_tokens:  # a partition that never held a token skips the token metrics
-            token_rendered, masked = token_metrics(batch, metric_prefix(part.name))
-            rendered.update(token_rendered)
-            if masked:
-                self.store.count_masked(part, masked)
+        batch, rendered = self.report.render(part, global_steps, groups, metrics, wait_seconds)
         for observer in self.observers:
             try:
                 observer(batch, rendered)

@@ -43,6 +43,9 @@ class Deadlines:
         Raises:
             StalebufError, Exception: the policy's ``group_deadline`` answered nonsense or raised.
         """
+        if part.cells is not None:  # a task mixture: its cells hold the groups
+            cuts = [cut for cut in map(self.next_cut, part.cells.values()) if cut is not None]
+            return min(cuts, default=None)
         first = part.first_started() if part.deadlines else None
         if first is None:
             return None
@@ -58,6 +61,8 @@ class Deadlines:
         Raises:
             StalebufError, Exception: a policy hook answered nonsense or raised.
         """
+        if part.cells is not None:  # a task mixture: its cells hold the groups
+            return sum(map(self.cut_overdue, part.cells.values()))
         if not part.deadlines or not part.starts:
             return 0
         first = part.first_started()

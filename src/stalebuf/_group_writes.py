@@ -148,13 +148,12 @@ class GroupWriter:
             store.open_group(uid, "put a group into")  # raises GroupEvictedError
             raise AssertionError("unreachable")
         else:
-            step = (
-                granted
-                if granted is not None
-                else self.admission.tag_for(partition, store.partitions.get(partition), global_steps)
-            )
+            part = store.partitions.get(partition)
+            if store.rules.tasks:  # its task's cell (ValueError before any change: no task)
+                part = store.cell(partition, group_tags)
+            step = granted if granted is not None else self.admission.tag_for(partition, part, global_steps)
             # Everything is valid: from here on nothing raises, so the group lands whole.
-            group = store.admit(uid, step, store.partition(partition), group_tags)
+            group = store.admit(uid, step, part or store.partition(partition), group_tags)
         if start is not None:
             store.set_start_version(group, start)
         store.fill(group, rows)

@@ -147,6 +147,15 @@ class Bucket:
             return list(map(_group_of, self.live_entries()))
         return self.members[self.head :]  # type: ignore[return-value]  # (no spent slot)
 
+    def iter_entries(self) -> Iterator[Entry]:
+        """Return an iterator over the ``(seq, group)`` entries, oldest first, lazily."""
+        head = self.head
+        members: Iterator[Group] = _iter_from(self.members, head)  # type: ignore[arg-type]  # no spent slot
+        entries: Iterator[Entry] = zip(_iter_from(self.seqs, head), members, strict=True)
+        if self.late:
+            return heapq.merge(entries, sorted(self.late))
+        return entries
+
     def iter_groups(self) -> Iterator[Group]:
         """Return an iterator over the groups, oldest first, lazily (O(1) to start)."""
         head = self.head
@@ -305,6 +314,13 @@ class ReadyIndex:
             heapq.heapify(self.steps)
             self.newest = [-step for step in buckets]
             heapq.heapify(self.newest)
+
+    def iter_oldest(self) -> Iterator[tuple[int, int, Group]]:
+        """Yield ``(step, seq, group)`` oldest first, lazily (the index must not change)."""
+        buckets = self.buckets
+        for step in self.steps_in_order():
+            for seq, group in buckets[step].iter_entries():
+                yield step, seq, group
 
     def entries(self) -> Iterator[tuple[int, int, Group]]:
         """Yield ``(step, seq, group)`` for every group, bucket by bucket (in no step order)."""

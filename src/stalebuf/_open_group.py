@@ -45,6 +45,7 @@ class OpenGroup:
         "started_at",
         "status",
         "tags",
+        "task",
         "trajectories",
         "uid",
         "watchers",
@@ -62,6 +63,7 @@ class OpenGroup:
     ) -> None:
         self.uid = uid
         self.partition = partition
+        self.task: str | None = None  # its task under a mixture (its partition's cell)
         self.dispatch_step = dispatch_step
         self.start_version = self.head = dispatch_step
         self.span: VersionSpan | None = None

@@ -68,6 +68,7 @@ class PartitionState:
         "admitted_tokens",
         "admitted_trajectories",
         "cap",
+        "cells",
         "cut_groups",
         "cut_trajectories",
         "deadlines",
@@ -91,6 +92,7 @@ class PartitionState:
         "in_flight",
         "judge",
         "judged",
+        "key",
         "masked_tokens",
         "name",
         "pending",
@@ -104,7 +106,10 @@ class PartitionState:
         "sampled_groups",
         "sampled_tokens",
         "sampled_trajectories",
+        "span",
         "starts",
+        "task",
+        "threshold",
         "tokens",
         "trajectories",
     )
@@ -119,8 +124,19 @@ class PartitionState:
         cap: int | None = None,
         deadlines: bool = False,
         judge: int = BY_DISPATCH,
+        threshold: int | None = None,
+        span: int = 1,
+        task: str | None = None,
     ) -> None:
         self.name = name
+        # A partition of a task mixture is a parent with one cell (a PartitionState of its
+        # own, ``task`` set) per task: the groups, indexes and counters live in the cells, and
+        # the parent only names them (``cells``). ``key`` tells cells apart in admission's queues.
+        self.task = task
+        self.key: str | tuple[str, str] = name if task is None else (name, task)
+        self.cells: dict[str, PartitionState] | None = None
+        self.threshold = threshold  # T of its groups (the task's, in a cell); span = T*S
+        self.span = span
         self.judge = BY_DISPATCH if exempt else judge
         self.judged: JudgedIndex | None = None
         self.exempt = exempt

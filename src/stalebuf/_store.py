@@ -97,7 +97,24 @@ class GroupStore:
         """
         part = self.partitions.get(name)
         if part is None:
-            exempt, evict_failures, evict_in_flight, cap, deadlines = self.rules.settings(name)
+            rules = self.rules
+            exempt, evict_failures, evict_in_flight, cap, deadlines = rules.settings(name)
+            cells = {}
+            if rules.tasks and not exempt:  # a task mixture: one cell per task
+                for task in rules.tasks:
+                    task_cap, threshold, span = rules.cell_settings(name, task, cap)
+                    cells[task] = PartitionState(
+                        name,
+                        exempt=exempt,
+                        evict_failures=evict_failures,
+                        evict_in_flight=evict_in_flight,
+                        cap=task_cap,
+                        deadlines=deadlines,
+                        judge=rules.judge,
+                        threshold=threshold,
+                        span=span,
+                        task=task,
+                    )
             part = PartitionState(
                 name,
                 exempt=exempt,
@@ -105,10 +122,40 @@ class GroupStore:
                 evict_in_flight=evict_in_flight,
                 cap=cap,
                 deadlines=deadlines,
-                judge=self.rules.judge,
+                judge=rules.judge,
+                threshold=rules.threshold,
+                span=rules.span,
             )
+            if cells:
+                part.cells = cells
             self.partitions[name] = part
         return part
+
+    def cell(self, name: str, tags: Mapping[str, Any]) -> PartitionState:
+        """The partition a new group of partition ``name`` with ``tags`` lands in: ``name``'s
+        own, or under a task mixture its task's cell (the partition is created if new).
+
+        Raises:
+            ValueError: under a mixture, the tags name no task of it (nothing is created).
+            Exception: whatever a policy hook raised creating the partition.
+        """
+        part = self.partitions.get(name)
+        if part is None:
+            rules = self.rules
+            if rules.tasks and not rules.policy.is_exempt(name):
+                rules.task_of(tags)  # refused before the partition is created
+            part = self.partition(name)
+        cells = part.cells
+        return part if cells is None else cells[self.rules.task_of(tags)]
+
+    def cell_of(self, group: OpenGroup | Group) -> PartitionState:
+        """The partition (or task cell) that holds ``group``."""
+        part = self.partitions[group.partition]
+        cells = part.cells
+        if cells is None:
+            return part
+        task = group.task if type(group) is OpenGroup else group.tags[self.rules.mixture_tag]
+        return cells[task]  # type: ignore[index]  # a group in a cell has its task
 
     def open_group(self, uid: object, action: str) -> OpenGroup:
         """Return the in-flight group ``uid`` or raise the error a write to it deserves.
@@ -169,6 +216,7 @@ class GroupStore:
         seq = self.next_seq
         self.next_seq = seq + 1
         group = self.groups[uid] = OpenGroup(uid, part.name, step, seq, tags, monotonic())
+        group.task = part.task
         part.admit(group)
         if part.deadlines:
             part.track(group)
@@ -189,7 +237,7 @@ class GroupStore:
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
-        part = self.partitions[group.partition]
+        part = self.cell_of(group)
         part.start()
         if version is not None:
             self.set_start_version(group, version)
@@ -199,7 +247,7 @@ class GroupStore:
         group.start_version = version
         head = group.head_now()
         if head != group.head:
-            self.partitions[group.partition].move(group, head)
+            self.cell_of(group).move(group, head)
 
     def put(
         self,
@@ -245,7 +293,7 @@ class GroupStore:
                 pack_runs(segments) if segments else b"",
             ),
         )
-        part = self.partitions[group.partition]
+        part = self.cell_of(group)
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
         if tokens or group.span is not None:
@@ -286,7 +334,7 @@ class GroupStore:
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
         in one call), so a FINISHED one counts towards the median generation time; ``record``:
         its terminal record from :meth:`preview`, if made already."""
-        part = self.partitions[group.partition]
+        part = self.cell_of(group)
         if part.deadlines and measured and status is _FINISHED:
             part.record_generation(monotonic() - group.admitted_at)
         if record is None:
@@ -318,7 +366,7 @@ class GroupStore:
         """Evict the in-flight ``group``, which a filter rejected as it finished; remember
         why, so its producer's next write raises GroupEvictedError; return its partition.
         ``measured`` as for :meth:`end` (it finished uncut: its time counts for the median)."""
-        part = self.partitions[group.partition]
+        part = self.cell_of(group)
         if part.deadlines and measured:
             part.record_generation(monotonic() - group.admitted_at)
         part.filter_out(group)
@@ -335,7 +383,7 @@ class GroupStore:
     def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
         """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""
         group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
-        part = self.partitions[group.partition]
+        part = self.cell_of(group)
         part.add_trajectories(len(rows))
         added = [(row[5], row[6]) if len(row) > 5 else ((), 0) for row in rows]
         if group.span is not None or any(tokens for _, tokens in added):
@@ -419,7 +467,7 @@ class GroupStore:
         tag ``stalebuf_cut``; remember it, so its producer's next write raises GroupCutError, and
         tell its watchers (a ``rollout()`` body is cancelled). ``record``: its record from
         :meth:`preview_cut`, if made already."""
-        part, count, seconds = self.partitions[group.partition], len(group.trajectories), group.admitted_at
+        part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
         group.tags = MappingProxyType({**group.tags, CUT_TAG: True})
         self.end(group, status, clock, measured=False, record=record)
         self._count_cut(part, group.uid, count, monotonic() - seconds, f"{CUT_REASON}{deadline:.6g} s")
@@ -429,7 +477,7 @@ class GroupStore:
     def cut_filtered(self, group: OpenGroup, deadline: float) -> None:
         """Cut the in-flight ``group`` as FINISHED, which a filter then rejected: counted cut,
         evicted as filtered; its producer's next write raises GroupCutError."""
-        part, count, seconds = self.partitions[group.partition], len(group.trajectories), group.admitted_at
+        part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
         self.filter_out(group)
         reason = f"{CUT_REASON}{deadline:.6g} s (then filtered)"
         self._count_cut(part, group.uid, count, monotonic() - seconds, reason)

@@ -316,6 +316,8 @@ class ReplayBuffer:
         frozen_tags = EMPTY_TAGS if tags is None else checks.check_tags(tags)
         if uid in store.groups:
             raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
+        if store.rules.tasks and (part is None or part.cells is not None):
+            part = store.cell(partition, frozen_tags)  # its task's cell (ValueError: no task)
         if part is None or part.cap is not None or global_steps is None:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
         self.__writer.add_prompt(uid, global_steps, part or store.partition(partition), frozen_tags)
@@ -466,6 +468,7 @@ class ReplayBuffer:
         part = store.partitions.get(partition) if type(partition) is str else None
         if (  # the common case gets a path of its own: a new, finished group of default keys
             part is not None
+            and part.cells is None
             and trajectory_tags is None
             and session_ids is None
             and indices is None
@@ -522,13 +525,16 @@ class ReplayBuffer:
             pass
         store = self.__store
 
+        frozen_tags = EMPTY_TAGS if tags is None else checks.check_tags(tags)
+        cell = store.cell(partition, frozen_tags)
+
         def admit(tag: int) -> None:
             self.__check_usable()
             if uid in store.groups:
                 raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
-            self.__writer.add_prompt(uid, tag, store.partition(partition), checks.check_tags(tags))
+            self.__writer.add_prompt(uid, tag, cell, frozen_tags)
 
-        await self.__admission.wait_for_slot(store.partition(partition), global_steps, admit)
+        await self.__admission.wait_for_slot(cell, global_steps, admit)
 
     async def mark_running(self, uid: str, *, version: int | None = None) -> None:
         """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
@@ -621,7 +627,8 @@ class ReplayBuffer:
                 (versions, tokens, version),
             )
 
-        return await self.__admission.wait_for_slot(self.__store.partition(partition), global_steps, admit)
+        cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
+        return await self.__admission.wait_for_slot(cell, global_steps, admit)
 
     def rollout(
         self,
@@ -708,39 +715,66 @@ class ReplayBuffer:
         checks.check_partition(partition)
         return self.__admission.clocks.get(partition, 0)
 
-    def capacity(self, partition: str = "train") -> int | None:
+    def capacity(self, partition: str = "train", task: str | None = None) -> int | None:
         """Return the bound on ``partition``'s resident groups under admission control,
-        ``T * S * admission_batch_size``; None without admission or for an exempt partition.
+        ``T * S * admission_batch_size`` (under a task mixture: of ``task``, ``T_task * S *
+        q_task(b)``, or summed over the tasks); None without admission or for an exempt partition.
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
+            TypeError, ValueError: ``partition`` is not a non-empty str, or ``task`` not a task
+                of the partition's mixture.
             WrongThreadError: called from another thread than the bound loop's.
         """
         self.__store.binding.check_thread()
-        checks.check_partition(partition)
-        return self.__admission.capacity(self.__store.partitions.get(partition), partition)
+        self.__check_task(partition, task)
+        return self.__admission.capacity(self.__store.partitions.get(partition), partition, task)
 
-    def free_slots(self, partition: str = "train") -> int | None:
+    def free_slots(self, partition: str = "train", task: str | None = None) -> int | None:
         """Return how many groups ``add_prompt`` would admit now at the clock's step without
-        waiting; None without admission control or for an exempt partition.
+        waiting (of ``task`` under a mixture, or summed over its tasks); None without admission
+        control or for an exempt partition.
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
+            TypeError, ValueError: ``partition`` is not a non-empty str, or ``task`` not a task
+                of the partition's mixture.
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``admits`` raised.
         """
         self.__store.binding.check_thread()
-        checks.check_partition(partition)
-        return self.__admission.free_slots(self.__store.partitions.get(partition), partition)
+        self.__check_task(partition, task)
+        return self.__admission.free_slots(self.__store.partitions.get(partition), partition, task)
 
-    def full(self, partition: str = "train") -> bool:
-        """Return whether ``free_slots(partition) == 0`` (never True without admission control).
+    def full(self, partition: str = "train", task: str | None = None) -> bool:
+        """Return whether no group could be admitted now: ``free_slots(partition, task) == 0``,
+        or under a mixture with ``task=None``, whether every task is full (never True without
+        admission control).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            WrongThreadError: called from another thread than the bound loop's.
+            The errors of :meth:`free_slots`.
         """
-        return self.free_slots(partition) == 0
+        if task is None and self.__store.rules.tasks:
+            self.__check_task(partition, None)
+            if not self.__store.rules.policy.is_exempt(partition):
+                return all(self.free_slots(partition, one) == 0 for one in self.__store.rules.tasks)
+        return self.free_slots(partition, task) == 0
+
+    def __check_task(self, partition: str, task: object) -> None:
+        """Check ``partition`` and a ``task`` argument (None, or a task of its mixture).
+
+        Raises:
+            TypeError, ValueError: as said (an exempt partition has no tasks).
+        """
+        checks.check_partition(partition)
+        if task is None:
+            return
+        rules = self.__store.rules
+        if type(task) is not str:
+            raise TypeError(f"task must be a str or None, got {type(task).__name__}")
+        if task not in rules.tasks or rules.policy.is_exempt(partition):
+            raise ValueError(
+                f"task {checks.describe(task)} is not a task of partition {checks.describe(partition)}'s "
+                f"mixture (tasks: {', '.join(map(repr, rules.tasks)) or 'none, no mixture'})"
+            )
 
     # -- consumer ---------------------------------------------------------------------
 
@@ -834,25 +868,37 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
+        if store.rules.tasks:
+            store.rules.check_batch_quotas(partition, batch_size, part)  # type: ignore[arg-type]
         return part
 
-    def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
-        """Return how many groups ``sample`` could select from right now; changes nothing.
+    def sampleable_count(self, global_steps: int, partition: str = "train", task: str | None = None) -> int:
+        """Return how many groups ``sample`` could select from right now (of ``task`` only,
+        under a mixture); changes nothing.
 
         Counts ready groups after the drop and failure rules at ``global_steps``; ignores the
-        wait gate and the batch size.
+        wait gate, the batch size and the quotas.
 
         Raises:
-            TypeError, ValueError: ``global_steps`` is not an int >= 0 or ``partition`` is not
-                a non-empty str.
+            TypeError, ValueError: ``global_steps`` is not an int >= 0, ``partition`` is not
+                a non-empty str, or ``task`` not a task of its mixture.
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``is_stale`` raised.
         """
         self.__store.binding.check_thread()
         checks.check_step(global_steps)
-        checks.check_partition(partition)
+        self.__check_task(partition, task)
         part = self.__store.partitions.get(partition)
-        return 0 if part is None else self.__store.rules.count_fresh(part, global_steps)
+        if part is None:
+            return 0
+        cells = (
+            [part]
+            if part.cells is None
+            else list(part.cells.values())
+            if task is None
+            else [part.cells[task]]
+        )
+        return sum(self.__store.rules.count_fresh(cell, global_steps) for cell in cells)
 
     def observe_samples(self, observer: SampleObserver) -> Callable[[], None]:
         """Call ``observer(batch, metrics)`` with every batch a ``sample`` (or ``sample_nowait``)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._mixture_config import MIXTURE_POLICIES, check_mixture, to_mixture, to_task_thresholds
 from ._validation import describe, finite_in, int_at_least, one_of
 from .errors import ConfigError
 
@@ -34,6 +35,7 @@ IGNORED_VERL_KEYS: Mapping[str, str] = MappingProxyType(
 
 Strategy = Literal["drop", "wait", "mask"]
 FailureStrategy = Literal["sample", "evict"]
+MixturePolicy = Literal["wait", "borrow"]
 MetricNaming = Literal["default", "verl-0.9"]
 
 logger = logging.getLogger("stalebuf")
@@ -192,6 +194,16 @@ class SamplerConfig:
             ``sample`` reports take verl main's names (``off_policy/evicted_samples``,
             ``rollout_failure/evicted_samples``, ``filter_groups/evicted_samples``, all counting
             groups) and the dropped staleness is over groups, as verl reports it.
+        mixture: None, or a mapping task name -> weight (a number > 0; normalised): every
+            ``sample`` on a non-exempt partition returns each task's quota of the batch (the
+            largest-remainder method on the weights), see the docs' "Mixing tasks". A group's
+            task is its tag ``mixture_tag``; a group without one, or naming another task, is
+            refused at admission with ValueError.
+        mixture_tag: the group tag that names a group's task (default "task").
+        mixture_policy: "wait" (a sample waits until every task can fill its quota) or
+            "borrow" (a task's shortfall is filled from the others and paid back later).
+        task_thresholds: task -> its own ``max_off_policy_threshold`` (int >= 1), overriding T
+            for that task's groups in every rule; tasks of the mixture only.
         filter_groups_metric: None, or a trajectory tag name: the buffer filters groups with
             ``stalebuf.filters.zero_variance(filter_groups_metric)`` (verl's
             ``algorithm.filter_groups`` with ``enable: true`` and that ``metric``), before any
@@ -223,11 +235,26 @@ class SamplerConfig:
         default="default", validator=one_of("metric_names", METRIC_NAMINGS)
     )
     filter_groups_metric: str | None = attrs.field(default=None, validator=_check_filter_metric)
+    mixture: Mapping[str, float] | None = attrs.field(default=None, converter=to_mixture)
+    mixture_tag: str = "task"
+    mixture_policy: MixturePolicy = attrs.field(
+        default="wait", validator=one_of("mixture_policy", MIXTURE_POLICIES)
+    )
+    task_thresholds: Mapping[str, int] = attrs.field(
+        factory=lambda: MappingProxyType({}), converter=to_task_thresholds
+    )
+
+    def __attrs_post_init__(self) -> None:
+        """Check the rules across fields (the mixture's)."""
+        check_mixture(self.mixture, self.mixture_tag, self.task_thresholds, self.admission_batch_size)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: rebuilt through the constructor (and so validated again)."""
         fields = attrs.asdict(self, recurse=False)
         fields["sampler_kwargs"] = dict(self.sampler_kwargs)
+        fields["task_thresholds"] = dict(self.task_thresholds)
+        if self.mixture is not None:
+            fields["mixture"] = dict(self.mixture)
         return (_config_from_fields, (fields,))
 
     @classmethod

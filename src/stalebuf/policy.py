@@ -29,6 +29,7 @@ from itertools import islice
 from typing import Protocol
 
 from . import staleness
+from ._quotas import normalised, quotas
 from .config import SamplerConfig
 from .errors import ConfigError
 from .records import Group, Status
@@ -131,6 +132,24 @@ class StalenessPolicy:
         quorum = self.config.group_quorum
         return Status.FINISHED if quorum is not None and trajectories >= quorum else Status.FAILURE
 
+    def task_threshold(self, partition: str, task: str) -> int | None:
+        """The threshold T of the groups of ``task`` in (non-exempt) ``partition`` under a task
+        mixture. Default: ``task_thresholds[task]``, else ``max_off_policy_threshold``. Asked
+        once per task, when its partition is first used."""
+        return self.config.task_thresholds.get(task, self.threshold)
+
+    def task_quotas(self, partition: str, batch_size: int) -> dict[str, int]:
+        """How many of ``batch_size`` groups each task of the mixture contributes to a batch of
+        (non-exempt) ``partition``, and how many each admits per dispatch step under admission
+        control (``batch_size`` = ``admission_batch_size``). Default: the largest-remainder
+        method on the normalised weights, in exact rational arithmetic, equal remainders to the
+        task whose name sorts first; the quotas sum to ``batch_size``. Must not depend on
+        anything but its arguments (a partition's quotas are cached per batch size)."""
+        mixture = self.config.mixture
+        if mixture is None:
+            return {}
+        return quotas(normalised(mixture), batch_size)
+
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
         """Whether a terminal group judged by version ``dispatch_step`` is evicted by a sample
         at ``global_steps`` (asked under "drop" about a group's head, under "mask" about its
@@ -208,6 +227,12 @@ class SubclassHooks(StalenessPolicy):
 
     def cut_status(self, partition: str, trajectories: int) -> Status:
         return self.base.cut_status(partition, trajectories)
+
+    def task_threshold(self, partition: str, task: str) -> int | None:
+        return self.base.task_threshold(partition, task)
+
+    def task_quotas(self, partition: str, batch_size: int) -> dict[str, int]:
+        return self.base.task_quotas(partition, batch_size)
 
     def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
         if type(self.base).admits is not StalenessPolicy.admits:
