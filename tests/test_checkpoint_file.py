@@ -1110,7 +1110,8 @@ def forge(record: Any, **changes: Any) -> Any:
 def raw(record: Any, **changes: Any) -> Any:
     """A copy of a Group or Trajectory record (a lazily stored group too) with ``changes`` set as
     they are (for a lazily stored group, ``trajectories`` is its payloads)."""
-    values = dict(zip(record._fields, tuple.__iter__(record), strict=True))
+    names = (*record._fields, "_runs") if isinstance(record, Trajectory) else record._fields
+    values = dict(zip(names, tuple.__iter__(record), strict=True))
     values.update(changes)
     return tuple.__new__(type(record), tuple(values.values()))
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any, Literal
 
 import attrs
@@ -11,7 +13,14 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _token_arrays as arrays
-from ._group_records import Group, Trajectory
+from ._group_records import Group, Trajectory, pack_runs
+
+#: The bytes of one packed (version, n_tokens) run.
+_RUN_BYTES = 16
+_runs_of = itemgetter(7)  # Trajectory._runs
+_tokens_of = attrgetter("tokens")
+_start_of = attrgetter("start_version")
+_trajectories_of = attrgetter("trajectories")
 
 __all__ = ["Batch", "EvictionEvent", "EvictionReason", "batch_runs", "fresh_span", "new_batch"]
 
@@ -93,7 +102,7 @@ class Batch:
         """The policy version being trained: ``global_steps``."""
         return self.global_steps
 
-    def _runs(self) -> tuple[arrays.Int64s, arrays.Int64s, arrays.Int64s, list[int]]:
+    def _runs(self) -> tuple[arrays.Int64s, arrays.Int64s, arrays.Int64s, arrays.Int64s]:
         return batch_runs(self.groups)
 
     def _span(self) -> int:
@@ -132,14 +141,14 @@ class Batch:
     def token_versions(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """The version of every token and the CSR offsets: ``(int64[total_tokens], int64[n_traj + 1])``."""
         versions, lengths, offsets, _ = self._runs()
-        return arrays.token_versions(versions, lengths, offsets)
+        return np.repeat(versions, lengths), _token_offsets(lengths, offsets)
 
     def freshness_mask(self) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
         """``(mask, offsets)``: True where a token may enter the loss, its lag ``g - v + 1 <=
         T*S``; the same under every strategy (a ``wait`` batch holding stale tokens shows them)."""
         versions, lengths, offsets, _ = self._runs()
-        mask = arrays.freshness_mask(versions, lengths, self.global_steps, self._span())
-        return mask, arrays.token_offsets(lengths, offsets)
+        mask = arrays.packed_freshness_mask(versions, lengths, self.global_steps, self._span())
+        return mask, _token_offsets(lengths, offsets)
 
     @staticmethod
     def padded(
@@ -156,18 +165,37 @@ class Batch:
         return arrays.padded(array, offsets, pad_to=pad_to, fill=fill)
 
 
-def batch_runs(groups: tuple[Group, ...]) -> tuple[arrays.Int64s, arrays.Int64s, arrays.Int64s, list[int]]:
+def batch_runs(
+    groups: tuple[Group, ...],
+) -> tuple[arrays.Int64s, arrays.Int64s, arrays.Int64s, arrays.Int64s]:
     """``(run_versions, run_lengths, run_offsets, start versions)`` of the groups' trajectories,
-    flattened in group order (see :mod:`stalebuf._token_arrays`)."""
-    segments: list[tuple[tuple[int, int], ...]] = []
-    tokens: list[int] = []
-    starts: list[int] = []
-    for group in groups:
-        trajectories = group.trajectories
-        segments.extend(t.versions for t in trajectories)
-        tokens.extend(t.tokens for t in trajectories)
-        starts.extend([group.start_version] * len(trajectories))
-    return (*arrays.pack_runs(segments, tokens, starts), starts)
+    flattened in group order (see :mod:`stalebuf._token_arrays`): one join of the versions each
+    trajectory holds packed, so the cost is C-level loops over trajectories and runs."""
+    per_group = list(map(_trajectories_of, groups))
+    sizes = np.fromiter(map(len, per_group), dtype=np.int64, count=len(groups))
+    starts = np.fromiter(map(_start_of, groups), dtype=np.int64, count=len(groups))
+    start_versions = np.repeat(starts, sizes)
+    pieces = list(map(_runs_of, chain.from_iterable(per_group)))
+    if b"" in pieces:  # put without versions: its tokens count at the group's start version
+        tokens = map(_tokens_of, chain.from_iterable(per_group))
+        pieces = [
+            packed or (pack_runs(((int(start), count),)) if count else b"")
+            for packed, count, start in zip(pieces, tokens, start_versions.tolist(), strict=True)
+        ]
+    counts = np.array(list(map(len, pieces)), dtype=np.int64) // _RUN_BYTES
+    # Columns as contiguous arrays: np.repeat by a strided view of lengths would copy it anyway.
+    columns = np.frombuffer(b"".join(pieces), dtype=np.int64).reshape(-1, 2).T.copy()
+    run_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(counts, out=run_offsets[1:])
+    return columns[0], columns[1], run_offsets, start_versions
+
+
+def _token_offsets(run_lengths: arrays.Int64s, run_offsets: arrays.Int64s) -> arrays.Int64s:
+    """The CSR token offsets of packed runs: trajectory ``i`` owns ``offsets[i]:offsets[i + 1]``."""
+    ends = np.zeros(run_lengths.size + 1, dtype=np.int64)
+    np.cumsum(run_lengths, out=ends[1:])
+    offsets: arrays.Int64s = ends[run_offsets]
+    return offsets
 
 
 def fresh_span(batch: Batch) -> int:
@@ -176,7 +204,7 @@ def fresh_span(batch: Batch) -> int:
     return arrays.MAX_INT + 1 if threshold is None else threshold * batch.parameter_sync_step
 
 
-EvictionReason = Literal["stale", "failure", "restart"]
+EvictionReason = Literal["stale", "failure", "restart", "filtered"]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -187,10 +215,11 @@ class EvictionEvent:
         partition: the partition they were evicted from.
         reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``),
             "failure" (``failure_strategy="evict"``) or "restart" (in-flight groups evicted by
-            ``ReplayBuffer.restore(..., in_flight="evict")``).
+            ``ReplayBuffer.restore(..., in_flight="evict")``) or "filtered" (a group filter
+            rejected it as it finished).
         groups: the evicted groups, oldest first.
-        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart",
-            the partition's dispatch clock).
+        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart"
+            and "filtered", the partition's dispatch clock).
     """
 
     partition: str

@@ -426,10 +426,10 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
     """
     record = trajectory if type(trajectory) is Trajectory else None
     values: tuple[Any, ...] = () if record is None else tuple(tuple.__iter__(record))
-    if record is None or len(values) != len(Trajectory._fields):
+    if record is None or len(values) != Trajectory.SLOTS:
         got = f"one of {len(values)} fields" if record is not None else type(trajectory).__name__
         raise _invalid(where, f"must be a Trajectory record, got {got}")
-    key, session_id, index, tags, payload, versions, tokens = values
+    key, session_id, index, tags, payload, versions, tokens, _ = values
     _field(f"{where}.session_id", lambda value: check_index(value, "session_id"), session_id)
     _field(f"{where}.index", lambda value: check_index(value, "index"), index)
     expected = f"{uid}_{session_id}_{index}"

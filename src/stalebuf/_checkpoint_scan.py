@@ -121,7 +121,7 @@ def _valid_trajectories(uids: list[str], stored: list[tuple[Any, ...]]) -> bool:
     records = list(chain.from_iterable(stored))
     if not records:
         return True
-    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {len(Trajectory._fields)}:
+    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {Trajectory.SLOTS}:
         return False
     keys, sessions, indices, tags = (list(map(itemgetter(i), records)) for i in range(4))
     if not valid_versions(list(map(_versions, records)), list(map(_tokens, records))):

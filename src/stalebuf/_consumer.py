@@ -20,6 +20,8 @@ import anyio
 from ._admission import Admission
 from ._deadlines import Deadlines
 from ._eviction import Eviction
+from ._filtering import Filtering
+from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
 from ._status_log import StatusLog, log_waiting, logger, next_due
@@ -29,10 +31,12 @@ from ._validation import describe
 from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
 from .metrics import SampleMetrics, metric_prefix
-from .records import Batch, EvictionEvent, Group, new_batch
+from .records import Batch, EvictionEvent, Group, Status, new_batch
 from .stats import BufferStats, PartitionStats
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
+
+_FINISHED = Status.FINISHED
 
 #: What a parked sample's attempt returns to set its deadline timer again (never a batch: a
 #: batch holds at least one group).
@@ -58,6 +62,7 @@ class Consumer:
         "deadlines",
         "evaluations",
         "eviction",
+        "filtering",
         "observers",
         "rules",
         "status_interval",
@@ -80,12 +85,53 @@ class Consumer:
         self.rules = rules
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
-        self.deadlines = Deadlines(store, admission, rules)
+        self.filtering = Filtering(rules.filters, self.eviction)
+        self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None
         self.waiting: dict[str, deque[Waiter]] = {}
         self.observers: list[SampleObserver] = []
         self.evaluations = 0
+
+    # -- groups ending -------------------------------------------------------------------
+
+    def finish(self, group: OpenGroup, status: Status, clock: int, measured: bool = True) -> None:
+        """End the in-flight ``group`` with ``status`` (``store.end``'s arguments): one that
+        finishes is filtered first, and evicted at once if a filter rejects it; then wake.
+
+        Raises:
+            Exception: what ``on_evict`` raised reporting a filtered group (it is evicted all
+                the same), or StalebufError when its refills keep being filtered.
+        """
+        store = self.store
+        part = store.partitions[group.partition]
+        if status is not _FINISHED or not self.filtering.applies(part):
+            self.notify(store.end(group, status, clock, measured))
+            return
+        record = store.preview(group, status, clock)
+        keep = self.filtering.keeps(part, record)
+        if store.groups.get(group.uid) is not group:  # a filter ended the group itself
+            return
+        if keep:
+            self.notify(store.end(group, status, clock, measured, record))
+        else:
+            store.filter_out(group, measured)
+            self.filtered(part, (record,))
+
+    def filters_apply(self, part: PartitionState) -> bool:
+        """Whether a group of ``part`` that finishes is filtered."""
+        return self.filtering.applies(part)
+
+    def judge(self, part: PartitionState, record: Group) -> bool:
+        """Run the filters on ``record`` (FINISHED, of ``part``); whether it is kept (never raises)."""
+        return self.filtering.keeps(part, record)
+
+    def filtered(self, part: PartitionState, records: tuple[Group, ...]) -> None:
+        """Report ``records``, just evicted by a filter: their slots are free (wake producers),
+        then ``on_evict`` hears of them (see :meth:`Filtering.report`)."""
+        clock = self.admission.clocks.get(part.name, 0)
+        self.admission.wake(part.name)
+        self.filtering.report(EvictionEvent(part.name, "filtered", records, clock))
 
     # -- wake-ups ------------------------------------------------------------------------
 
@@ -163,7 +209,10 @@ class Consumer:
         admission.drop_abandoned()
         partitions = {
             name: part.stats(
-                self.count_waiting(name), admission.waiting(name), admission.capacity(part, name)
+                self.count_waiting(name),
+                admission.waiting(name),
+                admission.capacity(part, name),
+                self.filtering.errors(name),
             )
             for name, part in sorted(self.store.partitions.items())
         }
@@ -271,7 +320,8 @@ class Consumer:
                 logger.exception("a staleness policy hook raised while counting free admission slots")
                 free = math.nan
             admission = (free, self.admission.take_producer_wait(part.name))
-        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission)
+        naming = self.rules.config.metric_names  # the renaming is metrics.py's (one table)
+        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission, naming)
         if part.deadlines:  # the cuts since the partition's previous batch
             cut_groups, cut_trajectories, cut_seconds = self.store.take_recent_cuts(part)
             prefix = f"{metric_prefix(part.name)}/rollout"
@@ -280,6 +330,15 @@ class Consumer:
             rendered[f"{prefix}/cut_generation_seconds/mean"] = (
                 cut_seconds / cut_groups if cut_groups else 0.0
             )
+        recent = self.filtering.take_recent(part)
+        if recent is not None:
+            filtered, errors, rate = recent
+            prefix = f"{metric_prefix(part.name)}/filter_groups"
+            rendered[f"{prefix}/evicted_samples"] = float(filtered)
+            if rate is not None:
+                rendered[f"{prefix}/pass_rate"] = rate
+            if errors:
+                rendered[f"{prefix}/errors"] = float(errors)
         if part.admitted_tokens:  # a partition that never held a token skips the token metrics
             token_rendered, masked = token_metrics(batch, metric_prefix(part.name))
             rendered.update(token_rendered)

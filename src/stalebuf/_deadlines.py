@@ -13,11 +13,14 @@ from __future__ import annotations
 from time import monotonic
 
 from ._admission import Admission
+from ._filtering import Filtering
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._rules import Rules
 from ._store import GroupStore
-from .records import Status
+from .records import EvictionEvent, Group, Status
+
+_FINISHED = Status.FINISHED
 
 __all__ = ["Deadlines"]
 
@@ -25,12 +28,13 @@ __all__ = ["Deadlines"]
 class Deadlines:
     """Cuts the stragglers of a buffer's partitions (it owns no state of its own)."""
 
-    __slots__ = ("admission", "rules", "store")
+    __slots__ = ("admission", "filtering", "rules", "store")
 
-    def __init__(self, store: GroupStore, admission: Admission, rules: Rules) -> None:
+    def __init__(self, store: GroupStore, admission: Admission, rules: Rules, filtering: Filtering) -> None:
         self.store = store
         self.admission = admission
         self.rules = rules
+        self.filtering = filtering
 
     def next_cut(self, part: PartitionState) -> float | None:
         """When (``monotonic()``) the first in-flight group of ``part`` reaches its deadline, or
@@ -70,9 +74,40 @@ class Deadlines:
             (group, self.rules.cut_status(part, len(group.trajectories))) for group in overdue
         ]
         clock = self.admission.clocks.get(part.name, 0)
+        filtered: list[Group] = []
         for group, status in outcomes:
-            self.store.cut(group, status, clock, seconds)
+            self._cut(part, group, status, clock, seconds, filtered)
+        if filtered:
+            self.admission.wake(part.name)
+            self.filtering.report(EvictionEvent(part.name, "filtered", tuple(filtered), clock))
         return len(outcomes)
+
+    def _cut(
+        self,
+        part: PartitionState,
+        group: OpenGroup,
+        status: Status,
+        clock: int,
+        seconds: float,
+        filtered: list[Group],
+    ) -> None:
+        """Cut ``group`` (a group that finishes is filtered first; one a filter ended itself,
+        or an earlier cut's filter did, is left alone)."""
+        store, filtering = self.store, self.filtering
+        if store.groups.get(group.uid) is not group:
+            return
+        if status is not _FINISHED or not filtering.applies(part):
+            store.cut(group, status, clock, seconds)
+            return
+        record = store.preview_cut(group, status, clock)
+        keep = filtering.keeps(part, record)
+        if store.groups.get(group.uid) is not group:
+            return
+        if keep:
+            store.cut(group, status, clock, seconds, record)
+        else:
+            store.cut_filtered(group, seconds)
+            filtered.append(record)
 
 
 def _overdue(part: PartitionState, started_before: float) -> list[OpenGroup]:

@@ -20,7 +20,7 @@ from ._store import GroupStore
 from ._validation import check_group_payloads, check_partition, check_step, check_tags, check_uid, describe
 from ._versions import check_group_versions, check_start_version
 from .errors import DuplicateGroupError, DuplicateTrajectoryError
-from .records import EMPTY_TAGS, Group, Status
+from .records import EMPTY_TAGS, Group, Status, default_keys
 
 __all__ = ["GroupStatus", "GroupWriter"]
 
@@ -60,7 +60,7 @@ class GroupWriter:
         if store.closed or store.groups.get(group.uid) is not group:
             return False
         clock = self.admission.clocks.get(group.partition, 0)
-        self.consumer.notify(store.end(group, _FINISHED if finished else _FAILURE, clock))
+        self.consumer.finish(group, _FINISHED if finished else _FAILURE, clock)
         return True
 
     def put_new_finished(
@@ -87,8 +87,18 @@ class GroupWriter:
         if part.cap is not None:
             step = self.admission.tag_for(part.name, part, global_steps)
         stored = payloads if type(payloads) is tuple else tuple(payloads)
-        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags, version)
-        consumer = self.consumer
+        consumer, store = self.consumer, self.store
+        record = None
+        if consumer.filters_apply(part):
+            record = store.preview_finished(part, uid, step, clock, stored, frozen_tags, version)
+            keep = consumer.judge(part, record)
+            if uid in store.groups:  # a filter added the uid itself
+                raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
+            if not keep:
+                store.add_filtered(part, record)
+                consumer.filtered(part, (record,))
+                return default_keys(uid, len(stored))
+        keys = store.add_finished(part, uid, step, clock, stored, frozen_tags, version, record)
         if consumer.waiting.get(part.name):  # notify's own first test, without the call: per group
             consumer.notify(part)
         return keys
@@ -148,8 +158,7 @@ class GroupWriter:
         if start is not None:
             store.set_start_version(group, start)
         store.fill(group, rows)
-        part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured)
-        self.consumer.notify(part)
+        self.consumer.finish(group, terminal, self.admission.clocks.get(partition, 0), measured)
         return keys
 
     def put_back(self, group: Group) -> bool:

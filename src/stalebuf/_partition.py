@@ -75,6 +75,8 @@ class PartitionState:
         "evict_in_flight",
         "evicted_failure_groups",
         "evicted_failure_trajectories",
+        "evicted_filtered_groups",
+        "evicted_filtered_trajectories",
         "evicted_in_flight_groups",
         "evicted_restart_groups",
         "evicted_restart_trajectories",
@@ -149,6 +151,7 @@ class PartitionState:
         self.evicted_stale_groups = self.evicted_stale_trajectories = 0
         self.evicted_failure_groups = self.evicted_failure_trajectories = 0
         self.evicted_in_flight_groups = 0
+        self.evicted_filtered_groups = self.evicted_filtered_trajectories = 0
         self.evicted_restart_groups = self.evicted_restart_trajectories = 0
         self.reissued_groups = self.reissued_trajectories = 0
         # Tokens: resident, and the conservation law's terms (admitted == sampled + evicted +
@@ -257,6 +260,35 @@ class PartitionState:
         else:
             key = group.head if judge == BY_HEAD else group.tail_now()
         self._push_judged(step, group.seq, record, key)
+
+    def filter_out(self, group: OpenGroup) -> None:
+        """Move ``group`` out of flight as evicted by a filter (it became FINISHED, and a
+        filter rejected it): it never becomes sampleable, its slot is free at once."""
+        if group.status is _PENDING:
+            self.pending -= 1
+        else:
+            self.running -= 1
+        self.in_flight.remove(group.head, group.uid)
+        self._release(group.dispatch_step)
+        count = len(group.trajectories)
+        tokens = 0 if group.span is None else group.span.tokens
+        self.trajectories -= count
+        self.tokens -= tokens
+        self.evicted_filtered_groups += 1
+        self.evicted_filtered_trajectories += count
+        self.evicted_tokens += tokens
+
+    def add_filtered(self, group: Group) -> None:
+        """Count a group written FINISHED in one call that a filter rejected: admitted and
+        evicted at once, never resident."""
+        count = count_trajectories(group)
+        tokens = 0 if group.__class__ is LazyGroup else record_span(group.start_version, group._peek())[2]
+        self.admitted_groups += 1
+        self.admitted_trajectories += count
+        self.admitted_tokens += tokens
+        self.evicted_filtered_groups += 1
+        self.evicted_filtered_trajectories += count
+        self.evicted_tokens += tokens
 
     def _push_judged(self, step: int, seq: int, record: Group, key: int) -> None:
         """Add a ready group judged by version ``key`` (keeping ``judged`` once one differs)."""
@@ -417,9 +449,11 @@ class PartitionState:
         """How many resident groups are tagged ``step`` (only under admission control)."""
         return self.resident_at.get(step, 0) if self.resident_at is not None else 0
 
-    def stats(self, waiting_samplers: int, waiting_producers: int, capacity: int | None) -> PartitionStats:
-        """Return a snapshot of this partition's counts, with the queue lengths and capacity
-        that the consumer and admission own."""
+    def stats(
+        self, waiting_samplers: int, waiting_producers: int, capacity: int | None, filter_errors: int = 0
+    ) -> PartitionStats:
+        """Return a snapshot of this partition's counts, with the queue lengths, capacity and
+        filter errors that the consumer and admission own."""
         return PartitionStats(
             pending=self.pending,
             running=self.running,
@@ -436,6 +470,9 @@ class PartitionState:
             evicted_failure_groups=self.evicted_failure_groups,
             evicted_failure_trajectories=self.evicted_failure_trajectories,
             evicted_in_flight_groups=self.evicted_in_flight_groups,
+            evicted_filtered_groups=self.evicted_filtered_groups,
+            evicted_filtered_trajectories=self.evicted_filtered_trajectories,
+            filter_errors=filter_errors,
             evicted_restart_groups=self.evicted_restart_groups,
             evicted_restart_trajectories=self.evicted_restart_trajectories,
             reissued_groups=self.reissued_groups,

@@ -89,7 +89,8 @@ class RolloutGroup:
         whose ``versions`` and ``tokens`` these are).
 
         Raises:
-            The errors of ``ReplayBuffer.put_nowait`` (GroupEvictedError once it was evicted).
+            GroupEvictedError: the group was evicted in flight; and the other errors of
+                ``ReplayBuffer.put_nowait``.
         """
         return self._buffer.put_nowait(
             self.uid, payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens

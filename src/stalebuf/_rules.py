@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ._judged_index import JudgedEntry
 from ._partition import BY_DISPATCH, BY_HEAD, BY_TAIL, PartitionState
 from ._validation import describe, describe_typed, is_finite_number
 from .config import SamplerConfig
 from .errors import ConfigError, StalebufError
+from .filters import GroupFilter, check_filters, zero_variance
 from .policy import RuleHooks, StalenessPolicy, SubclassHooks, hook_label, select_label
 from .records import Group, Status
 from .staleness import drop_span
@@ -52,6 +53,7 @@ class Rules:
         threshold, sync_step, drops, masks: the policy's (S is the policy's: the rules and
             the staleness a batch reports must agree, even for a policy of another config).
         evicts: whether ``sample`` evicts stale ready groups (``drop`` or ``mask``).
+        filters: the group filters run on every group that finishes (non-exempt partitions).
         judge: which version ready groups are judged by (``_partition.BY_*``): the head under
             ``drop``, the tail under ``mask``; under ``wait`` none is evicted as stale.
     """
@@ -62,6 +64,7 @@ class Rules:
         "config",
         "drops",
         "evicts",
+        "filters",
         "judge",
         "masks",
         "plain",
@@ -72,8 +75,20 @@ class Rules:
         "threshold",
     )
 
-    def __init__(self, base: StalenessPolicy, hooks: RuleHooks | None, config: SamplerConfig) -> None:
+    def __init__(
+        self,
+        base: StalenessPolicy,
+        hooks: RuleHooks | None,
+        config: SamplerConfig,
+        filters: tuple[Callable[[Group], object], ...] = (),
+    ) -> None:
         self.base = base
+        # The group filters, in order: the config's filter_groups_metric (verl's DAPO filter)
+        # first, then the buffer's own.
+        metric = config.filter_groups_metric
+        self.filters: tuple[GroupFilter, ...] = (
+            filters if metric is None else (zero_variance(metric), *filters)
+        )
         self.policy = base if hooks is None else SubclassHooks(base, hooks)
         self.config = config
         self.threshold = base.threshold
@@ -352,18 +367,22 @@ class Rules:
         return self.admits_by_default and self.is_stale(last_sampled + 1, tag, name)
 
     def capacity(self, cap: int | None) -> int | None:
-        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap``."""
-        return None if cap is None else cap * self.threshold * self.sync_step
+        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap`` (None
+        without a threshold: no tag ever closes, so nothing bounds residency)."""
+        if cap is None or self.threshold is None:
+            return None
+        return cap * self.threshold * self.sync_step
 
 
-def build_rules(config: object, policy: object, hooks: RuleHooks | None) -> Rules:
-    """Check a buffer's ``config`` and ``policy`` arguments and return its rule book (``hooks``:
-    a subclass that overrides the verl-style hooks, else None).
+def build_rules(config: object, policy: object, hooks: RuleHooks | None, filters: object = ()) -> Rules:
+    """Check a buffer's ``config``, ``policy`` and ``filters`` arguments and return its rule
+    book (``hooks``: a subclass that overrides the verl-style hooks, else None).
 
     Raises:
-        ConfigError: ``policy`` is not a StalenessPolicy or None, or ``config`` not a
-            SamplerConfig or None.
+        ConfigError: ``policy`` is not a StalenessPolicy or None, ``config`` not a SamplerConfig
+            or None, or ``filters`` not a sequence of plain callables.
     """
+    checked = check_filters(filters)
     # Types first: a policy of the wrong type must not be asked for its config.
     if policy is not None and not isinstance(policy, StalenessPolicy):
         raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
@@ -371,4 +390,4 @@ def build_rules(config: object, policy: object, hooks: RuleHooks | None) -> Rule
         config = SamplerConfig() if policy is None else policy.config
     elif not isinstance(config, SamplerConfig):
         raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
-    return Rules(StalenessPolicy(config) if policy is None else policy, hooks, config)
+    return Rules(StalenessPolicy(config) if policy is None else policy, hooks, config, checked)

@@ -40,10 +40,13 @@ from .records import (
     default_keys,
     new_group,
     new_trajectory,
+    pack_runs,
 )
 
-__all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
+__all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "FILTERED_REASON", "GroupStore"]
 
+#: Why a group a filter rejected was evicted (what a later write to its uid is told).
+FILTERED_REASON = "filtered"
 #: The group tag every group cut at its deadline carries (True), finished or failed.
 CUT_TAG = "stalebuf_cut"
 #: How a remembered reason for a cut starts (the deadline in seconds follows).
@@ -126,6 +129,11 @@ class GroupStore:
         if reason and reason.startswith("cut"):  # the cut group, resident or gone, not a new one
             raise GroupCutError(f"group {describe(uid)} was {reason} while in flight: stop generating")
         if group is None:
+            if reason == FILTERED_REASON:
+                raise GroupEvictedError(
+                    f"group {describe(uid)} was filtered (a group filter rejected it when it finished): "
+                    "it is gone; add_prompt starts a new group under that uid"
+                )
             if reason != "":
                 how = "as stale" if reason is None else "by a restart"
                 raise GroupEvictedError(
@@ -224,7 +232,19 @@ class GroupStore:
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
-        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, tags, payload, segments, tokens))
+        trajectories[key] = _tuple_new(
+            Trajectory,
+            (
+                key,
+                session_id,
+                index,
+                tags,
+                payload,
+                segments,
+                tokens,
+                pack_runs(segments) if segments else b"",
+            ),
+        )
         part = self.partitions[group.partition]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
@@ -253,20 +273,37 @@ class GroupStore:
         if head != group.head:
             part.move(group, head)
 
-    def end(self, group: OpenGroup, status: Status, clock: int, measured: bool = True) -> PartitionState:
+    def end(
+        self,
+        group: OpenGroup,
+        status: Status,
+        clock: int,
+        measured: bool = True,
+        record: Group | None = None,
+    ) -> PartitionState:
         """Make the in-flight ``group`` terminal with ``status``; return its partition.
         ``clock`` is the partition's dispatch clock (the record's finish step, not before
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
-        in one call), so a FINISHED one counts towards the median generation time."""
+        in one call), so a FINISHED one counts towards the median generation time; ``record``:
+        its terminal record from :meth:`preview`, if made already."""
         part = self.partitions[group.partition]
-        step = group.dispatch_step
         if part.deadlines and measured and status is _FINISHED:
             part.record_generation(monotonic() - group.admitted_at)
-        record = _tuple_new(  # records.new_group, without the call
+        if record is None:
+            record = self.preview(group, status, clock)
+        self.groups[group.uid] = record
+        part.terminate(group, record)
+        return part
+
+    @staticmethod
+    def preview(group: OpenGroup, status: Status, clock: int) -> Group:
+        """The record the in-flight ``group`` would become, ended now with ``status``."""
+        step = group.dispatch_step
+        return _tuple_new(  # records.new_group, without the call
             Group,
             (
                 group.uid,
-                part.name,
+                group.partition,
                 step,
                 status,
                 group.tags,
@@ -276,9 +313,24 @@ class GroupStore:
                 group.start_version,
             ),
         )
-        self.groups[group.uid] = record
-        part.terminate(group, record)
+
+    def filter_out(self, group: OpenGroup, measured: bool = False) -> PartitionState:
+        """Evict the in-flight ``group``, which a filter rejected as it finished; remember
+        why, so its producer's next write raises GroupEvictedError; return its partition.
+        ``measured`` as for :meth:`end` (it finished uncut: its time counts for the median)."""
+        part = self.partitions[group.partition]
+        if part.deadlines and measured:
+            part.record_generation(monotonic() - group.admitted_at)
+        part.filter_out(group)
+        del self.groups[group.uid]
+        self.remember_evicted(group.uid, FILTERED_REASON)
+        group.ending = "filtered"
         return part
+
+    def add_filtered(self, part: PartitionState, record: Group) -> None:
+        """Count a group written FINISHED in one call that a filter rejected (never resident)."""
+        part.add_filtered(record)
+        self.remember_evicted(record.uid, FILTERED_REASON)
 
     def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
         """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""
@@ -298,18 +350,34 @@ class GroupStore:
         payloads: tuple[Any, ...],
         tags: Mapping[str, Any],
         start_version: int | None = None,
+        record: Group | None = None,
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
-        first read), straight to the ready index; return its keys."""
-        finish, start = clock if clock > step else step, step if start_version is None else start_version
-        record = _tuple_new(  # _lazy_group.new_lazy_group, without the call
-            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, finish, 0.0, start)
-        )
+        first read), straight to the ready index; return its keys. ``record``: the group from
+        :meth:`preview_finished` with these arguments, if made already."""
+        if record is None:
+            record = self.preview_finished(part, uid, step, clock, payloads, tags, start_version)
         seq = self.next_seq
         self.next_seq = seq + 1
         self.groups[uid] = record
         part.add_terminal(record, seq)
         return default_keys(uid, len(payloads))
+
+    @staticmethod
+    def preview_finished(
+        part: PartitionState,
+        uid: str,
+        step: int,
+        clock: int,
+        payloads: tuple[Any, ...],
+        tags: Mapping[str, Any],
+        start_version: int | None = None,
+    ) -> Group:
+        """The lazily stored FINISHED group :meth:`add_finished` would add."""
+        finish, start = clock if clock > step else step, step if start_version is None else start_version
+        return _tuple_new(  # _lazy_group.new_lazy_group, without the call
+            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, finish, 0.0, start)
+        )
 
     # -- groups leaving -------------------------------------------------------------------
 
@@ -344,22 +412,40 @@ class GroupStore:
             group.notify_watchers("evicted")
         return records
 
-    def cut(self, group: OpenGroup, status: Status, clock: int, deadline: float) -> None:
+    def cut(
+        self, group: OpenGroup, status: Status, clock: int, deadline: float, record: Group | None = None
+    ) -> None:
         """End the in-flight ``group``, past its ``deadline`` (seconds), with ``status`` and the
         tag ``stalebuf_cut``; remember it, so its producer's next write raises GroupCutError, and
-        tell its watchers (a ``rollout()`` body is cancelled)."""
-        part = self.partitions[group.partition]
-        seconds = monotonic() - group.admitted_at
-        count = len(group.trajectories)
+        tell its watchers (a ``rollout()`` body is cancelled). ``record``: its record from
+        :meth:`preview_cut`, if made already."""
+        part, count, seconds = self.partitions[group.partition], len(group.trajectories), group.admitted_at
         group.tags = MappingProxyType({**group.tags, CUT_TAG: True})
-        self.end(group, status, clock, measured=False)
+        self.end(group, status, clock, measured=False, record=record)
+        self._count_cut(part, group.uid, count, monotonic() - seconds, f"{CUT_REASON}{deadline:.6g} s")
+        evicted = status is not _FINISHED and part.evict_failures
+        group.notify_watchers("cut-evicted" if evicted else "cut")
+
+    def cut_filtered(self, group: OpenGroup, deadline: float) -> None:
+        """Cut the in-flight ``group`` as FINISHED, which a filter then rejected: counted cut,
+        evicted as filtered; its producer's next write raises GroupCutError."""
+        part, count, seconds = self.partitions[group.partition], len(group.trajectories), group.admitted_at
+        self.filter_out(group)
+        reason = f"{CUT_REASON}{deadline:.6g} s (then filtered)"
+        self._count_cut(part, group.uid, count, monotonic() - seconds, reason)
+        group.notify_watchers("cut-evicted")
+
+    def _count_cut(self, part: PartitionState, uid: str, count: int, seconds: float, reason: str) -> None:
         part.cut_groups += 1
         part.cut_trajectories += count
         recent = part.recent_cuts
         recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + count, recent[2] + seconds
-        self.remember_evicted(group.uid, f"{CUT_REASON}{deadline:.6g} s")
-        evicted = status is not _FINISHED and part.evict_failures
-        group.notify_watchers("cut-evicted" if evicted else "cut")
+        self.remember_evicted(uid, reason)
+
+    def preview_cut(self, group: OpenGroup, status: Status, clock: int) -> Group:
+        """The record the in-flight ``group`` would become if cut now with ``status`` (tagged)."""
+        record = self.preview(group, status, clock)
+        return record.replace(tags=MappingProxyType({**group.tags, CUT_TAG: True}))
 
     @staticmethod
     def count_masked(part: PartitionState, tokens: int) -> None:

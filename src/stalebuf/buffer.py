@@ -55,6 +55,7 @@ from .errors import (
     FutureTagError,
     TagClosedError,
 )
+from .filters import GroupFilter
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
 from .records import EMPTY_TAGS, Batch, Group, Status
@@ -87,11 +88,17 @@ class ReplayBuffer:
             call the ``*_nowait`` producer methods (e.g. to refill prompts).
         status_log_interval: a ``sample`` blocked this many seconds logs one INFO line on
             the "stalebuf" logger, and again every interval after; None disables it.
+        filters: group filters, plain callables ``filter(group) -> bool`` run in order on every
+            group of a non-exempt partition that becomes FINISHED; the first that returns False
+            evicts it at once (reason "filtered"), freeing its admission slot. A filter that
+            raises (or returns None) keeps the group: counted in ``stats()``'s
+            ``filter_errors`` and logged. See :mod:`stalebuf.filters` for built-ins.
 
     Raises:
         ConfigError: ``config`` is not a SamplerConfig or names a ``custom_sampler`` (build
             that with :meth:`from_config`), ``policy`` is not a StalenessPolicy, ``on_evict``
-            is not a plain callable, or ``status_log_interval`` is not None or a number >= 0.001.
+            is not a plain callable, ``status_log_interval`` is not None or a number >= 0.001,
+            or ``filters`` is not a sequence of plain (synchronous) callables.
     """
 
     def __init__(
@@ -101,12 +108,13 @@ class ReplayBuffer:
         policy: StalenessPolicy | None = None,
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = 60.0,
+        filters: Sequence[GroupFilter] = (),
     ) -> None:
         """Check the arguments (see the class docs) and build the parts, empty."""
         if policy is None and type(self) is ReplayBuffer:
             refuse_custom_sampler(config)
         overridden = any(getattr(type(self), hook) is not getattr(ReplayBuffer, hook) for hook in _HOOKS)
-        rules = build_rules(config, policy, self if overridden else None)
+        rules = build_rules(config, policy, self if overridden else None, filters)
         check_on_evict(on_evict)
         interval = checks.check_status_log_interval(status_log_interval)
         binding = LoopBinding()
@@ -123,8 +131,10 @@ class ReplayBuffer:
         *,
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = _UNSET,
+        filters: Sequence[GroupFilter] = (),
     ) -> ReplayBuffer:
-        """Build a buffer from a config or verl-style mapping, honouring ``custom_sampler``.
+        """Build a buffer from a config or verl-style mapping, honouring ``custom_sampler``
+        (``filters`` as for the constructor, passed on when given).
 
         ``custom_sampler`` may name a ``ReplayBuffer`` subclass, built as
         ``Cls(config, **config.sampler_kwargs)`` plus ``on_evict`` and ``status_log_interval``
@@ -139,6 +149,8 @@ class ReplayBuffer:
         options: dict[str, Any] = {} if on_evict is None else {"on_evict": on_evict}
         if status_log_interval is not _UNSET:
             options["status_log_interval"] = status_log_interval
+        if filters != ():
+            options["filters"] = filters
         built: ReplayBuffer = build_from_config(cls, ReplayBuffer, config, options)
         return built
 
@@ -151,6 +163,7 @@ class ReplayBuffer:
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = _UNSET,
         payload_codec: PayloadCodec | None = None,
+        filters: Sequence[GroupFilter] = (),
     ) -> RestoreResult[ReplayBuffer]:
         """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous.
 
@@ -180,6 +193,8 @@ class ReplayBuffer:
         checkpoint, mode, options = read_restore_arguments(
             source, in_flight, on_evict, status_log_interval, payload_codec
         )
+        if filters != ():  # filters are code, never in a checkpoint: given again on restore
+            options["filters"] = filters
         buffer: ReplayBuffer = build_restored(cls, ReplayBuffer, checkpoint, options)
         reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
         return RestoreResult(buffer, reissue)
@@ -204,7 +219,7 @@ class ReplayBuffer:
         Overlapping saves to one file end with the state of the one called last that succeeded.
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
-        the file holds no pickle at all (see the README's trust model).
+        the file holds no pickle at all (see the trust model on the docs' Durability page).
 
         Raises:
             CheckpointError: a value the format cannot hold (the message names it): a payload
@@ -405,7 +420,7 @@ class ReplayBuffer:
         group = store.groups.get(uid) if type(uid) is str else None
         if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
             group = store.open_group(uid, action)
-        self.__consumer.notify(store.end(group, status, self.__admission.clocks.get(group.partition, 0)))
+        self.__consumer.finish(group, status, self.__admission.clocks.get(group.partition, 0))
 
     def put_group_nowait(
         self,
@@ -646,7 +661,7 @@ class ReplayBuffer:
         For integrations that run producers elsewhere (``rollout()`` and ``stalebuf.ray`` use it).
 
         Raises:
-            The errors a write to ``uid`` raises (UnknownGroupError, InvalidTransitionError...).
+            UnknownGroupError, InvalidTransitionError: as a write to ``uid`` raises them.
             WrongThreadError, BufferClosedError: as for the producer calls.
         """
         self.__check_usable()
@@ -777,7 +792,7 @@ class ReplayBuffer:
         waiting, so ``timeout=0`` means "check once, don't wait".
 
         Returns:
-            The batch and its metrics (see the README for the metric names).
+            The batch and its metrics (the docs' Trainers page lists every metric name).
 
         Raises:
             TypeError, ValueError: ``global_steps`` is not an int >= 0, ``batch_size`` not an

@@ -46,9 +46,14 @@ class PartitionStats:
         evicted_tokens: cumulative, tokens of evicted groups (any reason).
         reissued_tokens: cumulative, tokens of the partial trajectories
             ``restore(..., in_flight="reissue")`` discarded.
+        evicted_filtered_groups, evicted_filtered_trajectories: cumulative, evicted at once by a
+            group filter when they became FINISHED (``ReplayBuffer(filters=...)``).
+        filter_errors: cumulative, how often a filter raised or returned None (the group was
+            kept: filters fail open).
 
     Conservation, for groups:
-    ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart``;
+    ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart +
+    evicted_filtered``;
     for trajectories the same plus ``reissued_trajectories``; for tokens
     ``admitted_tokens == tokens + sampled_tokens + evicted_tokens + reissued_tokens``.
     """
@@ -82,6 +87,9 @@ class PartitionStats:
     masked_tokens: int = 0
     evicted_tokens: int = 0
     reissued_tokens: int = 0
+    evicted_filtered_groups: int = 0
+    evicted_filtered_trajectories: int = 0
+    filter_errors: int = 0
 
     @property
     def groups(self) -> int:

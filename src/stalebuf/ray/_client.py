@@ -90,8 +90,9 @@ class RemoteReplayBuffer(BufferCalls):
             constructor, ``custom_sampler`` is ignored here; use :meth:`from_config` for it.
         on_evict: must be None (a callable cannot cross processes); use :meth:`evictions`.
         status_log_interval: as for ReplayBuffer; the lines are logged in the actor's process.
-        name, namespace: a Ray actor name (and namespace) so that other processes can
-            :meth:`connect`; None starts an anonymous actor.
+        name: a Ray actor name, so that other processes can :meth:`connect`; None starts an
+            anonymous actor.
+        namespace: the Ray namespace of ``name``.
         get_if_exists: with a ``name``, attach to a live actor of that name instead of failing
             (the config and options are then ignored).
         actor_options: passed to ``ray.remote(...).options()``: e.g. ``num_cpus`` (default 0),

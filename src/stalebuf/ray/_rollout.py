@@ -84,7 +84,8 @@ class RemoteRolloutGroup:
         whose ``versions`` and ``tokens`` these are).
 
         Raises:
-            The errors of ``RemoteReplayBuffer.put`` (GroupEvictedError once it was evicted).
+            GroupEvictedError: the group was evicted in flight; and the other errors of
+                ``RemoteReplayBuffer.put``.
         """
         op = put_op(self.uid, payload, session_id, index, tags, versions, tokens)
         key: str = await self._connection.submit(op)
