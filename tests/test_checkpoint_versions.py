@@ -29,6 +29,7 @@ from stalebuf import (
 from stalebuf._checkpoint_versions import checked_versions, valid_versions
 from stalebuf.checkpoint import COUNTERS, IN_FLIGHT_MODES, TOKEN_COUNTERS, BufferCheckpoint
 from stalebuf.errors import CheckpointError
+from stalebuf.records import pack_runs
 
 JSON_CODEC = (lambda payload: json.dumps(payload).encode(), json.loads)
 CODECS = {"pickle": None, "codec": JSON_CODEC}
@@ -225,16 +226,18 @@ def test_a_codec_file_holds_versions_and_start_versions_only_where_they_are_not_
     }
 
 
-def hand_built(counters: dict[str, int], versions: Any, tokens: Any) -> BufferCheckpoint:
-    """A checkpoint of one FINISHED group whose trajectory holds ``versions`` and ``tokens``,
-    with these train counters (the group counted as admitted)."""
+def hand_built(counters: dict[str, int], versions: Any, tokens: Any, runs: Any = None) -> BufferCheckpoint:
+    """A checkpoint of one FINISHED group whose trajectory holds ``versions`` and ``tokens`` (and
+    ``runs`` as its packed versions: by default, those of ``versions``), with these train counters
+    (the group counted as admitted)."""
     ckpt = ReplayBuffer(status_log_interval=None).checkpoint()
     buf = ReplayBuffer(status_log_interval=None)
     buf.put_group_nowait("a", ["x"], session_ids=[1])
     group = buf.checkpoint().groups[0]
     trajectory = group.trajectories[0]
+    packed = pack_runs(versions) if runs is None else runs
     record = group.replace(
-        trajectories=(tuple.__new__(type(trajectory), (*trajectory[:5], versions, tokens)),)
+        trajectories=(tuple.__new__(type(trajectory), (*trajectory[:5], versions, tokens, packed)),)
     )
     base = {"admitted_groups": 1, "admitted_trajectories": 1}
     partition = attrs.evolve(buf.checkpoint().partitions[0], counters={**base, **counters})
@@ -281,6 +284,16 @@ def test_token_counters_given_are_checked_against_the_groups(
             ReplayBuffer.restore(checkpoint)
 
 
+def test_packed_versions_that_are_not_the_versions_are_packed_again() -> None:
+    """A trajectory keeps its versions packed for the batch arrays: a checkpoint whose packed copy
+    says something else (built by hand, crafted) is restored with the copy packed again from the
+    checked versions, so the batch hands the trainer the versions the checks passed."""
+    for forged in (pack_runs(((9, 5),)), b"", bytearray(pack_runs(((4, 2), (5, 3)))), b"x" * 32):
+        buf = ReplayBuffer.restore(hand_built({"admitted_tokens": 5}, ((4, 2), (5, 3)), 5, forged)).buffer
+        batch, _ = buf.sample_nowait(5, 1)
+        assert batch.token_versions()[0].tolist() == [4, 4, 5, 5, 5], forged
+
+
 def test_versions_read_as_lists_come_back_as_tuples() -> None:
     """A JSON or hand-built form (lists) is copied into the tuples ``put`` stores."""
     buf = ReplayBuffer.restore(hand_built({"admitted_tokens": 3}, [[7, 1], [8, 2]], 3)).buffer
@@ -320,9 +333,25 @@ def test_the_fast_scan_passes_exactly_what_the_field_check_keeps_unchanged(
     except CheckpointError:
         kept = False
     assert kept is expected
-    assert valid_versions([versions], [tokens]) is kept
+    runs = packed_or_empty(versions)
+    assert valid_versions([versions], [tokens], [runs]) is kept
     # Among valid trajectories, one bad one fails the whole scan.
-    assert valid_versions([((1, 2),), versions, ()], [2, tokens, 3]) is kept
+    assert (
+        valid_versions([((1, 2),), versions, ()], [2, tokens, 3], [pack_runs(((1, 2),)), runs, b""]) is kept
+    )
+    if kept and versions:  # and so does a packed copy that is not the versions'
+        for forged in (b"", runs[:-1], runs[:-8] + pack_runs(((7, 7),))[:8], bytearray(runs)):
+            assert not valid_versions([versions], [tokens], [forged]), forged
+    if kept and not versions:
+        assert not valid_versions([versions], [tokens], [pack_runs(((1, 1),))])
+
+
+def packed_or_empty(versions: Any) -> bytes:
+    """``versions`` packed as a trajectory keeps them, or ``b""`` where they cannot be."""
+    try:
+        return pack_runs(versions)
+    except Exception:
+        return b""
 
 
 def test_the_counters_a_checkpoint_carries_include_the_cumulative_token_counters() -> None:

@@ -38,7 +38,7 @@ from ._validation import (
 from .checkpoint import COUNTERS, FORMAT_VERSION, TOKEN_COUNTERS, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
-from .records import EMPTY_TAGS, Group, Status, Trajectory, new_group, new_trajectory
+from .records import EMPTY_TAGS, Group, Status, Trajectory, new_group, new_trajectory, pack_runs
 
 __all__ = ["checked"]
 
@@ -429,7 +429,7 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
     if record is None or len(values) != Trajectory.SLOTS:
         got = f"one of {len(values)} fields" if record is not None else type(trajectory).__name__
         raise _invalid(where, f"must be a Trajectory record, got {got}")
-    key, session_id, index, tags, payload, versions, tokens, _ = values
+    key, session_id, index, tags, payload, versions, tokens, runs = values
     _field(f"{where}.session_id", lambda value: check_index(value, "session_id"), session_id)
     _field(f"{where}.index", lambda value: check_index(value, "index"), index)
     expected = f"{uid}_{session_id}_{index}"
@@ -439,7 +439,8 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
         )
     frozen = _checked_tags(f"{where}.tags", tags)
     segments = checked_versions(where, versions, tokens)
-    if frozen is tags and segments is versions:
+    # The packed copy of the versions the batch arrays read is rebuilt unless it is theirs.
+    if frozen is tags and segments is versions and type(runs) is bytes and runs == pack_runs(segments):
         return record
     return new_trajectory(key, session_id, index, frozen, payload, segments, tokens)
 

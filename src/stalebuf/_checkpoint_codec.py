@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from ._validation import check_tags, describe, describe_error
 from .checkpoint import FORMAT_VERSION, TOKEN_COUNTERS, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
-from .records import Group, Status, Trajectory, new_trajectory
+from .records import Group, Status, Trajectory, pack_runs
 
 __all__ = ["read_plain", "write_plain", "written_counters"]
 
@@ -239,7 +240,19 @@ def _group_from_row(
                 f"decode failed for trajectory {describe(key)}: {describe_error(exc)}"
             ) from exc
         trajectories.append(
-            new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload, versions, tokens)
+            tuple.__new__(  # its runs packed only if they can be: the checks name what is wrong
+                Trajectory,
+                (
+                    key,
+                    session_id,
+                    index,
+                    _frozen(trajectory_tags),
+                    payload,
+                    versions,
+                    tokens,
+                    _packed(versions),
+                ),
+            )
         )
     with contextlib.suppress(ValueError):  # not a status: left for the checks to name
         status = Status(status)
@@ -249,6 +262,15 @@ def _group_from_row(
     # is (new_group would read a null as "the dispatch step").
     fields = (uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
     return tuple.__new__(Group, (*fields, start[0] if start else step))
+
+
+def _packed(versions: Any) -> bytes:
+    """``versions`` packed as the batch arrays read them, or ``b""`` if they cannot be (not int
+    pairs): the checks then refuse them, naming the field."""
+    try:
+        return pack_runs(versions)
+    except (TypeError, ValueError, struct.error):
+        return b""
 
 
 def _segments(versions: object) -> Any:

@@ -28,7 +28,7 @@ _GROUP_KINDS = frozenset({Group, LazyGroup})
 # build its trajectory records; "_stored" reads the slot that holds them or its payloads).
 _FIELDS = tuple("_stored" if name == "trajectories" else name for name in Group._fields)
 _uid, _partition, _step, _status, _tags, _stored, _finish, _seconds, _start = map(attrgetter, _FIELDS)
-_versions, _tokens = itemgetter(5), itemgetter(6)
+_versions, _tokens, _runs = itemgetter(5), itemgetter(6), itemgetter(7)
 #: A group's trajectory records to their token counts, as a C-level callable.
 _tokens_of = partial(map, _tokens)
 
@@ -124,7 +124,9 @@ def _valid_trajectories(uids: list[str], stored: list[tuple[Any, ...]]) -> bool:
     if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {Trajectory.SLOTS}:
         return False
     keys, sessions, indices, tags = (list(map(itemgetter(i), records)) for i in range(4))
-    if not valid_versions(list(map(_versions, records)), list(map(_tokens, records))):
+    if not valid_versions(
+        list(map(_versions, records)), list(map(_tokens, records)), list(map(_runs, records))
+    ):
         return False
     if set(map(type, keys)) != {str} or not (_valid_steps(sessions) and _valid_steps(indices)):
         return False

@@ -5,14 +5,16 @@ segments and any count (the trajectory was put with ``tokens=`` or with neither)
 an int version >= 0 and an int count >= 1 each, whose counts sum to its token count (what
 ``put`` makes of ``versions=``). :func:`checked_versions` checks one trajectory and names the
 field at fault; :func:`valid_versions` checks every trajectory at once in C-level loops and only
-says whether they all are (the fast scan of ``_checkpoint_scan``).
+says whether they all are (the fast scan of ``_checkpoint_scan``). Both also hold a trajectory's
+packed copy of its versions (``Trajectory._runs``, what the batch arrays read) to its versions.
 """
 
 from __future__ import annotations
 
+import struct
 from functools import partial
-from itertools import chain, compress
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import itemgetter, mul
 from typing import Any
 
 from ._validation import MAX_INT, describe
@@ -22,9 +24,11 @@ __all__ = ["checked_versions", "valid_versions"]
 
 Segments = tuple[tuple[int, int], ...]
 _SEQUENCES = (tuple, list)
-_first, _second = itemgetter(0), itemgetter(1)
+_second = itemgetter(1)
 #: A trajectory's segments to their counts, as a C-level callable.
 _counts = partial(map, _second)
+#: Bytes per packed segment (two native int64, as ``records.pack_runs`` packs them).
+_PAIR_BYTES = struct.calcsize("=2q")
 
 
 def _invalid(where: str, why: str) -> CheckpointError:
@@ -73,26 +77,31 @@ def checked_versions(where: str, versions: object, tokens: object) -> Segments:
     return versions if canonical else tuple(pairs)  # type: ignore[return-value]
 
 
-def valid_versions(versions: list[Any], tokens: list[Any]) -> bool:
-    """Whether every trajectory's ``versions`` and ``tokens`` (one item each per trajectory)
-    pass :func:`checked_versions` unchanged (tuples of tuples); without a Python call per
-    trajectory or segment."""
+def valid_versions(versions: list[Any], tokens: list[Any], runs: list[Any]) -> bool:
+    """Whether every trajectory's ``versions``, ``tokens`` and ``runs`` (its versions packed for
+    the batch arrays; one item each per trajectory) pass :func:`checked_versions` unchanged
+    (tuples of tuples) and agree; without a Python call per trajectory or segment."""
     if set(map(type, tokens)) != {int} or min(tokens) < 0 or max(tokens) > MAX_INT:
         return False
-    if set(map(type, versions)) != {tuple}:
+    if set(map(type, versions)) != {tuple} or set(map(type, runs)) != {bytes}:
         return False
     with_segments = list(map(bool, versions))
     if not any(with_segments):
-        return True
+        return not any(runs)
     pairs = list(chain.from_iterable(versions))
     if set(map(type, pairs)) != {tuple} or set(map(len, pairs)) != {2}:
         return False
-    numbers = list(map(_first, pairs)), list(map(_second, pairs))
-    if set(map(type, numbers[0])) != {int} or set(map(type, numbers[1])) != {int}:
+    flat = list(chain.from_iterable(pairs))
+    if set(map(type, flat)) != {int}:
         return False
-    if min(numbers[0]) < 0 or max(numbers[0]) > MAX_INT or min(numbers[1]) < 1:
+    numbers, counts = flat[0::2], flat[1::2]
+    if min(numbers) < 0 or max(numbers) > MAX_INT or min(counts) < 1 or max(counts) > MAX_INT:
         return False
-    # Each trajectory's total: its counts summed (a count over MAX_INT makes its total differ
-    # from a valid token count, so it is refused here too).
+    # The packed runs: each trajectory's 16 bytes per segment, all of them the segments' ints.
+    if list(map(len, runs)) != list(map(mul, map(len, versions), repeat(_PAIR_BYTES))):
+        return False
+    if b"".join(runs) != struct.pack(f"={len(flat)}q", *flat):
+        return False
+    # Each trajectory's total: its counts summed.
     totals = list(map(sum, map(_counts, compress(versions, with_segments))))
     return totals == list(compress(tokens, with_segments))
