@@ -229,21 +229,13 @@ class Group(tuple):  # type: ignore[type-arg]
         return Group(**values)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle support: the read-only tags travel as a plain dict."""
-        return (
-            _group,
-            (
-                self.uid,
-                self.partition,
-                self.dispatch_step,
-                self.status,
-                _plain(self.tags),
-                self.trajectories,
-                self.finish_step,
-                self.generation_seconds,
-                self.start_version,
-            ),
-        )
+        """Pickle support: the read-only tags travel as a plain dict (and a group that starts at
+        its dispatch step pickles as files written before versions existed hold it)."""
+        fields = (self.uid, self.partition, self.dispatch_step, self.status, _plain(self.tags))
+        rest = (self.trajectories, self.finish_step, self.generation_seconds)
+        if self.start_version != self.dispatch_step:
+            return (_group, (*fields, *rest, self.start_version))
+        return (_group, (*fields, *rest))
 
     # -- the trajectories as stored: read without building lazily stored records --------
 

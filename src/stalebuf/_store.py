@@ -540,10 +540,13 @@ class GroupStore:
         self.groups[group.uid] = group
         part.add_terminal(group, seq)
 
-    def restore_in_flight(self, part: PartitionState, group: Group, seq: int, keep: bool) -> None:
-        """Put back an in-flight ``group`` at position ``seq``: exactly (``keep``), or as
-        PENDING with no trajectories (to be generated again). Its deadline clock starts now: an
-        outage must not cut a group before its producer could go on with it."""
+    def restore_in_flight(
+        self, part: PartitionState, group: Group, seq: int, *, prefix: bool, running: bool
+    ) -> None:
+        """Put back an in-flight ``group`` at position ``seq``: with its trajectories, versions and
+        start version (``prefix``; else PENDING with none, to be generated again from its
+        dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline clock
+        starts now: an outage must not cut a group before its producer could go on with it."""
         now = monotonic()
         state = OpenGroup(
             group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now
@@ -552,10 +555,10 @@ class GroupStore:
         part.admit(state)
         if part.deadlines:
             part.track(state)
-        if keep:
-            if group.status is _RUNNING:
-                state.status = _RUNNING
-                part.start()
+        if running and group.status is _RUNNING:
+            state.status = _RUNNING
+            part.start()
+        if prefix:
             self.set_start_version(state, group.start_version)
             state.trajectories = {trajectory.key: trajectory for trajectory in group.trajectories}
             part.add_trajectories(len(group.trajectories))
@@ -564,14 +567,15 @@ class GroupStore:
                 self._count_versions(state, part, added)
 
     def restore_counters(
-        self, part: PartitionState, counters: Mapping[str, int], reissued: tuple[int, int]
+        self, part: PartitionState, counters: Mapping[str, int], reissued: tuple[int, int, int]
     ) -> None:
         """Set ``part``'s cumulative counters to the saved ones, plus ``reissued`` (groups,
-        trajectories) that a restore reissued."""
+        trajectories, tokens) that a restore reissued (their partial trajectories discarded)."""
         for key, value in counters.items():
             setattr(part, key, value)
         part.reissued_groups += reissued[0]
         part.reissued_trajectories += reissued[1]
+        part.reissued_tokens += reissued[2]
 
     def restore_sequence(
         self, next_seq: int, evicted_in_flight: tuple[str, ...], reasons: tuple[str | None, ...]

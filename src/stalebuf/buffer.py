@@ -171,9 +171,13 @@ class ReplayBuffer:
         unless it names a custom sampler). Its ``stats()`` equal the checkpointed buffer's
         (waiting callers are not saved), apart from what ``in_flight`` does with groups that
         were PENDING or RUNNING: "reissue" keeps them PENDING at their place in the order, with
-        their trajectories discarded (counted in ``reissued_*``) and lists them in the result's
-        ``reissue``; "keep" keeps them exactly; "evict" evicts them (reason "restart", one
-        event per partition to ``on_evict``, counted in ``evicted_restart_*``).
+        their trajectories discarded (counted in ``reissued_*``) and their start version back
+        at the dispatch step, and lists them in the result's ``reissue``; "resume" keeps them
+        PENDING with their trajectories (versions and tokens) and start version, counts
+        nothing as reissued, and lists them in ``reissue`` with that prefix, for their producers
+        to go on after it (call ``mark_running`` again); "keep" keeps them exactly; "evict"
+        evicts them (reason "restart", one event per partition to ``on_evict``, counted in
+        ``evicted_restart_*``).
         ``status_log_interval`` is passed to the built class only when given (its default is
         the class's own: 60 s for ``ReplayBuffer``), as :meth:`from_config` does.
 

@@ -456,7 +456,7 @@ def _restored(
     """
     checkpoint = read_checkpoint(request.path, request.payload_codec)
     if request.store:
-        keep_in_flight = request.in_flight == "keep"  # otherwise their trajectories are dropped
+        keep_in_flight = request.in_flight in ("keep", "resume")  # otherwise their trajectories are dropped
         groups = tuple(
             stored(group) if keep_in_flight or group.status not in _IN_FLIGHT else group
             for group in checkpoint.groups

@@ -193,7 +193,7 @@ async def checkpoint_values(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
 def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:
     by_ref = dict(zip(refs, values, strict=True))
     groups = tuple(with_values(group, by_ref) for group in batch.groups)
-    return Batch(batch.partition, batch.global_steps, groups, batch.parameter_sync_step)
+    return attrs.evolve(batch, groups=groups)  # every other field (T, S, masks) kept
 
 
 async def resolve(batch: Batch, *, timeout: float | None = None) -> Batch:
