@@ -8,29 +8,25 @@ changes after, so a refused call leaves the store as it was.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from operator import attrgetter
 from time import monotonic
 from types import MappingProxyType
 from typing import Any
 
+from ._evicted_uids import CUT_REASON, EVICTED_UIDS_REMEMBERED, FILTERED_REASON, EvictedUids
 from ._judged_index import JudgedEntry
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
 from ._partition import PartitionState, group_tokens
+from ._partition_table import PartitionTable
 from ._rules import Rules
 from ._stored import count_trajectories
 from ._validation import describe
 from ._versions import VersionSpan
 from ._waiting import LoopBinding
-from .errors import (
-    DuplicateTrajectoryError,
-    GroupCutError,
-    GroupEvictedError,
-    InvalidTransitionError,
-    UnknownGroupError,
-)
+from .errors import DuplicateTrajectoryError, InvalidTransitionError, UnknownGroupError
 from .records import (
     DEFAULT_KEY_SESSIONS,
     DEFAULT_KEY_SUFFIXES,
@@ -45,16 +41,8 @@ from .records import (
 
 __all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "FILTERED_REASON", "GroupStore"]
 
-#: Why a group a filter rejected was evicted (what a later write to its uid is told).
-FILTERED_REASON = "filtered"
 #: The group tag every group cut at its deadline carries (True), finished or failed.
 CUT_TAG = "stalebuf_cut"
-#: How a remembered reason for a cut starts (the deadline in seconds follows).
-CUT_REASON = "cut at its deadline of "
-
-#: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
-#: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
-EVICTED_UIDS_REMEMBERED = 65_536
 
 _PENDING, _RUNNING, _FINISHED = Status.PENDING, Status.RUNNING, Status.FINISHED
 _tuple_new = tuple.__new__
@@ -69,93 +57,48 @@ class GroupStore:
     Attributes (read them; change them only through the methods):
         groups: every resident group, in flight (:class:`OpenGroup`) or terminal (a record).
         partitions: every partition used so far.
-        evicted_in_flight: uids of groups the buffer ended in flight, most recent last: None
-            for evicted as stale, else the reason ("restart", or "cut at its deadline of ...").
+        evicted_in_flight: uids of groups the buffer ended in flight, with why
+            (:class:`~stalebuf._evicted_uids.EvictedUids`).
+        table: the partitions' owner (:class:`~stalebuf._partition_table.PartitionTable`).
         next_seq: the admission sequence number of the next group (it orders FIFO ties).
         closed: whether the buffer was closed.
         rules, binding: the buffer's rule book and loop binding (parts the store only reads).
     """
 
-    __slots__ = ("binding", "closed", "evicted_in_flight", "groups", "next_seq", "partitions", "rules")
+    __slots__ = (
+        "binding",
+        "closed",
+        "evicted_in_flight",
+        "groups",
+        "next_seq",
+        "partitions",
+        "rules",
+        "table",
+    )
 
     def __init__(self, rules: Rules, binding: LoopBinding) -> None:
         self.rules = rules
         self.binding = binding  # the loop the buffer is bound to (its own part; read, not written)
         self.groups: dict[str, OpenGroup | Group] = {}
-        self.partitions: dict[str, PartitionState] = {}
-        self.evicted_in_flight: OrderedDict[str, str | None] = OrderedDict()
+        self.table = PartitionTable(rules)
+        self.partitions = self.table.partitions  # read here; the table adds to it
+        self.evicted_in_flight = EvictedUids()
         self.next_seq = 0
         self.closed = False
 
     # -- lookups ------------------------------------------------------------------------
 
     def partition(self, name: str) -> PartitionState:
-        """Return partition ``name``, creating it (asking the rules its settings) if new.
-
-        Raises:
-            Exception: whatever a policy hook raised (nothing is created then).
-        """
-        part = self.partitions.get(name)
-        if part is None:
-            rules = self.rules
-            exempt, evict_failures, evict_in_flight, cap, deadlines = rules.settings(name)
-            cells = {}
-            if rules.tasks and not exempt:  # a task mixture: one cell per task
-                for task in rules.tasks:
-                    task_cap, threshold, span = rules.cell_settings(name, task, cap)
-                    cells[task] = PartitionState(
-                        name,
-                        exempt=exempt,
-                        evict_failures=evict_failures,
-                        evict_in_flight=evict_in_flight,
-                        cap=task_cap,
-                        deadlines=deadlines,
-                        judge=rules.judge,
-                        threshold=threshold,
-                        span=span,
-                        task=task,
-                    )
-            part = PartitionState(
-                name,
-                exempt=exempt,
-                evict_failures=evict_failures,
-                evict_in_flight=evict_in_flight,
-                cap=cap,
-                deadlines=deadlines,
-                judge=rules.judge,
-                threshold=rules.threshold,
-                span=rules.span,
-            )
-            if cells:
-                part.cells = cells
-            self.partitions[name] = part
-        return part
+        """Return partition ``name``, created if new (see :meth:`PartitionTable.partition`)."""
+        return self.table.partition(name)
 
     def cell(self, name: str, tags: Mapping[str, Any]) -> PartitionState:
-        """The partition a new group of partition ``name`` with ``tags`` lands in: ``name``'s
-        own, or under a task mixture its task's cell (the partition is created if new).
-
-        Raises:
-            ValueError: under a mixture, the tags name no task of it (nothing is created).
-            Exception: whatever a policy hook raised creating the partition.
-        """
-        part = self.partitions.get(name)
-        if part is None:
-            rules = self.rules
-            if rules.tasks and not rules.policy.is_exempt(name):
-                rules.task_of(tags)  # refused before the partition is created
-            part = self.partition(name)
-        cells = part.cells
-        return part if cells is None else cells[self.rules.task_of(tags)]
+        """Where a new group lands (see :meth:`PartitionTable.cell`; raises what it raises)."""
+        return self.table.cell(name, tags)
 
     def cell_of(self, group: OpenGroup | Group) -> PartitionState:
         """The partition (or task cell) that holds ``group``."""
-        part = self.partitions[group.partition]
-        cells = part.cells
-        if cells is None:
-            return part
-        task = group.task if type(group) is OpenGroup else group.tags[self.rules.mixture_tag]
-        return cells[task]  # type: ignore[index]  # a group in a cell has its task
+        return self.table.cell_of(group)
 
     def open_group(self, uid: object, action: str) -> OpenGroup:
         """Return the in-flight group ``uid`` or raise the error a write to it deserves.
@@ -163,7 +106,7 @@ class GroupStore:
         Raises:
             TypeError: ``uid`` is not a str.
             GroupCutError: it was cut at its deadline (and not added again since).
-            GroupEvictedError: it was evicted in flight (and not added again since).
+            GroupEvictedError: it was evicted in flight or filtered (and not added again since).
             UnknownGroupError: no such group.
             InvalidTransitionError: it is terminal (a late write).
         """
@@ -172,20 +115,10 @@ class GroupStore:
             return group
         if type(uid) is not str:
             raise TypeError(f"uid must be a str, got {type(uid).__name__}")
-        reason = self.evicted_in_flight.get(uid, "") if self.evicted_in_flight else ""
-        if reason and reason.startswith("cut"):  # the cut group, resident or gone, not a new one
-            raise GroupCutError(f"group {describe(uid)} was {reason} while in flight: stop generating")
+        error = self.evicted_in_flight.error(uid, group is not None)
+        if error is not None:
+            raise error
         if group is None:
-            if reason == FILTERED_REASON:
-                raise GroupEvictedError(
-                    f"group {describe(uid)} was filtered (a group filter rejected it when it finished): "
-                    "it is gone; add_prompt starts a new group under that uid"
-                )
-            if reason != "":
-                how = "as stale" if reason is None else "by a restart"
-                raise GroupEvictedError(
-                    f"group {describe(uid)} was evicted {how} while in flight: stop generating"
-                )
             raise UnknownGroupError(
                 f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
             )
@@ -220,8 +153,7 @@ class GroupStore:
         part.admit(group)
         if part.deadlines:
             part.track(group)
-        if self.evicted_in_flight:
-            self.evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
+        self.evicted_in_flight.forget(uid)  # a new group: forget the old eviction
         return group
 
     def start(self, uid: object, version: int | None = None) -> None:
@@ -507,10 +439,7 @@ class GroupStore:
 
     def remember_evicted(self, uid: str, reason: str | None) -> None:
         """Remember that ``uid`` was evicted in flight (``reason`` None: as stale), boundedly."""
-        remembered = self.evicted_in_flight
-        remembered[uid] = reason
-        if len(remembered) > EVICTED_UIDS_REMEMBERED:
-            remembered.popitem(last=False)
+        self.evicted_in_flight.remember(uid, reason)
 
     def close(self) -> None:
         """Mark the store closed and tell every in-flight group's watchers."""
@@ -583,10 +512,7 @@ class GroupStore:
         """Set the admission sequence and the remembered in-flight evictions of a restore, with
         their reasons (``()``: all None, as older files hold)."""
         self.next_seq = next_seq
-        if reasons:
-            self.evicted_in_flight = OrderedDict(zip(evicted_in_flight, reasons, strict=True))
-        else:
-            self.evicted_in_flight = OrderedDict.fromkeys(evicted_in_flight)
+        self.evicted_in_flight.restore(evicted_in_flight, reasons)
 
     @staticmethod
     def restore_generation(part: PartitionState, times: tuple[float, ...]) -> None:
