@@ -13,18 +13,18 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from time import monotonic
-from types import MappingProxyType
 
 import anyio
-import attrs
 
 from ._admission import Admission
 from ._deadlines import Deadlines
 from ._eviction import Eviction
 from ._filtering import Filtering
+from ._group_snapshots import terminal_record
 from ._mixture import Mixing
 from ._open_group import OpenGroup
 from ._partition import PartitionState
+from ._partition_stats import buffer_stats
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
 from ._sample_report import SampleReport
 from ._status_log import StatusLog, log_waiting, logger, next_due
@@ -34,13 +34,12 @@ from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
 from .metrics import SampleMetrics
 from .records import Batch, EvictionEvent, Group, Status
-from .stats import BufferStats, PartitionStats
+from .stats import BufferStats
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
 
 _FINISHED = Status.FINISHED
-#: A batch size no partition ever holds: has_work_for then answers "eviction work only".
-_NEVER = 1 << 63
+
 
 #: What a parked sample's attempt returns to set its deadline timer again (never a batch: a
 #: batch holds at least one group).
@@ -116,7 +115,7 @@ class Consumer:
         if status is not _FINISHED or not self.filtering.applies(part):
             self.notify(store.end(group, status, clock, measured))
             return
-        record = store.preview(group, status, clock)
+        record = terminal_record(group, status, clock)
         keep = self.filtering.keeps(part, record)
         if store.groups.get(group.uid) is not group:  # a filter ended the group itself
             return
@@ -165,7 +164,7 @@ class Consumer:
             if parent.cells is None:
                 wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
             else:
-                wake = self._mixture_has_work(parent, head.global_steps, head.batch_size)
+                wake = self.mixing.has_work(parent, head.global_steps, head.batch_size)
             if not wake and part.deadlines:  # a new head, or a deadline moved earlier: set the timer
                 cut_at = self.deadlines.next_cut(part)
                 if cut_at is not None and cut_at < head.cut_at:
@@ -175,15 +174,6 @@ class Consumer:
             wake = True
         if wake:
             head.wake()
-
-    def _mixture_has_work(self, part: PartitionState, global_steps: int, batch_size: int) -> bool:
-        """:meth:`Rules.has_work_for` for a partition under a mixture: a cell has something to
-        evict, or a batch may be taken."""
-        cells, rules = part.cells, self.rules
-        assert cells is not None
-        if any(rules.has_work_for(cell, global_steps, _NEVER) for cell in cells.values()):
-            return True  # (a batch of _NEVER groups is never ready: eviction work only)
-        return self.mixing.ready(part, global_steps, batch_size)
 
     def admitted(self, part: PartitionState) -> None:
         """A group of ``part`` (which has deadlines) was admitted: a head sample parked without
@@ -227,32 +217,7 @@ class Consumer:
         """Return the buffer's snapshot: the store's counts, with the queues of the consumer
         and admission (abandoned waiters, whose loop closed under them, left out)."""
         self.admission.drop_abandoned()
-        partitions = {
-            name: self._partition_stats(part) for name, part in sorted(self.store.partitions.items())
-        }
-        total = PartitionStats()
-        for item in partitions.values():
-            total = total + item
-        return BufferStats(closed=self.store.closed, partitions=MappingProxyType(partitions), total=total)
-
-    def _partition_stats(self, part: PartitionState) -> PartitionStats:
-        """``part``'s snapshot (under a mixture: its cells' counts summed, and per task)."""
-        name, admission = part.name, self.admission
-        outside = (self.count_waiting(name), admission.waiting(name), admission.capacity(part, name))
-        if part.cells is None:
-            return part.stats(*outside, self.filtering.errors(name))
-        total = PartitionStats()
-        for cell in part.cells.values():
-            total = total + cell.stats(0, 0, None)
-        waiting, producers, capacity = outside
-        return attrs.evolve(
-            total,
-            waiting_samplers=waiting,
-            waiting_producers=producers,
-            capacity=capacity,
-            filter_errors=self.filtering.errors(name),
-            tasks=self.mixing.task_stats(part),
-        )
+        return buffer_stats(self.store, self.admission, self.filtering, self.mixing, self.count_waiting)
 
     def subscribe(self, observer: SampleObserver) -> Callable[[], None]:
         """Call ``observer(batch, metrics)`` with every batch returned; return what stops it."""

@@ -14,6 +14,7 @@ from time import monotonic
 
 from ._admission import Admission
 from ._filtering import Filtering
+from ._group_snapshots import cut_record
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._rules import Rules
@@ -104,7 +105,7 @@ class Deadlines:
         if status is not _FINISHED or not filtering.applies(part):
             store.cut(group, status, clock, seconds)
             return
-        record = store.preview_cut(group, status, clock)
+        record = cut_record(group, status, clock)
         keep = filtering.keeps(part, record)
         if store.groups.get(group.uid) is not group:
             return

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from ._admission import Admission
 from ._consumer import Consumer
+from ._group_snapshots import finished_record
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._store import GroupStore
@@ -90,7 +91,7 @@ class GroupWriter:
         consumer, store = self.consumer, self.store
         record = None
         if consumer.filters_apply(part):
-            record = store.preview_finished(part, uid, step, clock, stored, frozen_tags, version)
+            record = finished_record(part.name, uid, step, clock, stored, frozen_tags, version)
             keep = consumer.judge(part, record)
             if uid in store.groups:  # a filter added the uid itself
                 raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")

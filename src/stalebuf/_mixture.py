@@ -48,6 +48,8 @@ STARVATION_SAMPLES = 3
 BALANCE_CAP = 4
 
 Entry = tuple[int, int, Group]  # (dispatch step, admission seq, group)
+#: A batch size no partition ever holds: ``has_work_for`` then answers "eviction work only".
+_NEVER = 1 << 63
 
 
 class _Ledger:
@@ -98,6 +100,19 @@ class Mixing:
             return sum(cell.ready.count for cell in cells.values()) >= batch_size
         quotas = rules.quotas(part.name, batch_size)
         return all(cell.ready.count >= quotas[task] for task, cell in cells.items())
+
+    def has_work(self, part: PartitionState, global_steps: int, batch_size: int) -> bool:
+        """Whether a sample of ``part`` at ``global_steps`` could evict something or take a
+        batch (:meth:`Rules.has_work_for`, across the cells).
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        cells, rules = part.cells, self.rules
+        assert cells is not None
+        if any(rules.has_work_for(cell, global_steps, _NEVER) for cell in cells.values()):
+            return True  # (a batch of _NEVER groups is never ready: eviction work only)
+        return self.ready(part, global_steps, batch_size)
 
     def shortages(self, part: PartitionState, batch_size: int) -> dict[str, int]:
         """Each task's groups short of its quota of ``batch_size`` now (0 when it has enough)."""

@@ -19,7 +19,6 @@ from ._open_group import OpenGroup
 from ._stored import count_trajectories, stored_trajectories
 from ._versions import record_span
 from .records import Group, Status
-from .stats import PartitionStats
 
 __all__ = ["BY_DISPATCH", "BY_HEAD", "BY_TAIL", "GENERATION_WINDOW", "MEDIAN_AFTER", "PartitionState"]
 
@@ -464,43 +463,3 @@ class PartitionState:
     def resident_at_step(self, step: int) -> int:
         """How many resident groups are tagged ``step`` (only under admission control)."""
         return self.resident_at.get(step, 0) if self.resident_at is not None else 0
-
-    def stats(
-        self, waiting_samplers: int, waiting_producers: int, capacity: int | None, filter_errors: int = 0
-    ) -> PartitionStats:
-        """Return a snapshot of this partition's counts, with the queue lengths, capacity and
-        filter errors that the consumer and admission own."""
-        return PartitionStats(
-            pending=self.pending,
-            running=self.running,
-            finished=self.finished,
-            failure=self.failure,
-            trajectories=self.trajectories,
-            waiting_samplers=waiting_samplers,
-            admitted_groups=self.admitted_groups,
-            admitted_trajectories=self.admitted_trajectories,
-            sampled_groups=self.sampled_groups,
-            sampled_trajectories=self.sampled_trajectories,
-            evicted_stale_groups=self.evicted_stale_groups,
-            evicted_stale_trajectories=self.evicted_stale_trajectories,
-            evicted_failure_groups=self.evicted_failure_groups,
-            evicted_failure_trajectories=self.evicted_failure_trajectories,
-            evicted_in_flight_groups=self.evicted_in_flight_groups,
-            evicted_filtered_groups=self.evicted_filtered_groups,
-            evicted_filtered_trajectories=self.evicted_filtered_trajectories,
-            filter_errors=filter_errors,
-            evicted_restart_groups=self.evicted_restart_groups,
-            evicted_restart_trajectories=self.evicted_restart_trajectories,
-            reissued_groups=self.reissued_groups,
-            reissued_trajectories=self.reissued_trajectories,
-            waiting_producers=waiting_producers,
-            cut_groups=self.cut_groups,
-            cut_trajectories=self.cut_trajectories,
-            capacity=capacity,
-            tokens=self.tokens,
-            admitted_tokens=self.admitted_tokens,
-            sampled_tokens=self.sampled_tokens,
-            masked_tokens=self.masked_tokens,
-            evicted_tokens=self.evicted_tokens,
-            reissued_tokens=self.reissued_tokens,
-        )

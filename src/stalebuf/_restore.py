@@ -21,6 +21,7 @@ from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
 from ._custom_sampler import build_from_config, load_custom_sampler
 from ._eviction import Eviction, check_on_evict
+from ._group_snapshots import snapshot
 from ._partition import group_tokens
 from ._store import GroupStore
 from ._stored import count_trajectories
@@ -72,7 +73,7 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
     now = monotonic()
     clocks = admission.clocks
     groups = tuple(
-        group if isinstance(group, Group) else store.snapshot(group, clocks.get(group.partition, 0), now)
+        group if isinstance(group, Group) else snapshot(group, clocks.get(group.partition, 0), now)
         for group in store.groups.values()
     )
     partitions = tuple(

@@ -21,13 +21,13 @@ from ._judged_index import JudgedEntry
 from ._partition import BY_DISPATCH, BY_HEAD, BY_TAIL, PartitionState
 from ._validation import describe, describe_typed, is_finite_number
 from .config import SamplerConfig
-from .errors import ConfigError, StalebufError
-from .filters import GroupFilter, check_filters, zero_variance
-from .policy import RuleHooks, StalenessPolicy, SubclassHooks, hook_label, select_label
+from .errors import StalebufError
+from .filters import GroupFilter, zero_variance
+from .policy import RuleHooks, StalenessPolicy, SubclassHooks, asks_defaults, hook_label, select_label
 from .records import Group, Status
 from .staleness import drop_span
 
-__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules", "build_rules"]
+__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules"]
 
 _MISSING = object()
 
@@ -36,13 +36,6 @@ NEEDS_RULES, NO_BATCH, OLDEST_BATCH = -1, 0, 1
 
 # The default selection takes the first batch_size candidates: its answer needs no check.
 _DEFAULT_SELECT = StalenessPolicy.select
-
-
-def asks_defaults(rules: StalenessPolicy, hooks: tuple[str, ...]) -> bool:
-    """Whether ``rules`` answers every one of ``hooks`` (names of StalenessPolicy methods) with
-    the default code, neither overridden nor replaced on the instance."""
-    kind, own = type(rules), vars(rules)
-    return all(getattr(kind, hook) is getattr(StalenessPolicy, hook) and hook not in own for hook in hooks)
 
 
 class Rules:
@@ -118,8 +111,6 @@ class Rules:
         self.mixture_tag = config.mixture_tag
         self.borrows = config.mixture_policy == "borrow"
         self._quotas: dict[tuple[str, int], dict[str, int]] = {}
-        if self.tasks:
-            _check_mixture_policy(self.policy, config)
 
     # -- per partition, asked once ------------------------------------------------------
 
@@ -480,43 +471,3 @@ class Rules:
         if cap is None or threshold is None:
             return None
         return cap * threshold * self.sync_step
-
-
-def _check_mixture_policy(policy: StalenessPolicy, config: SamplerConfig) -> None:
-    """Refuse the policies a task mixture cannot honour.
-
-    Raises:
-        ConfigError: a ``select`` override (a mixture selects by quotas), or per-task thresholds
-            with an overridden ``is_stale``, ``must_wait_for`` or ``admits`` (asked with a
-            partition name only, they cannot apply a task's threshold).
-    """
-    if not asks_defaults(policy, ("select",)):
-        raise ConfigError(
-            f"{select_label(policy)} cannot be used with a task mixture: a mixture selects each "
-            "task's quota itself"
-        )
-    if config.task_thresholds and not asks_defaults(policy, ("is_stale", "must_wait_for", "admits")):
-        raise ConfigError(
-            "task_thresholds cannot be used with a policy that overrides is_stale, must_wait_for or "
-            "admits (they are asked with a partition name, not a task, so a task's threshold could "
-            "not apply); override task_threshold instead, or drop task_thresholds"
-        )
-
-
-def build_rules(config: object, policy: object, hooks: RuleHooks | None, filters: object = ()) -> Rules:
-    """Check a buffer's ``config``, ``policy`` and ``filters`` arguments and return its rule
-    book (``hooks``: a subclass that overrides the verl-style hooks, else None).
-
-    Raises:
-        ConfigError: ``policy`` is not a StalenessPolicy or None, ``config`` not a SamplerConfig
-            or None, or ``filters`` not a sequence of plain callables.
-    """
-    checked = check_filters(filters)
-    # Types first: a policy of the wrong type must not be asked for its config.
-    if policy is not None and not isinstance(policy, StalenessPolicy):
-        raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
-    if config is None:
-        config = SamplerConfig() if policy is None else policy.config
-    elif not isinstance(config, SamplerConfig):
-        raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
-    return Rules(StalenessPolicy(config) if policy is None else policy, hooks, config, checked)

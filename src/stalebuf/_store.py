@@ -16,8 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ._evicted_uids import CUT_REASON, EVICTED_UIDS_REMEMBERED, FILTERED_REASON, EvictedUids
+from ._group_snapshots import CUT_TAG, finished_record, snapshot, terminal_record
 from ._judged_index import JudgedEntry
-from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
 from ._partition import PartitionState, group_tokens
 from ._partition_table import PartitionTable
@@ -34,15 +34,12 @@ from .records import (
     Status,
     Trajectory,
     default_keys,
-    new_group,
     new_trajectory,
     pack_runs,
 )
 
 __all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "FILTERED_REASON", "GroupStore"]
 
-#: The group tag every group cut at its deadline carries (True), finished or failed.
-CUT_TAG = "stalebuf_cut"
 
 _PENDING, _RUNNING, _FINISHED = Status.PENDING, Status.RUNNING, Status.FINISHED
 _tuple_new = tuple.__new__
@@ -265,34 +262,15 @@ class GroupStore:
         ``clock`` is the partition's dispatch clock (the record's finish step, not before
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
         in one call), so a FINISHED one counts towards the median generation time; ``record``:
-        its terminal record from :meth:`preview`, if made already."""
+        its terminal record from :func:`~stalebuf._group_snapshots.terminal_record`, if made already."""
         part = self.cell_of(group)
         if part.deadlines and measured and status is _FINISHED:
             part.record_generation(monotonic() - group.admitted_at)
         if record is None:
-            record = self.preview(group, status, clock)
+            record = terminal_record(group, status, clock)
         self.groups[group.uid] = record
         part.terminate(group, record)
         return part
-
-    @staticmethod
-    def preview(group: OpenGroup, status: Status, clock: int) -> Group:
-        """The record the in-flight ``group`` would become, ended now with ``status``."""
-        step = group.dispatch_step
-        return _tuple_new(  # records.new_group, without the call
-            Group,
-            (
-                group.uid,
-                group.partition,
-                step,
-                status,
-                group.tags,
-                tuple(group.trajectories.values()),
-                clock if clock > step else step,
-                monotonic() - group.admitted_at,
-                group.start_version,
-            ),
-        )
 
     def filter_out(self, group: OpenGroup, measured: bool = False) -> PartitionState:
         """Evict the in-flight ``group``, which a filter rejected as it finished; remember
@@ -334,30 +312,14 @@ class GroupStore:
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
         first read), straight to the ready index; return its keys. ``record``: the group from
-        :meth:`preview_finished` with these arguments, if made already."""
+        :func:`~stalebuf._group_snapshots.finished_record` of these arguments, if made already."""
         if record is None:
-            record = self.preview_finished(part, uid, step, clock, payloads, tags, start_version)
+            record = finished_record(part.name, uid, step, clock, payloads, tags, start_version)
         seq = self.next_seq
         self.next_seq = seq + 1
         self.groups[uid] = record
         part.add_terminal(record, seq)
         return default_keys(uid, len(payloads))
-
-    @staticmethod
-    def preview_finished(
-        part: PartitionState,
-        uid: str,
-        step: int,
-        clock: int,
-        payloads: tuple[Any, ...],
-        tags: Mapping[str, Any],
-        start_version: int | None = None,
-    ) -> Group:
-        """The lazily stored FINISHED group :meth:`add_finished` would add."""
-        finish, start = clock if clock > step else step, step if start_version is None else start_version
-        return _tuple_new(  # _lazy_group.new_lazy_group, without the call
-            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, finish, 0.0, start)
-        )
 
     # -- groups leaving -------------------------------------------------------------------
 
@@ -386,7 +348,7 @@ class GroupStore:
         now = monotonic()
         records = []
         for group in part.take_stale_in_flight(steps):
-            records.append(self.snapshot(group, clock, now))
+            records.append(snapshot(group, clock, now))
             del self.groups[group.uid]
             self.remember_evicted(group.uid, None)
             group.notify_watchers("evicted")
@@ -398,7 +360,7 @@ class GroupStore:
         """End the in-flight ``group``, past its ``deadline`` (seconds), with ``status`` and the
         tag ``stalebuf_cut``; remember it, so its producer's next write raises GroupCutError, and
         tell its watchers (a ``rollout()`` body is cancelled). ``record``: its record from
-        :meth:`preview_cut`, if made already."""
+        :func:`~stalebuf._group_snapshots.cut_record`, if made already."""
         part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
         group.tags = MappingProxyType({**group.tags, CUT_TAG: True})
         self.end(group, status, clock, measured=False, record=record)
@@ -422,11 +384,6 @@ class GroupStore:
         recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + count, recent[2] + seconds
         self.remember_evicted(uid, reason)
 
-    def preview_cut(self, group: OpenGroup, status: Status, clock: int) -> Group:
-        """The record the in-flight ``group`` would become if cut now with ``status`` (tagged)."""
-        record = self.preview(group, status, clock)
-        return record.replace(tags=MappingProxyType({**group.tags, CUT_TAG: True}))
-
     @staticmethod
     def count_masked(part: PartitionState, tokens: int) -> None:
         """Count ``tokens`` sampled tokens of ``part`` that the ``mask`` strategy masked."""
@@ -448,21 +405,6 @@ class GroupStore:
             group.notify_watchers("closed")
 
     # -- checkpoints ------------------------------------------------------------------------
-
-    @staticmethod
-    def snapshot(group: OpenGroup, clock: int, now: float) -> Group:
-        """Return the record of the in-flight ``group`` as it is at ``now`` (its status kept)."""
-        return new_group(
-            group.uid,
-            group.partition,
-            group.dispatch_step,
-            group.status,
-            group.tags,
-            tuple(group.trajectories.values()),
-            max(clock, group.dispatch_step),
-            now - group.admitted_at,
-            group.start_version,
-        )
 
     def restore_terminal(self, part: PartitionState, group: Group, seq: int) -> None:
         """Put back a terminal ``group`` at admission position ``seq`` (a restore)."""

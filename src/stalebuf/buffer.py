@@ -39,7 +39,7 @@ from ._group_writes import GroupStatus, GroupWriter
 from ._open_group import GroupWatch, OpenGroup
 from ._restore import build_restored, capture, read_restore_arguments, rebuild
 from ._rollout import RolloutGroup, rollout
-from ._rules import build_rules
+from ._rules_build import build_rules
 from ._save_order import SaveSequencer
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer

@@ -34,7 +34,7 @@ from .config import SamplerConfig
 from .errors import ConfigError
 from .records import Group, Status
 
-__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "hook_label", "select_label"]
+__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "asks_defaults", "hook_label", "select_label"]
 
 
 class StalenessPolicy:
@@ -250,6 +250,13 @@ class SubclassHooks(StalenessPolicy):
         self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
     ) -> Sequence[Group]:
         return self.owner._select(candidates, batch_size, global_steps, partition)
+
+
+def asks_defaults(rules: StalenessPolicy, hooks: tuple[str, ...]) -> bool:
+    """Whether ``rules`` answers every one of ``hooks`` (names of StalenessPolicy methods) with
+    the default code, neither overridden nor replaced on the instance."""
+    kind, own = type(rules), vars(rules)
+    return all(getattr(kind, hook) is getattr(StalenessPolicy, hook) and hook not in own for hook in hooks)
 
 
 def hook_label(rules: StalenessPolicy, hook: str) -> str:
