@@ -290,31 +290,10 @@ class _Run:
             worker_utilization=min(1.0, busy / (config.workers * simulated)),
             admission_wait_fraction=min(1.0, waited / (config.workers * simulated)),
             max_resident_groups=self.max_resident,
-            staleness=_staleness_summary(ages, sync_step),
+            staleness=StalenessSummary.from_lags(ages, sync_step),
             length_bias=_length_bias(self.common_lengths(), trained_lengths),
             steps=tuple(self.records),
         )
-
-
-def _staleness_summary(ages: Counter[int], sync_step: int) -> StalenessSummary:
-    values = sorted(ages)
-    counts = np.array([ages[a] for a in values], dtype=np.int64)
-    cumulative = np.cumsum(counts)
-    total = int(cumulative[-1])
-
-    def quantile(q: float) -> float:
-        # The smallest observed value with at least q of the groups at or below it.
-        index = int(np.searchsorted(cumulative, q * total, side="left"))
-        return values[min(index, len(values) - 1)] / sync_step
-
-    mean = float(np.dot(values, counts)) / total / sync_step
-    return StalenessSummary(
-        mean=mean,
-        p50=quantile(0.5),
-        p95=quantile(0.95),
-        max=values[-1] / sync_step,
-        histogram=tuple((a / sync_step, ages[a]) for a in values),
-    )
 
 
 def _length_bias(dispatched: list[float], trained: list[float]) -> LengthBias:

@@ -6,9 +6,11 @@ Plain frozen records filled in by the model (:mod:`._model`) and read by the rep
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ._config import SimulationConfig
 
@@ -29,6 +31,31 @@ class StalenessSummary:
     p95: float
     max: float
     histogram: tuple[tuple[float, int], ...]
+
+    @classmethod
+    def from_lags(cls, lags: Counter[int], sync_step: int) -> StalenessSummary:
+        """Summarise ``lags``, a count per lag ``g - p + 1`` (or ``g - v + 1``), in ``S`` units;
+        all zero with an empty histogram when nothing was counted."""
+        values = sorted(lag for lag, count in lags.items() if count)
+        if not values:
+            return cls(mean=0.0, p50=0.0, p95=0.0, max=0.0, histogram=())
+        counts = np.array([lags[a] for a in values], dtype=np.int64)
+        cumulative = np.cumsum(counts)
+        total = int(cumulative[-1])
+
+        def quantile(q: float) -> float:
+            # The smallest observed value with at least q of the count at or below it.
+            index = int(np.searchsorted(cumulative, q * total, side="left"))
+            return values[min(index, len(values) - 1)] / sync_step
+
+        mean = float(np.dot(values, counts)) / total / sync_step
+        return cls(
+            mean=mean,
+            p50=quantile(0.5),
+            p95=quantile(0.95),
+            max=values[-1] / sync_step,
+            histogram=tuple((a / sync_step, lags[a]) for a in values),
+        )
 
 
 @attrs.frozen(kw_only=True)
