@@ -11,21 +11,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingDependencyError
-from ._result import SimulationResult
+from ._result import SimulationResult, StalenessSummary
 from ._text import Row, duration, header, percent, seconds, table
+from ._versions_report import format_versions_report
 
 __all__ = ["PLOT_FORMATS", "format_report", "plot_format", "require_matplotlib", "write_plot"]
 
 
 def format_report(results: Sequence[SimulationResult]) -> str:
     """Return the side-by-side text report of runs that share their settings but the strategy
-    and admission.
+    and admission (with in-flight weight updates, the report of :mod:`._versions_report`).
 
     Raises:
-        ValueError: ``results`` is empty.
+        ValueError: ``results`` is empty, or mixes runs with and without in-flight updates.
     """
     if not results:
         raise ValueError("format_report needs at least one result")
+    in_flight = {r.config.in_flight_updates for r in results}
+    if len(in_flight) > 1:
+        raise ValueError("format_report cannot put runs with and without in-flight updates side by side")
+    if in_flight == {True}:
+        return format_versions_report(results)
     rows: list[Row] = [
         ("trained groups per simulated hour", lambda r: f"{r.trained_groups_per_hour:.0f}"),
         ("simulated time", lambda r: duration(r.simulated_seconds)),
@@ -98,8 +104,10 @@ _BLUE, _ORANGE, _GREEN, _SKY, _VERMILLION, _PURPLE = (
     "#D55E00",
     "#CC79A7",
 )
-# One histogram colour per run, in the CLI's order: drop, drop+admission, wait, wait+admission.
-_RUN_COLORS = (_GREEN, _SKY, _PURPLE, _VERMILLION)
+_YELLOW, _BLACK = "#F0E442", "#000000"
+# One histogram colour per run, in the CLI's order: drop, drop+admission, wait, wait+admission
+# (then mask, mask+admission with in-flight updates).
+_RUN_COLORS = (_GREEN, _SKY, _PURPLE, _VERMILLION, _YELLOW, _BLACK)
 # The timeline's two states: a dark and a light colour, apart in lightness as well as hue.
 _BUSY, _IDLE = _BLUE, _ORANGE
 
@@ -135,7 +143,8 @@ def plot_format(path: str) -> str:
 
 def write_plot(results: Sequence[SimulationResult], path: str) -> None:
     """Write an image to ``path``, a PNG or a JPEG by its suffix: a staleness histogram per run
-    and the trainer's busy/idle timeline, in colour-blind-safe colours.
+    (of trained groups; of trained tokens with in-flight updates) and the trainer's busy/idle
+    timeline, in colour-blind-safe colours.
 
     Raises:
         MissingDependencyError: matplotlib is not installed (``pip install 'stalebuf[plot]'``).
@@ -162,24 +171,31 @@ def write_plot(results: Sequence[SimulationResult], path: str) -> None:
 def _histograms(fig: Any, grid: Any, results: Sequence[SimulationResult]) -> None:
     """One staleness histogram per run, on a shared count axis, with the threshold marked."""
     threshold = results[0].config.threshold
-    top = max(n for r in results for _, n in r.staleness.histogram) * 1.15
+    summaries = [_staleness(r) for r in results]
+    top = max((n for summary in summaries for _, n in summary.histogram), default=1) * 1.15
+    tokens = results[0].tokens is not None
     first = None
-    for i, result in enumerate(results):
+    for i, (result, summary) in enumerate(zip(results, summaries, strict=True)):
         ax = fig.add_subplot(grid[0, i], sharey=first)
-        values = [s for s, _ in result.staleness.histogram]
-        counts = [n for _, n in result.staleness.histogram]
+        values = [s for s, _ in summary.histogram]
+        counts = [n for _, n in summary.histogram]
         width = 0.8 / result.config.parameter_sync_step
         ax.bar(values, counts, width=width, color=_RUN_COLORS[i % len(_RUN_COLORS)])
         ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"threshold T={threshold}")
         ax.set_ylim(0, top)
-        ax.set_title(f"{result.config.label}\nmean staleness {result.staleness.mean:.2f}")
-        ax.set_xlabel("staleness (g - p + 1) / S")
+        ax.set_title(f"{result.config.label}\nmean staleness {summary.mean:.2f}")
+        ax.set_xlabel("token staleness (g - v + 1) / S" if tokens else "staleness (g - p + 1) / S")
         if first is None:  # the shared axis is labelled once
             first = ax
-            ax.set_ylabel("trained groups")
+            ax.set_ylabel("trained tokens" if tokens else "trained groups")
             ax.legend(loc="upper left")
         else:
             ax.tick_params(labelleft=False)
+
+
+def _staleness(result: SimulationResult) -> StalenessSummary:
+    """What a run's histogram shows: its trained tokens with in-flight updates, else its groups."""
+    return result.staleness if result.tokens is None else result.tokens.staleness
 
 
 def _timeline(ax: Any, results: Sequence[SimulationResult]) -> None:
