@@ -113,4 +113,4 @@ def _cost(result: SimulationResult) -> str:
 def _fresh(summary: TokenSummary) -> str:
     if not summary.thrown_away_fresh:
         return "none of them fresh"
-    return f"{percent(summary.share(summary.thrown_away_fresh))} of all still fresh"
+    return f"{percent(summary.share(summary.thrown_away_fresh))} while still fresh"
