@@ -83,7 +83,8 @@ class Decoder:
 
         pushes = self.pushes
         runs = [(0, pushes.version_at(start))]
-        for instant, version in pushes.changes(start, begins((decoded - 1) // chunk)):
+        changes = pushes.changes(start, begins((decoded - 1) // chunk))
+        for instant, version in changes:
             # The first chunk that starts at or after the push (chunk 0 starts before it).
             k = max(1, math.ceil((instant - start) / seconds * longest / chunk))
             while k > 1 and begins(k - 1) >= instant:

@@ -72,34 +72,40 @@ class TokenLedger:
 
     def sampled(self, batch: Batch) -> None:
         """Count the tokens of a batch the trainer received."""
-        g, span, lags = batch.global_steps, self.span, self.lags
+        g, span, lags, masks = batch.global_steps, self.span, self.lags, self.masks
+        fresh = stale = excluded = p_drops = trajectories = 0
         for group in batch:
             head = group.start_version
+            trajectories += len(group.trajectories)
             for trajectory in group.trajectories:
                 segments: Segments = trajectory.versions
                 if not segments and trajectory.tokens:  # its tokens count at the start version
                     segments = ((group.start_version, trajectory.tokens),)
-                fresh = stale = 0
+                fresh_here = 0
                 for version, tokens in segments:
-                    head = min(head, version)
+                    if version < head:
+                        head = version
                     lag = g - version + 1
                     if lag <= span:
-                        fresh += tokens
+                        fresh_here += tokens
                         lags[lag] += tokens
                     else:
                         stale += tokens
-                        if not self.masks:
+                        if not masks:
                             lags[lag] += tokens
-                self.trajectories += 1
-                if self.masks:
-                    self.trained += fresh
-                    self.masked += stale
-                    self.excluded += fresh == 0 and stale > 0
-                else:
-                    self.trained += fresh + stale
-                    self.trained_stale += stale
-            self.returned_groups += 1
-            self.p_drops += g - group.dispatch_step + 1 > span >= g - head + 1
+                excluded += not fresh_here and segments != ()
+                fresh += fresh_here
+            p_drops += g - group.dispatch_step + 1 > span >= g - head + 1
+        self.trajectories += trajectories
+        self.returned_groups += len(batch)
+        self.p_drops += p_drops
+        if masks:
+            self.trained += fresh
+            self.masked += stale
+            self.excluded += excluded
+        else:
+            self.trained += fresh + stale
+            self.trained_stale += stale
 
     def summary(self, prompts: Iterable[DecodedPrompt], end: float, simulated_seconds: float) -> TokenSummary:
         """Summarise the run, its prompts in dispatch order, which ended at instant ``end`` after

@@ -52,6 +52,9 @@ class WeightPushes:
 
     def changes(self, start: float, end: float) -> list[tuple[float, int]]:
         """The pushes in ``(start, end]``, as ``(instant, version)`` pairs in order."""
-        first = bisect_right(self.times, start)
-        last = bisect_right(self.times, end)
-        return list(zip(self.times[first:last], self.versions[first:last], strict=True))
+        times = self.times
+        first = bisect_right(times, start)
+        if first == len(times) or times[first] > end:  # none: most generations span no push
+            return []
+        last = bisect_right(times, end, first)
+        return list(zip(times[first:last], self.versions[first:last], strict=True))
