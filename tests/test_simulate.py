@@ -562,6 +562,9 @@ EVERY_FIELD: dict[str, tuple[list[str], object]] = {
     "train_step_seconds": (["--train-step-seconds", "4"], 4.0),
     "failure_rate": (["--failure-rate", "0.25"], 0.25),
     "seed": (["--seed", "9"], 9),
+    "in_flight_updates": (["--in-flight-updates"], True),
+    "tokens_per_second": (["--tokens-per-second", "80"], 80.0),
+    "chunk_tokens": (["--chunk-tokens", "64"], 64),
 }
 NOT_ON_THE_COMMAND_LINE: dict[str, str] = {}
 
@@ -570,7 +573,8 @@ def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -
     fields = {field.name for field in attrs.fields(SimulationConfig)}
     assert set(EVERY_FIELD) | set(NOT_ON_THE_COMMAND_LINE) == fields
     assert not set(EVERY_FIELD) & set(NOT_ON_THE_COMMAND_LINE)
-    defaults = SimulationConfig().to_dict()
+    # to_dict lists the settings of in-flight updates only when they are on.
+    defaults = {**SimulationConfig(in_flight_updates=True).to_dict(), "in_flight_updates": False}
     argv = [arg for args, _ in EVERY_FIELD.values() for arg in args]
     config = run_json(tmp_path, *argv)["results"]["wait+admission"]["config"]
     for name, (_, value) in EVERY_FIELD.items():
