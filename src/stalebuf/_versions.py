@@ -76,6 +76,29 @@ def check_token_count(tokens: object, name: str = "tokens") -> int:
     return value
 
 
+def _plain_pairs(versions: object) -> tuple[Segments, int] | None:
+    """``(segments, total)`` of a list or tuple of valid ``(int, int)`` tuples or lists (what
+    producers pass), checked in one pass without a call per value; None for anything else,
+    which :func:`check_versions` then checks (and names) value by value."""
+    kind = type(versions)
+    if (kind is not tuple and kind is not list) or not versions:
+        return None
+    total = 0
+    pairs: list[tuple[int, int]] = []
+    for pair in versions:  # type: ignore[attr-defined]
+        kind = type(pair)
+        if (kind is not tuple and kind is not list) or len(pair) != 2:
+            return None
+        version, count = pair
+        if type(version) is not int or type(count) is not int or version < 0 or count < 1:
+            return None
+        total += count
+        pairs.append((version, count) if kind is list else pair)
+    if total > MAX_INT or max(pairs)[0] > MAX_INT:
+        return None
+    return tuple(pairs), total
+
+
 def check_versions(versions: object, name: str = "versions") -> Segments:
     """Return ``versions`` as a tuple of ``(version, n_tokens)`` int pairs, checked.
 
@@ -83,6 +106,9 @@ def check_versions(versions: object, name: str = "versions") -> Segments:
         TypeError: not a sequence of pairs of ints (a str, a mapping or a set is none).
         ValueError: no pair, a version < 0, an ``n_tokens`` < 1, or a total over 2**63 - 1.
     """
+    plain = _plain_pairs(versions)
+    if plain is not None:
+        return plain[0]
     if isinstance(versions, (str, bytes, bytearray, dict, set, frozenset)) or not isinstance(
         versions, Iterable
     ):
@@ -125,8 +151,12 @@ def trajectory_versions(versions: object, tokens: object, where: str = "") -> tu
     """
     if versions is None:
         return NO_SEGMENTS, (0 if tokens is None else check_token_count(tokens, f"{where}tokens"))
-    segments = check_versions(versions, f"{where}versions")
-    total = sum(count for _, count in segments)
+    plain = _plain_pairs(versions)
+    if plain is None:
+        segments = check_versions(versions, f"{where}versions")
+        total = sum(count for _, count in segments)
+    else:
+        segments, total = plain
     if tokens is not None and check_token_count(tokens, f"{where}tokens") != total:
         raise ValueError(
             f"{where}tokens={describe(tokens)} but {where}versions hold {total} tokens: give one, or "
