@@ -122,7 +122,9 @@ class Admission:
         """Record that a sample at ``global_steps`` returned a batch (its slots are free)."""
         if global_steps > self.sampled.get(name, -1):
             self.sampled[name] = global_steps
-        self.wake(name)
+        queue = self.queues.get(name)
+        if queue.producers if queue is not None else self.rules.tasks:  # a mixture's are its tasks'
+            self.wake(name)
 
     # -- the rule ---------------------------------------------------------------------
 

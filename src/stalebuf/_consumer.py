@@ -66,6 +66,7 @@ class Consumer:
         "evaluations",
         "eviction",
         "filtering",
+        "filters",
         "mixing",
         "observers",
         "report",
@@ -91,6 +92,7 @@ class Consumer:
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
         self.filtering = Filtering(rules.filters, self.eviction)
+        self.filters = bool(rules.filters)  # whether any group is ever filtered (read per group)
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.mixing = Mixing(store, rules)
         self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)
@@ -111,8 +113,11 @@ class Consumer:
                 the same), or StalebufError when its refills keep being filtered.
         """
         store = self.store
+        if status is not _FINISHED or not self.filters:  # the common case, without a call
+            self.notify(store.end(group, status, clock, measured))
+            return
         part = store.cell_of(group)
-        if status is not _FINISHED or not self.filtering.applies(part):
+        if part.exempt:
             self.notify(store.end(group, status, clock, measured))
             return
         record = terminal_record(group, status, clock)
@@ -124,10 +129,6 @@ class Consumer:
         else:
             store.filter_out(group, measured)
             self.filtered(part, (record,))
-
-    def filters_apply(self, part: PartitionState) -> bool:
-        """Whether a group of ``part`` that finishes is filtered."""
-        return self.filtering.applies(part)
 
     def judge(self, part: PartitionState, record: Group) -> bool:
         """Run the filters on ``record`` (FINISHED, of ``part``); whether it is kept (never raises)."""
@@ -160,10 +161,10 @@ class Consumer:
                 return
             head = waiters[0]
         try:
-            parent = self.store.partitions[part.name]
-            if parent.cells is None:
+            if part.task is None:
                 wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
-            else:
+            else:  # a task's cell: the batch is judged across its partition's cells
+                parent = self.store.partitions[part.name]
                 wake = self.mixing.has_work(parent, head.global_steps, head.batch_size)
             if not wake and part.deadlines:  # a new head, or a deadline moved earlier: set the timer
                 cut_at = self.deadlines.next_cut(part)

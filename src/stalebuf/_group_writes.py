@@ -90,7 +90,7 @@ class GroupWriter:
         stored = payloads if type(payloads) is tuple else tuple(payloads)
         consumer, store = self.consumer, self.store
         record = None
-        if consumer.filters_apply(part):
+        if consumer.filters and not part.exempt:
             record = finished_record(part.name, uid, step, clock, stored, frozen_tags, version)
             keep = consumer.judge(part, record)
             if uid in store.groups:  # a filter added the uid itself

@@ -343,9 +343,11 @@ class PartitionState:
                 self.failed.append((step, seq, group))
                 return
         judge = self.judge
-        self._push_judged(
-            step, seq, group, step if judge == BY_DISPATCH else head if judge == BY_HEAD else tail
-        )
+        key = step if judge == BY_DISPATCH else head if judge == BY_HEAD else tail
+        if key == step and self.judged is None:  # the common case, without the call
+            self.ready.push(step, seq, group)
+        else:
+            self._push_judged(step, seq, group, key)
 
     def take_stale_in_flight(self, steps: list[int]) -> list[OpenGroup]:
         """Evict and return the in-flight groups of the oldest ``steps`` (the policy chose them)."""

@@ -72,7 +72,7 @@ class SampleReport:
         prefix = metric_prefix(part.name)
         if part.deadlines:
             rendered.update(self._cuts(part, prefix))
-        recent = self.filtering.take_recent(part)
+        recent = self.filtering.take_recent(part) if self.filtering.filters else None
         if recent is not None:
             filtered, errors, rate = recent
             rendered[f"{prefix}/filter_groups/evicted_samples"] = float(filtered)
@@ -82,7 +82,12 @@ class SampleReport:
                 rendered[f"{prefix}/filter_groups/errors"] = float(errors)
         if part.cells is not None:
             rendered.update(self.mixing.metrics(part, prefix))
-        if any(cell.admitted_tokens for cell in cells_of(part)):  # none ever held a token: skip
+        if (
+            part.admitted_tokens
+            if part.cells is None
+            else any(c.admitted_tokens for c in part.cells.values())
+        ):
+            # (a partition none of whose cells ever held a token skips the token metrics)
             rendered.update(self._tokens(part, batch, prefix))
         return batch, rendered
 

@@ -16,8 +16,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ._evicted_uids import CUT_REASON, EVICTED_UIDS_REMEMBERED, FILTERED_REASON, EvictedUids
-from ._group_snapshots import CUT_TAG, finished_record, snapshot, terminal_record
+from ._group_snapshots import CUT_TAG, snapshot, terminal_record
 from ._judged_index import JudgedEntry
+from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
 from ._partition import PartitionState, group_tokens
 from ._partition_table import PartitionTable
@@ -166,7 +167,9 @@ class GroupStore:
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
-        part = self.cell_of(group)
+        part = self.partitions[group.partition]
+        if part.cells is not None:
+            part = part.cells[group.task]  # type: ignore[index]
         part.start()
         if version is not None:
             self.set_start_version(group, version)
@@ -222,7 +225,9 @@ class GroupStore:
                 pack_runs(segments) if segments else b"",
             ),
         )
-        part = self.cell_of(group)
+        part = self.partitions[group.partition]
+        if part.cells is not None:  # a task mixture: the group's task's cell
+            part = part.cells[group.task]  # type: ignore[index]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
         if tokens or group.span is not None:
@@ -263,7 +268,9 @@ class GroupStore:
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
         in one call), so a FINISHED one counts towards the median generation time; ``record``:
         its terminal record from :func:`~stalebuf._group_snapshots.terminal_record`, if made already."""
-        part = self.cell_of(group)
+        part = self.partitions[group.partition]
+        if part.cells is not None:
+            part = part.cells[group.task]  # type: ignore[index]
         if part.deadlines and measured and status is _FINISHED:
             part.record_generation(monotonic() - group.admitted_at)
         if record is None:
@@ -312,9 +319,22 @@ class GroupStore:
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
         first read), straight to the ready index; return its keys. ``record``: the group from
-        :func:`~stalebuf._group_snapshots.finished_record` of these arguments, if made already."""
+        ``_group_snapshots.finished_record`` of these arguments, if made already."""
         if record is None:
-            record = finished_record(part.name, uid, step, clock, payloads, tags, start_version)
+            record = _tuple_new(  # finished_record, without the call: this runs per group
+                LazyGroup,
+                (
+                    uid,
+                    part.name,
+                    step,
+                    _FINISHED,
+                    tags,
+                    payloads,
+                    clock if clock > step else step,
+                    0.0,
+                    step if start_version is None else start_version,
+                ),
+            )
         seq = self.next_seq
         self.next_seq = seq + 1
         self.groups[uid] = record
