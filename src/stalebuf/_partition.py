@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
+from collections.abc import Mapping
 from operator import attrgetter
 
 from ._index import InFlightIndex, ReadyIndex
@@ -238,6 +239,28 @@ class PartitionState:
         groups, trajectories, seconds = self.recent_cuts
         self.recent_cuts = [0, 0, 0.0]
         return int(groups), int(trajectories), seconds
+
+    def count_cut(self, trajectories: int, seconds: float) -> None:
+        """Count a group cut at its deadline (holding ``trajectories``, ``seconds`` old)."""
+        self.cut_groups += 1
+        self.cut_trajectories += trajectories
+        recent = self.recent_cuts
+        recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + trajectories, recent[2] + seconds
+
+    def restore_counters(self, counters: Mapping[str, int], reissued: tuple[int, int, int]) -> None:
+        """Set the cumulative counters to saved ones, plus ``reissued`` (groups, trajectories,
+        tokens) that a restore reissued."""
+        for key, value in counters.items():
+            setattr(self, key, value)
+        self.reissued_groups += reissued[0]
+        self.reissued_trajectories += reissued[1]
+        self.reissued_tokens += reissued[2]
+
+    def count_restarted(self, groups: list[Group]) -> None:
+        """Count in-flight ``groups`` a restore evicted (never put back)."""
+        self.evicted_restart_groups += len(groups)
+        self.evicted_restart_trajectories += sum(map(count_trajectories, groups))
+        self.evicted_tokens += sum(map(group_tokens, groups))
 
     def start(self) -> None:
         """Record that a PENDING group became RUNNING."""

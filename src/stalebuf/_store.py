@@ -16,14 +16,13 @@ from types import MappingProxyType
 from typing import Any
 
 from ._evicted_uids import CUT_REASON, EVICTED_UIDS_REMEMBERED, FILTERED_REASON, EvictedUids
-from ._group_snapshots import CUT_TAG, snapshot, terminal_record
+from ._group_snapshots import CUT_TAG, snapshot
 from ._judged_index import JudgedEntry
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
-from ._partition import PartitionState, group_tokens
+from ._partition import PartitionState
 from ._partition_table import PartitionTable
 from ._rules import Rules
-from ._stored import count_trajectories
 from ._validation import describe
 from ._versions import VersionSpan
 from ._waiting import LoopBinding
@@ -274,7 +273,21 @@ class GroupStore:
         if part.deadlines and measured and status is _FINISHED:
             part.record_generation(monotonic() - group.admitted_at)
         if record is None:
-            record = terminal_record(group, status, clock)
+            step = group.dispatch_step
+            record = _tuple_new(  # terminal_record, without the call: this runs per group
+                Group,
+                (
+                    group.uid,
+                    group.partition,
+                    step,
+                    status,
+                    group.tags,
+                    tuple(group.trajectories.values()),
+                    clock if clock > step else step,
+                    monotonic() - group.admitted_at,
+                    group.start_version,
+                ),
+            )
         self.groups[group.uid] = record
         part.terminate(group, record)
         return part
@@ -398,10 +411,7 @@ class GroupStore:
         group.notify_watchers("cut-evicted")
 
     def _count_cut(self, part: PartitionState, uid: str, count: int, seconds: float, reason: str) -> None:
-        part.cut_groups += 1
-        part.cut_trajectories += count
-        recent = part.recent_cuts
-        recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + count, recent[2] + seconds
+        part.count_cut(count, seconds)
         self.remember_evicted(uid, reason)
 
     @staticmethod
@@ -462,11 +472,7 @@ class GroupStore:
     ) -> None:
         """Set ``part``'s cumulative counters to the saved ones, plus ``reissued`` (groups,
         trajectories, tokens) that a restore reissued (their partial trajectories discarded)."""
-        for key, value in counters.items():
-            setattr(part, key, value)
-        part.reissued_groups += reissued[0]
-        part.reissued_trajectories += reissued[1]
-        part.reissued_tokens += reissued[2]
+        part.restore_counters(counters, reissued)
 
     def restore_sequence(
         self, next_seq: int, evicted_in_flight: tuple[str, ...], reasons: tuple[str | None, ...]
@@ -485,8 +491,6 @@ class GroupStore:
 
     def count_restarted(self, part: PartitionState, groups: list[Group]) -> None:
         """Count in-flight ``groups`` a restore evicted (never put back) and remember them."""
-        part.evicted_restart_groups += len(groups)
-        part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
-        part.evicted_tokens += sum(map(group_tokens, groups))
+        part.count_restarted(groups)
         for group in groups:  # a producer that survived the restart learns why on its next write
             self.remember_evicted(group.uid, "restart")

@@ -422,7 +422,11 @@ class ReplayBuffer:
         group = store.groups.get(uid) if type(uid) is str else None
         if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
             group = store.open_group(uid, action)
-        self.__consumer.finish(group, status, self.__admission.clocks.get(group.partition, 0))
+        consumer, clock = self.__consumer, self.__admission.clocks.get(group.partition, 0)
+        if status is _FINISHED and consumer.filters:
+            consumer.finish(group, status, clock)  # the filters judge it first
+        else:
+            consumer.notify(store.end(group, status, clock))
 
     def put_group_nowait(
         self,
@@ -556,6 +560,8 @@ class ReplayBuffer:
         tokens: int | None = None,
     ) -> str:
         """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same errors)."""
+        if versions is None and tokens is None:  # fewer keywords to pass: this runs per trajectory
+            return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
         return self.put_nowait(
             uid, payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
         )
