@@ -17,7 +17,7 @@ from ._partition import PartitionState
 from ._rules import Rules
 from ._status_log import logger
 from ._store import GroupStore
-from ._validation import describe
+from ._validation import check_partition, describe
 from ._waiting import LoopBinding, ProducerWaits, Waiter, park
 from .errors import BufferClosedError, BufferFullError, FutureTagError, TagClosedError
 
@@ -37,14 +37,17 @@ class _Admitted(Generic[_T]):
 
 class ProducerQueue:
     """One partition's admission state: producers waiting for a slot (arrival order; only
-    the head may be admitted), the ledger of their waits, and the last step sampled."""
+    the head may be admitted), the ledger of their waits, the last step sampled, and the
+    producer calls refused for good since the last batch (``explain_wait`` reports them)."""
 
-    __slots__ = ("last_sampled", "producers", "waits")
+    __slots__ = ("last_sampled", "producers", "refusals", "refused_tag", "waits")
 
     def __init__(self) -> None:
         self.producers: deque[Waiter] = deque()
         self.waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
         self.last_sampled = -1  # the largest step a sample returned a batch at
+        self.refusals = 0  # TagClosedError and FutureTagError raised since the last batch
+        self.refused_tag: int | None = None  # the tag of the latest of them
 
     def drop_abandoned(self, everywhere: bool = False) -> None:
         """Forget producers whose event loop was closed under them (the head only, O(1), unless
@@ -99,10 +102,54 @@ class Admission:
         queue = self.queues.get(name)
         return -1 if queue is None else queue.last_sampled
 
+    def clock(self, partition: object) -> int:
+        """``dispatch_step``: partition ``partition``'s dispatch clock (any thread may ask).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        return self.clocks.get(check_partition(partition), 0)
+
+    def capacity_of(self, partition: object) -> int | None:
+        """``capacity``: :meth:`capacity` of partition ``partition``, its arguments checked.
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+        """
+        self.binding.check_thread()
+        name = check_partition(partition)
+        return self.capacity(self.store.partitions.get(name), name)
+
+    def free_slots_of(self, partition: object) -> int | None:
+        """``free_slots``: :meth:`free_slots` of partition ``partition``, its arguments checked.
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            Exception: whatever the policy's ``admits`` raised.
+        """
+        self.binding.check_thread()
+        name = check_partition(partition)
+        return self.free_slots(self.store.partitions.get(name), name)
+
     def waiting(self, name: str) -> int:
         """How many producers wait for a slot in partition ``name``."""
         queue = self.queues.get(name)
         return 0 if queue is None else len(queue.producers)
+
+    def refusals(self, name: str) -> tuple[int, int | None]:
+        """How many producer calls on ``name`` were refused for good (TagClosedError,
+        FutureTagError) since its last batch, and the tag the latest of them asked for."""
+        queue = self.queues.get(name)
+        return (0, None) if queue is None else (queue.refusals, queue.refused_tag)
+
+    def _refused(self, name: str, tag: int, error: BufferFullError) -> BufferFullError:
+        """Count ``error``, about to be raised to a producer that asked for ``tag``; return it."""
+        queue = self.queue(name)
+        queue.refusals += 1
+        queue.refused_tag = tag
+        return error
 
     # -- the clock and the samples that move it -------------------------------------------
 
@@ -117,6 +164,7 @@ class Admission:
         queue = self.queue(name)
         if global_steps > queue.last_sampled:
             queue.last_sampled = global_steps
+        queue.refusals, queue.refused_tag = 0, None  # "since the last batch"
         if queue.producers:
             self.wake(name)
 
@@ -150,20 +198,22 @@ class Admission:
             resident = part.resident_at.get(tag, 0) if part.resident_at is not None else 0
             last_sampled = -1 if queue is None else queue.last_sampled
         if tag > clock:
-            raise FutureTagError(
+            ahead = FutureTagError(
                 f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
                 f"{clock} (the largest global_steps a sample was called with): under admission control "
                 "a group is tagged at most the clock; dispatch at the clock (global_steps=None)"
             )
+            raise ahead if head else self._refused(name, tag, ahead)
         if not head and queue is not None and queue.producers:
             queue.drop_abandoned()
             if queue.producers:
                 if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
-                    raise _closed_error(name, tag, last_sampled)  # waiting would not help it
+                    raise self._refused(name, tag, _closed_error(name, tag, last_sampled))
                 raise BufferFullError(f"producers are waiting for admission to partition {describe(name)}")
         if not self.rules.admits(tag, resident, last_sampled, cap, name):
             if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
-                raise _closed_error(name, tag, last_sampled)
+                error = _closed_error(name, tag, last_sampled)
+                raise error if head else self._refused(name, tag, error)
             raise BufferFullError(
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"
@@ -219,14 +269,16 @@ class Admission:
                 return None
             try:
                 tag = self.tag_for(name, part, requested, head=True)
-            except BufferFullError:
-                if requested is not None and rules.closed_for_good(name, requested, queue.last_sampled):
-                    raise  # a sample closed its tag while it waited: it would wait forever
-                return None
+            except BufferFullError as exc:
+                if requested is None or not rules.closed_for_good(name, requested, queue.last_sampled):
+                    return None
+                self._refused(name, requested, exc)  # a sample closed its tag while it waited
+                raise
             return _Admitted(admit(tag))
 
         if requested is not None and rules.closed_for_good(name, requested, queue.last_sampled):
-            raise _closed_error(name, requested, queue.last_sampled)  # waiting would be forever
+            error = _closed_error(name, requested, queue.last_sampled)  # waiting would be forever
+            raise self._refused(name, requested, error)
         queue.waits.park(waiter, waiter.now())
         queue.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
         try:

@@ -1,7 +1,8 @@
 """The consumer: what ``sample`` does. Evict by the rules until nothing more goes, select, or park.
 
 :class:`Consumer` owns the parked ``sample`` calls (one arrival-ordered queue per partition),
-the status reporter, ``on_evict`` and the sample observers. Each evaluation asks the rules
+the status reporter, ``on_evict``, the sample observers and the ``wait_for_sampleable`` calls
+(``_sampleable.py``; they take nothing, so they never join a queue of samples). Each evaluation asks the rules
 first (``_rules.py``) and changes the store after, so a hook that raises leaves the buffer as
 it was. A parked call re-checks everything when woken; when it leaves the head of its
 partition's queue, for any reason, it passes the wake-up on (as CPython's asyncio queues do).
@@ -20,16 +21,18 @@ import anyio
 from ._admission import Admission
 from ._deadlines import Deadlines
 from ._eviction import Eviction
+from ._explain import explain_wait
 from ._partition import PartitionState
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
+from ._sampleable import SampleableWaits
 from ._status_log import StatusLog, log_waiting, logger, next_due
 from ._store import GroupStore
-from ._validation import describe
+from ._validation import check_partition, describe, describe_error, describe_typed
 from ._waiting import LoopBinding, Waiter, park, park_with_deadline
 from .errors import BufferClosedError
 from .metrics import SampleMetrics, metric_prefix
 from .records import Batch, EvictionEvent, Group, new_batch
-from .stats import BufferStats, PartitionStats
+from .stats import BufferStats, PartitionStats, WaitExplanation
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
 
@@ -47,6 +50,7 @@ class Consumer:
 
     Attributes (read them; change them only through the methods):
         waiting: the parked ``sample`` calls of each partition, in arrival order.
+        sampleable: ``sampleable_count`` and the parked ``wait_for_sampleable`` calls.
         evaluations: how often a sample evaluated a partition (tests and benchmarks read it
             to prove an idle wait does no work).
     """
@@ -59,6 +63,7 @@ class Consumer:
         "eviction",
         "observers",
         "rules",
+        "sampleable",
         "status_interval",
         "status_log",
         "store",
@@ -80,6 +85,7 @@ class Consumer:
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
         self.deadlines = Deadlines(store, admission, rules)
+        self.sampleable = SampleableWaits(store, rules)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None
         self.waiting: dict[str, deque[Waiter]] = {}
@@ -96,6 +102,8 @@ class Consumer:
         not turn the completed call into an error, so the error is logged and the waiter
         woken, to raise it from its own ``sample``.
         """
+        if self.sampleable.waiting:  # first: its calls count before the woken sample takes
+            self.sampleable.notify(part)
         waiters = self.waiting.get(part.name)
         if not waiters or self.store.closed:
             return
@@ -141,11 +149,13 @@ class Consumer:
         return bool(waiters)
 
     def close(self) -> None:
-        """Wake every parked sample (each raises BufferClosedError from its own call)."""
+        """Wake every parked sample and ``wait_for_sampleable`` (each raises BufferClosedError
+        from its own call)."""
         for waiters in self.waiting.values():
             _drop_abandoned(waiters, everywhere=True)
             for waiter in waiters:
                 waiter.wake()
+        self.sampleable.close()
 
     def count_waiting(self, name: str) -> int:
         """How many live ``sample`` calls wait on partition ``name``."""
@@ -157,7 +167,12 @@ class Consumer:
 
     def stats(self) -> BufferStats:
         """Return the buffer's snapshot: the store's counts, with the queues of the consumer
-        and admission (abandoned waiters, whose loop closed under them, left out)."""
+        and admission (abandoned waiters, whose loop closed under them, left out).
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self.binding.check_thread()
         admission = self.admission
         admission.drop_abandoned()
         partitions = {
@@ -171,8 +186,44 @@ class Consumer:
             total = total + item
         return BufferStats(closed=self.store.closed, partitions=MappingProxyType(partitions), total=total)
 
+    def explain(self, partition: object) -> WaitExplanation:
+        """``explain_wait``: why the head ``sample`` parked on ``partition`` waits.
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            Exception: whatever a policy hook raised.
+        """
+        self.binding.check_thread()
+        name = check_partition(partition)
+        live = self.count_waiting(name)
+        head = self.waiting[name][0] if live else None
+        return explain_wait(name, self.store.partitions.get(name), head, live, self.rules, self.admission)
+
+    def reason(self, name: str, waiter: Waiter) -> str:
+        """Why ``waiter``, parked on partition ``name``, waits: its status line's last words."""
+        try:
+            reason = self.explain(name).reason
+        except Exception as exc:  # a policy hook: the line is logged all the same
+            return f"(unknown: explaining it raised {describe_error(exc)})"
+        waiters = self.waiting.get(name) or ()
+        ahead = next((i for i, queued in enumerate(waiters) if queued is waiter), 0)
+        if ahead:
+            return (
+                f"{ahead} earlier sample(s) on the partition go first, and the first waits because {reason}"
+            )
+        return reason
+
     def subscribe(self, observer: SampleObserver) -> Callable[[], None]:
-        """Call ``observer(batch, metrics)`` with every batch returned; return what stops it."""
+        """Call ``observer(batch, metrics)`` with every batch returned; return what stops it.
+
+        Raises:
+            TypeError: ``observer`` is not callable.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {describe_typed(observer)}")
+        self.binding.check_thread()
         observers = self.observers
         observers.append(observer)
 
@@ -219,8 +270,8 @@ class Consumer:
             Exception: whatever a policy hook or ``on_evict`` raised, the buffer consistent.
         """
         self.evaluations += 1
-        if part.deadlines:
-            self.deadlines.cut_overdue(part)
+        if part.deadlines and self.deadlines.cut_overdue(part) and self.sampleable.waiting:
+            self.sampleable.notify(part)  # cut groups are terminal: sampleable, maybe
         verdict = self.rules.quick_verdict(part, global_steps, batch_size)
         if verdict != NEEDS_RULES:  # the common case: the default rules and nothing to evict
             if verdict == NO_BATCH:
@@ -313,12 +364,12 @@ class Consumer:
         binding = self.binding
         binding.bind()
         waiter = binding.new_waiter(global_steps, batch_size)
-        started = waiter.now()
+        waiter.started = started = waiter.now()  # (explain_wait reads how long it waited)
         interval = self.status_interval
         timer_logs = interval is not None and binding.on_asyncio
         if timer_logs:
             if self.status_log is None:
-                self.status_log = StatusLog(interval, self.waiting, self.store.partitions)  # type: ignore[arg-type]
+                self.status_log = StatusLog(interval, self.waiting, self.store.partitions, self.reason)  # type: ignore[arg-type]
             self.status_log.watch(waiter, started)
         waiters = self.waiting.get(part.name)
         if waiters is None:
@@ -363,7 +414,7 @@ class Consumer:
 
         def log_line(now: float) -> tuple[float, bool]:
             nonlocal next_log
-            log_waiting(part, waiter, next_log - started)
+            log_waiting(part, waiter, next_log - started, interval, self.reason(part.name, waiter))  # type: ignore[arg-type]
             next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
             return next_log, False
 
@@ -425,7 +476,7 @@ class Consumer:
                 )
             waiter.rearm_if_cancelled()  # the scope's cancellation may have cancelled the signal
             if now >= next_log:
-                log_waiting(part, waiter, next_log - started)
+                log_waiting(part, waiter, next_log - started, interval, self.reason(part.name, waiter))  # type: ignore[arg-type]
                 next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
             if now >= wake_at:  # a straggler's deadline: cut it and evaluate (as the head)
                 taken = attempt()

@@ -14,10 +14,18 @@ from typing import Any, Literal
 
 from ._admission import Admission
 from ._consumer import Consumer
-from ._open_group import OpenGroup
+from ._open_group import GroupWatch, OpenGroup
 from ._partition import PartitionState
 from ._store import GroupStore
-from ._validation import check_group_payloads, check_partition, check_step, check_tags, check_uid, describe
+from ._validation import (
+    check_generation_seconds,
+    check_group_payloads,
+    check_partition,
+    check_step,
+    check_tags,
+    check_uid,
+    describe,
+)
 from .errors import DuplicateGroupError, DuplicateTrajectoryError
 from .records import EMPTY_TAGS, Group, Status
 
@@ -53,9 +61,18 @@ class GroupWriter:
         if part.deadlines:
             self.consumer.admitted(part)
 
-    def end_watched(self, group: OpenGroup, finished: bool) -> bool:
-        """Finish (or fail) ``group`` if that very group is still in flight; return whether it did."""
-        store = self.store
+    def end_watched(self, watch: GroupWatch, finished: bool) -> bool:
+        """``end_watched``: finish (or fail) the group ``watch`` was taken on if that very group
+        is still in flight; return whether it did.
+
+        Raises:
+            TypeError: ``watch`` is not a GroupWatch.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        if not isinstance(watch, GroupWatch):
+            raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
+        store, group = self.store, watch.group
+        store.binding.check_thread()
         if store.closed or store.groups.get(group.uid) is not group:
             return False
         clock = self.admission.clocks.get(group.partition, 0)
@@ -69,21 +86,23 @@ class GroupWriter:
         payloads: list[Any] | tuple[Any, ...],
         global_steps: int | None,
         tags: Mapping[str, Any] | None,
+        generation_seconds: object = None,
     ) -> list[str]:
-        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked.
-        What can raise runs before any change.
+        """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked
+        (but ``tags`` and ``generation_seconds``). What can raise runs before any change.
 
         Raises:
-            TypeError, ValueError: ``tags`` is invalid.
+            TypeError, ValueError: ``tags`` or ``generation_seconds`` is invalid.
             BufferFullError: admission control has no slot for it now.
         """
+        seconds = check_generation_seconds(generation_seconds) or 0.0
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         clock = self.admission.clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
         if part.cap is not None:
             step = self.admission.tag_for(part.name, part, global_steps)
         stored = payloads if type(payloads) is tuple else tuple(payloads)
-        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags)
+        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags, seconds)
         consumer = self.consumer
         if consumer.waiting.get(part.name):  # notify's own first test, without the call: per group
             consumer.notify(part)
@@ -101,10 +120,12 @@ class GroupWriter:
         indices: Sequence[int] | None,
         status: object,
         granted: int | None = None,
+        generation_seconds: object = None,
     ) -> list[str]:
         """``put_group_nowait`` after the open/thread check: check everything, then change.
 
-        ``granted`` is the admission slot a waiting producer was given (its dispatch step).
+        ``granted`` is the admission slot a waiting producer was given (its dispatch step);
+        ``generation_seconds`` the producer's measure (None: the time since its admission here).
 
         Raises:
             The errors of ``ReplayBuffer.put_group_nowait``.
@@ -115,6 +136,7 @@ class GroupWriter:
         check_partition(partition)
         group_tags = check_tags(tags)
         terminal = _terminal_status(status)
+        seconds = check_generation_seconds(generation_seconds)
         keys, rows = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
         store = self.store
         group: OpenGroup | Group | None = store.groups.get(uid)
@@ -134,18 +156,20 @@ class GroupWriter:
             # Everything is valid: from here on nothing raises, so the group lands whole.
             group = store.admit(uid, step, store.partition(partition), group_tags)
         store.fill(group, rows)
-        part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured)
+        part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured, seconds)
         self.consumer.notify(part)
         return keys
 
     def put_back(self, group: Group) -> bool:
-        """Put a sampled ``group`` back as it was, without a new admission; return False,
-        changing nothing, if its uid is in use or the buffer is closed.
+        """Put a sampled ``group`` back as it was (its generation time too), without a new
+        admission; return False, changing nothing, if its uid is in use or the buffer is closed.
 
         Raises:
             TypeError: ``group`` is not a Group record.
+            WrongThreadError: called from another thread than the bound loop's.
             The errors of :meth:`put` for values it would refuse.
         """
+        self.store.binding.check_thread()
         if not isinstance(group, Group):
             raise TypeError(f"group must be a Group, got {type(group).__name__}")
         if self.store.closed or group.uid in self.store.groups:
@@ -162,6 +186,7 @@ class GroupWriter:
             [t.index for t in trajectories],
             _FINISHED if group.status is _FINISHED else _FAILURE,
             granted=group.global_steps,  # its slot was granted when it was first admitted
+            generation_seconds=group.generation_seconds,
         )
         return True
 

@@ -205,11 +205,20 @@ class GroupStore:
         part.admitted_trajectories += 1
         return key
 
-    def end(self, group: OpenGroup, status: Status, clock: int, measured: bool = True) -> PartitionState:
+    def end(
+        self,
+        group: OpenGroup,
+        status: Status,
+        clock: int,
+        measured: bool = True,
+        seconds: float | None = None,
+    ) -> PartitionState:
         """Make the in-flight ``group`` terminal with ``status``; return its partition.
         ``clock`` is the partition's dispatch clock (the record's finish step, not before
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
-        in one call), so a FINISHED one counts towards the median generation time."""
+        in one call), so a FINISHED one counts towards the median generation time (always the
+        time the buffer measured: deadlines run on its clock); ``seconds``: the record's
+        ``generation_seconds`` as its producer measured it (None: from admission to now)."""
         part = self.partitions[group.partition]
         step = group.dispatch_step
         if part.deadlines and measured and status is _FINISHED:
@@ -224,7 +233,7 @@ class GroupStore:
                 group.tags,
                 tuple(group.trajectories.values()),
                 clock if clock > step else step,
-                monotonic() - group.admitted_at,
+                monotonic() - group.admitted_at if seconds is None else seconds,
             ),
         )
         self.groups[group.uid] = record
@@ -244,11 +253,14 @@ class GroupStore:
         clock: int,
         payloads: tuple[Any, ...],
         tags: Mapping[str, Any],
+        seconds: float = 0.0,
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
-        first read), straight to the ready index; return its keys."""
+        first read), straight to the ready index; return its keys. ``seconds`` is its
+        ``generation_seconds`` (its producer's measure; 0.0: never in flight here, none given)."""
         record = _tuple_new(  # _lazy_group.new_lazy_group, without the call
-            LazyGroup, (uid, part.name, step, _FINISHED, tags, payloads, clock if clock > step else step, 0.0)
+            LazyGroup,
+            (uid, part.name, step, _FINISHED, tags, payloads, clock if clock > step else step, seconds),
         )
         seq = self.next_seq
         self.next_seq = seq + 1

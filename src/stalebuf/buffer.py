@@ -57,7 +57,7 @@ from .errors import (
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
 from .records import EMPTY_TAGS, Batch, Group, Status
-from .stats import BufferStats
+from .stats import BufferStats, WaitExplanation
 
 __all__ = ["GroupStatus", "ReplayBuffer"]
 
@@ -403,6 +403,7 @@ class ReplayBuffer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
 
@@ -415,12 +416,20 @@ class ReplayBuffer:
         means the group's own step, or the dispatch clock for a new group. ``status`` is
         ``Status.FINISHED`` or ``Status.FAILURE`` or their values ("failed" also works).
 
+        ``generation_seconds`` is the producer's measure of how long the group took to generate
+        (a finite number >= 0): the group's ``generation_seconds`` and what the
+        ``sampled_generation_seconds/mean`` metric averages. Without it the buffer measures
+        from the group's admission to this call: the real time for a group already in flight
+        (``add_prompt`` earlier), 0.0 for a group this call adds. Deadlines always use the
+        buffer's own measure.
+
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
             TypeError, ValueError: an argument is invalid, ``payloads`` is not a collection, a
-                per-trajectory collection has another length than ``payloads``, or ``status``
-                is not a terminal status.
+                per-trajectory collection has another length than ``payloads``, ``status``
+                is not a terminal status, or ``generation_seconds`` is not None or a finite
+                number >= 0.
             InvalidTransitionError: the group is already terminal (a late write).
             DuplicateGroupError: the group is in flight with another step or partition.
             DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
@@ -446,9 +455,18 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags)
+            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags, generation_seconds)
         return self.__writer.put(
-            uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
+            uid,
+            payloads,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
+            generation_seconds=generation_seconds,
         )
 
     async def add_prompt(
@@ -522,6 +540,7 @@ class ReplayBuffer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group; like :meth:`put_group_nowait`, but a
         group that must be added waits under admission control (FIFO, cancellable) for a slot
@@ -544,6 +563,7 @@ class ReplayBuffer:
                 session_ids=session_ids,
                 indices=indices,
                 status=status,
+                generation_seconds=generation_seconds,
             )
         except (TagClosedError, FutureTagError):
             raise  # no slot there can ever open: waiting would be forever
@@ -564,6 +584,7 @@ class ReplayBuffer:
                 indices,
                 status,
                 tag,
+                generation_seconds,
             )
 
         return await self.__admission.wait_for_slot(self.__store.partition(partition), global_steps, admit)
@@ -612,14 +633,11 @@ class ReplayBuffer:
             TypeError: ``watch`` is not a GroupWatch.
             WrongThreadError: called from another thread than the bound loop's.
         """
-        if not isinstance(watch, GroupWatch):
-            raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
-        self.__store.binding.check_thread()
-        return self.__writer.end_watched(watch.group, finished)
+        return self.__writer.end_watched(watch, finished)
 
     def put_back(self, group: Group) -> bool:
-        """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status and
-        trajectories), without a new admission (its slot was granted when it was first
+        """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status,
+        generation time and trajectories), without a new admission (its slot was granted when it was first
         admitted); return False, changing nothing, if its uid is in use or the buffer closed.
 
         For a consumer that took a batch it cannot use (``stalebuf.ray`` puts back the batch
@@ -630,7 +648,6 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             The errors of :meth:`put_group_nowait` for values it would refuse.
         """
-        self.__store.binding.check_thread()
         return self.__writer.put_back(group)
 
     # -- admission --------------------------------------------------------------------
@@ -645,8 +662,7 @@ class ReplayBuffer:
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
         """
-        checks.check_partition(partition)
-        return self.__admission.clocks.get(partition, 0)
+        return self.__admission.clock(partition)
 
     def capacity(self, partition: str = "train") -> int | None:
         """Return the bound on ``partition``'s resident groups under admission control,
@@ -656,9 +672,7 @@ class ReplayBuffer:
             TypeError, ValueError: ``partition`` is not a non-empty str.
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self.__store.binding.check_thread()
-        checks.check_partition(partition)
-        return self.__admission.capacity(self.__store.partitions.get(partition), partition)
+        return self.__admission.capacity_of(partition)
 
     def free_slots(self, partition: str = "train") -> int | None:
         """Return how many groups ``add_prompt`` would admit now at the clock's step without
@@ -669,9 +683,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``admits`` raised.
         """
-        self.__store.binding.check_thread()
-        checks.check_partition(partition)
-        return self.__admission.free_slots(self.__store.partitions.get(partition), partition)
+        return self.__admission.free_slots_of(partition)
 
     def full(self, partition: str = "train") -> bool:
         """Return whether ``free_slots(partition) == 0`` (never True without admission control).
@@ -788,11 +800,47 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``is_stale`` raised.
         """
-        self.__store.binding.check_thread()
-        checks.check_step(global_steps)
-        checks.check_partition(partition)
-        part = self.__store.partitions.get(partition)
-        return 0 if part is None else self.__store.rules.count_fresh(part, global_steps)
+        return self.__consumer.sampleable.count(global_steps, partition)
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
+    ) -> int:
+        """Wait until at least ``count`` groups are sampleable at ``global_steps``; return how
+        many are. It takes nothing and never delays or reorders a ``sample``.
+
+        "Sampleable" is what :meth:`sampleable_count` counts (verl's ``get_sampleable_count``):
+        ready groups the drop and failure rules keep at ``global_steps``, as after the drop
+        eviction a ``sample`` would run (this evicts nothing). The wait gate and the batch size
+        do not count, so under ``max_off_policy_strategy="wait"`` a ``sample`` of ``count``
+        groups may still wait for older groups in flight. Event-driven (it wakes when a group
+        becomes sampleable, never polls) and cancellable; ``timeout=0`` checks once. A ``sample``
+        may take the groups before the woken call runs: it then waits on.
+
+        Raises:
+            TypeError, ValueError: ``global_steps`` is not an int >= 0, ``count`` not an int
+                >= 1 (both below 2**63; bools refused), ``partition`` not a non-empty str, or
+                ``timeout`` not None or a number >= 0; nothing changed.
+            TimeoutError: ``timeout`` seconds passed first.
+            BufferClosedError: the buffer is or gets closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            BackendMismatchError: it may wait (``timeout != 0``) and runs under another async
+                backend than the one the buffer is bound to.
+            Exception: whatever the policy's ``is_stale`` raised.
+        """
+        return await self.__consumer.sampleable.wait(global_steps, count, partition, timeout)
+
+    def explain_wait(self, partition: str = "train") -> WaitExplanation:
+        """Return why the ``sample`` calls parked on ``partition`` wait (the first of them: they
+        are served in order), as a frozen :class:`~stalebuf.WaitExplanation`; changes nothing.
+
+        Its ``reason`` is the sentence the periodic status line of a waiting ``sample`` ends with.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+            Exception: whatever a policy hook raised.
+        """
+        return self.__consumer.explain(partition)
 
     def observe_samples(self, observer: SampleObserver) -> Callable[[], None]:
         """Call ``observer(batch, metrics)`` with every batch a ``sample`` (or ``sample_nowait``)
@@ -805,9 +853,6 @@ class ReplayBuffer:
             TypeError: ``observer`` is not callable.
             WrongThreadError: called from another thread than the bound loop's.
         """
-        if not callable(observer):
-            raise TypeError(f"observer must be callable, got {checks.describe_typed(observer)}")
-        self.__store.binding.check_thread()
         return self.__consumer.subscribe(observer)
 
     def stats(self) -> BufferStats:
@@ -816,7 +861,6 @@ class ReplayBuffer:
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
-        self.__store.binding.check_thread()
         return self.__consumer.stats()
 
     # -- closing ----------------------------------------------------------------------
