@@ -104,7 +104,7 @@ class GroupWriter:
         stored = payloads if type(payloads) is tuple else tuple(payloads)
         keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags, seconds)
         consumer = self.consumer
-        if consumer.waiting.get(part.name):  # notify's own first test, without the call: per group
+        if consumer.waiting.get(part.name) or consumer.sampleable.waiting:  # notify's first tests, inline
             consumer.notify(part)
         return keys
 
