@@ -266,7 +266,8 @@ async def test_cancellation_leaves_nothing_behind() -> None:
             waiting.scope.cancel()
             timed.scope.cancel()
             await settle()
-        assert not waiting.done and not timed.done
+        assert not waiting.done
+        assert not timed.done
         assert sampleable_waiters(buf) == {}
         add_group(buf, "a", 0)  # a wake-up with nobody parked is harmless
         assert await buf.wait_for_sampleable(0, 1) == 1
