@@ -125,7 +125,8 @@ class GroupWriter:
         """``put_group_nowait`` after the open/thread check: check everything, then change.
 
         ``granted`` is the admission slot a waiting producer was given (its dispatch step);
-        ``generation_seconds`` the producer's measure (None: the time since its admission here).
+        ``generation_seconds`` the producer's measure (None: the time since its admission here,
+        0.0 for a group this call adds, as on the fast path).
 
         Raises:
             The errors of ``ReplayBuffer.put_group_nowait``.
@@ -156,6 +157,8 @@ class GroupWriter:
             # Everything is valid: from here on nothing raises, so the group lands whole.
             group = store.admit(uid, step, store.partition(partition), group_tags)
         store.fill(group, rows)
+        if seconds is None and not measured:  # added by this very call: nothing was generating here
+            seconds = 0.0
         part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured, seconds)
         self.consumer.notify(part)
         return keys
