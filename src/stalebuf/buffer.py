@@ -232,10 +232,13 @@ class ReplayBuffer:
         """Return a handle whose producer methods may be called from any thread.
 
         Call it on the event loop's thread, inside the running loop (asyncio or trio): it
-        binds the buffer to that loop. Each handle method (``add_prompt``, ``mark_running``,
-        ``put``, ``mark_finished``, ``mark_failed``, ``put_group``) runs the ``*_nowait``
-        method of that name on the loop and blocks its thread until it ran; wake-ups are
-        immediate.
+        binds the buffer to that loop. Each handle method runs the buffer's method of that name
+        on the loop and blocks its thread until it returned; wake-ups are immediate. As
+        ``queue.Queue.put`` does, ``add_prompt`` and ``put_group`` block until admitted (with
+        ``timeout=``: TimeoutError, nothing added), ``add_prompt_nowait`` and
+        ``put_group_nowait`` raise BufferFullError instead, and ``wait_for_sampleable`` blocks
+        as the buffer's does; ``mark_running``, ``put``, ``mark_finished`` and ``mark_failed``
+        never wait (they run the ``*_nowait`` methods).
 
         Raises:
             WrongThreadError: no event loop runs in this thread, or the buffer is bound to
