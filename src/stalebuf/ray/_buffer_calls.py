@@ -22,7 +22,7 @@ from .._status_log import logger
 from .._validation import materialise
 from ..buffer import GroupStatus
 from ..records import Batch
-from ..stats import BufferStats
+from ..stats import BufferStats, WaitExplanation
 from ._connection import ActorConnection
 from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, Put, PutGroup
 from ._rollout import RemoteRolloutGroup, rollout
@@ -54,6 +54,7 @@ def _put_group_op(
     session_ids: Sequence[int] | None,
     indices: Sequence[int] | None,
     status: GroupStatus,
+    generation_seconds: float | None,
 ) -> PutGroup:
     """The ``put_group`` operation (with a token a new group may wait for admission).
 
@@ -81,6 +82,7 @@ def _put_group_op(
         sessions,
         positions,
         status,
+        generation_seconds,
     )
 
 
@@ -194,10 +196,13 @@ class BufferCalls:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one round trip; return its
         keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor). A new group waits
-        in the actor for admission like :meth:`add_prompt`.
+        in the actor for admission like :meth:`add_prompt`. ``generation_seconds``, the producer's
+        measure of the group's generation time, is as for the local buffer (a remote producer
+        should pass it: without it a group written in one call measures 0.0).
 
         Raises:
             The same errors as ReplayBuffer.put_group; BufferUnavailableError.
@@ -214,6 +219,7 @@ class BufferCalls:
             session_ids,
             indices,
             status,
+            generation_seconds,
         )
         result: list[str] = await connection.admit(op)
         return result
@@ -230,6 +236,7 @@ class BufferCalls:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group in one round trip, as
         :meth:`ReplayBuffer.put_group_nowait`: a coroutine here, but it never waits for admission.
@@ -239,7 +246,17 @@ class BufferCalls:
             The other errors of ReplayBuffer.put_group_nowait; BufferUnavailableError.
         """
         op = _put_group_op(
-            None, uid, payloads, global_steps, partition, tags, trajectory_tags, session_ids, indices, status
+            None,
+            uid,
+            payloads,
+            global_steps,
+            partition,
+            tags,
+            trajectory_tags,
+            session_ids,
+            indices,
+            status,
+            generation_seconds,
         )
         result: list[str] = await self._connection.submit(op)
         return result
@@ -322,6 +339,34 @@ class BufferCalls:
                 observers.remove(observer)
 
         return stop
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
+    ) -> int:
+        """Wait until at least ``count`` groups are sampleable at ``global_steps`` and return how
+        many are, as :meth:`ReplayBuffer.wait_for_sampleable` (it takes nothing). The wait is in the
+        actor (in its default concurrency group, as ``sample``'s); cancelling this cancels it there.
+        ``timeout`` is applied in the actor, and also bounds the wait for an actor that has not
+        started yet (by at least 1 s), as for :meth:`sample`.
+
+        Raises:
+            The same errors as ReplayBuffer.wait_for_sampleable (TypeError and ValueError for bad
+            arguments are raised by the client, before it contacts the actor);
+            BufferUnavailableError when the actor is gone or did not start within ``start_timeout``.
+        """
+        result: int = await self._connection.wait_for_sampleable(global_steps, count, partition, timeout)
+        return result
+
+    async def explain_wait(self, partition: str = "train") -> WaitExplanation:
+        """Return why the ``sample`` calls parked on ``partition`` in the actor wait, as
+        :meth:`ReplayBuffer.explain_wait` (a coroutine here: it asks the actor).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+            Exception: whatever a policy hook raised in the actor.
+        """
+        result: WaitExplanation = await self._connection.call("flow", "explain_wait", partition)
+        return result
 
     async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
         """Return how many groups ``sample`` could select right now, as

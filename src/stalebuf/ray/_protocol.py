@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: Bumped whenever a record changes; the client compares it with the actor's on first contact.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
@@ -147,6 +147,7 @@ class PutGroup(NamedTuple):
     session_ids: Sequence[int] | None
     indices: Sequence[int] | None
     status: GroupStatus
+    generation_seconds: float | None
 
     def apply(self, buffer: ReplayBuffer) -> list[str]:
         """Run the operation on ``buffer``; raises what ``put_group_nowait`` raises."""
@@ -161,6 +162,7 @@ class PutGroup(NamedTuple):
             session_ids=self.session_ids,
             indices=self.indices,
             status=self.status,
+            generation_seconds=self.generation_seconds,
         )
 
     async def apply_waiting(self, buffer: ReplayBuffer) -> list[str]:
@@ -176,6 +178,7 @@ class PutGroup(NamedTuple):
             session_ids=self.session_ids,
             indices=self.indices,
             status=self.status,
+            generation_seconds=self.generation_seconds,
         )
 
 
