@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 
+import attrs
+
 from ._admission import Admission
 from ._partition import PartitionState
 from ._rules import Rules
@@ -50,50 +52,56 @@ def explain_wait(
         )
     steps, size = head.global_steps, head.batch_size
     sampleable = 0 if part is None else rules.count_fresh(part, steps)
-    short_by = max(0, size - sampleable)
     held_by, held_at = _gate_holder(part, steps, rules)
-    staleness = None if held_at is None else (steps - held_at + 1) / rules.sync_step
-    causes = []
-    if refusals and not in_flight:
-        causes.append(
-            f"nothing is in flight and {refusals} producer call(s) were refused for good since the "
-            f"last batch, the latest at dispatch step {refused_tag} (TagClosedError or FutureTagError): "
-            "under admission control producers should dispatch at the clock (global_steps=None)"
-        )
-    if short_by:
-        causes.append(
-            f"the batch is short by {short_by} group(s): {sampleable} of {size} sampleable at "
-            f"global_steps={steps}, {in_flight} in flight"
-        )
-    if held_by is not None:
-        causes.append(
-            f"the wait gate is held by group {describe(held_by)} (dispatched at step {held_at}, still "
-            f"in flight, staleness {staleness:g} at global_steps={steps})"
-        )
-    if refusals and in_flight:
-        causes.append(
-            f"{refusals} producer call(s) were refused for good since the last batch, the latest at "
-            f"dispatch step {refused_tag}"
-        )
-    if full:
-        causes.append(f"admission is full ({producers} producer call(s) waiting for a slot)")
-    return WaitExplanation(
+    explanation = WaitExplanation(
         partition=name,
-        reason="; ".join(causes) if causes else "a batch may be taken now: the sample is about to wake",
+        reason="",
         waiting_samplers=waiting,
         global_steps=steps,
         batch_size=size,
         waited_seconds=_waited(head),
         sampleable=sampleable,
-        short_by=short_by,
+        short_by=max(0, size - sampleable),
         in_flight=in_flight,
         gate_held_by=held_by,
-        gate_staleness=staleness,
+        gate_staleness=None if held_at is None else (steps - held_at + 1) / rules.sync_step,
         closed_tag_refusals=refusals,
         closed_tag=refused_tag,
         admission_full=full,
         waiting_producers=producers,
     )
+    return attrs.evolve(explanation, reason=_reason(explanation, held_at))
+
+
+def _reason(explained: WaitExplanation, held_at: int | None) -> str:
+    """The sentence of ``explained``: each cause that holds, the most decisive first."""
+    e = explained
+    causes = []
+    if e.closed_tag_refusals and not e.in_flight:
+        causes.append(
+            f"nothing is in flight and {e.closed_tag_refusals} producer call(s) were refused for good "
+            f"since the last batch, the latest at dispatch step {e.closed_tag} (TagClosedError or "
+            "FutureTagError): under admission control producers should dispatch at the clock "
+            "(global_steps=None)"
+        )
+    if e.short_by:
+        causes.append(
+            f"the batch is short by {e.short_by} group(s): {e.sampleable} of {e.batch_size} sampleable "
+            f"at global_steps={e.global_steps}, {e.in_flight} in flight"
+        )
+    if e.gate_held_by is not None:
+        causes.append(
+            f"the wait gate is held by group {describe(e.gate_held_by)} (dispatched at step {held_at}, "
+            f"still in flight, staleness {e.gate_staleness:g} at global_steps={e.global_steps})"
+        )
+    if e.closed_tag_refusals and e.in_flight:
+        causes.append(
+            f"{e.closed_tag_refusals} producer call(s) were refused for good since the last batch, "
+            f"the latest at dispatch step {e.closed_tag}"
+        )
+    if e.admission_full:
+        causes.append(f"admission is full ({e.waiting_producers} producer call(s) waiting for a slot)")
+    return "; ".join(causes) if causes else "a batch may be taken now: the sample is about to wake"
 
 
 def _gate_holder(part: PartitionState | None, steps: int, rules: Rules) -> tuple[str | None, int | None]:

@@ -84,8 +84,10 @@ class ReplayBuffer:
         on_evict: called synchronously with one :class:`EvictionEvent` per reason per
             eviction round, inside ``sample``, after the buffer state is consistent. It may
             call the ``*_nowait`` producer methods (e.g. to refill prompts).
-        status_log_interval: a ``sample`` blocked this many seconds logs one INFO line on
-            the "stalebuf" logger, and again every interval after; None disables it.
+        status_log_interval: a ``sample`` blocked this many seconds logs one line on the
+            "stalebuf" logger, and again every interval after, saying why it waits (as
+            :meth:`explain_wait` does); INFO at first, WARNING from the third line on (once one
+            call has waited 3 intervals: 3 minutes at the default 60 s). None disables it.
 
     Raises:
         ConfigError: ``config`` is not a SamplerConfig or names a ``custom_sampler`` (build
