@@ -95,7 +95,7 @@ class GroupWriter:
             TypeError, ValueError: ``tags`` or ``generation_seconds`` is invalid.
             BufferFullError: admission control has no slot for it now.
         """
-        seconds = check_generation_seconds(generation_seconds) or 0.0
+        seconds = 0.0 if generation_seconds is None else check_generation_seconds(generation_seconds) or 0.0
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         clock = self.admission.clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
