@@ -164,12 +164,16 @@ def run_worker(directory: Path, args: argparse.Namespace, kill_after_step: int |
                "--seed", str(args.seed)]  # fmt: skip
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:  # after the kill: what it printed before dying, then EOF
+        for line in proc.stdout:
             print(f"  [trainer {proc.pid}] {line.rstrip()}")
             if kill_after_step is not None and line.strip() == f"saved step {kill_after_step}":
                 kill_after_step = None
                 time.sleep(random.Random(args.seed).uniform(0.0, 0.1))
                 proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                # What it printed before dying is still in the pipe: show it before the kill.
+                for rest in proc.stdout:
+                    print(f"  [trainer {proc.pid}] {rest.rstrip()}")
                 print(f"  [supervisor] killed trainer {proc.pid} with SIGKILL")
         proc.wait()
 

@@ -16,6 +16,7 @@ __all__ = [
     "IN_FLIGHT",
     "PARTITIONS",
     "admission",
+    "assert_tokens_conserved",
     "checkpoint_content",
     "group_content",
     "in_flight",
@@ -139,3 +140,13 @@ def stats_of(buf: ReplayBuffer) -> dict[str, dict[str, Any]]:
 def in_flight_trajectories(buf: ReplayBuffer, partition: str) -> int:
     views = resident_groups(buf).values()
     return sum(len(v.trajectories) for v in views if v.in_flight and (partition in ("total", v.partition)))
+
+
+def assert_tokens_conserved(buf: ReplayBuffer) -> None:
+    """``admitted_tokens == tokens + sampled_tokens + evicted_tokens + reissued_tokens``, masked
+    tokens among the sampled ones, per partition and in total."""
+    stats = buf.stats()
+    for item in (*stats.partitions.values(), stats.total):
+        gone = item.sampled_tokens + item.evicted_tokens + item.reissued_tokens
+        assert item.admitted_tokens == item.tokens + gone, item
+        assert item.masked_tokens <= item.sampled_tokens, item

@@ -10,6 +10,13 @@ trainer saves its data loader's position with its model.
 
 ``tests/test_checkpoint_exactness.py`` runs it uninterrupted in the test process (saving the
 buffer at step k) and ``tests/_resume_worker.py`` restores and finishes it in a fresh process.
+
+With ``versions`` (issue 22), a producer starts each group on the newest weights (the clock, given
+to ``mark_running(version=)``) and reports, for each trajectory, the versions that generated it:
+runs from its start version up to the clock as weights are pushed while it decodes, now and then
+one from the weights before (a restarted engine), or only a token count (an engine that reports
+no versions, or a put while the group is PENDING). What it reported is part of its JSON state, so
+a reissued group is generated again exactly; a resumed one (``in_flight="resume"``) keeps it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ __all__ = [
     "batch_record",
     "drive",
     "regenerate",
+    "resume",
     "stats_record",
 ]
 
@@ -49,17 +57,20 @@ TICKS_PER_STEP = 400  # a step that needs more ticks than this is a hang, not a 
 class Variant:
     """One configuration of the acceptance test."""
 
-    strategy: str  # "drop" or "wait"
+    strategy: str  # "drop", "wait" or "mask"
     admission: bool
     backend: str  # "asyncio" or "trio"
     seed: int
     steps: int = 14  # n
     checkpoint_at: int = 6  # k
     batch_size: int = 4
+    versions: bool = False  # producers report versions and tokens (issue 22)
+    in_flight: str = "reissue"  # how the fresh process restores: "reissue" or "resume"
 
     @property
     def id(self) -> str:
-        return f"{self.strategy}-{'admission' if self.admission else 'open'}-{self.backend}"
+        extra = ("-versions" if self.versions else "") + ("-resume" if self.in_flight == "resume" else "")
+        return f"{self.strategy}-{'admission' if self.admission else 'open'}-{self.backend}{extra}"
 
     def config(self) -> SamplerConfig:
         return SamplerConfig(
@@ -70,6 +81,15 @@ class Variant:
             evict_stale_in_flight=self.strategy == "drop",
         )
 
+
+#: (strategy, admission, in_flight, seed) of the variants with versions (seeds chosen as below).
+VERSIONED_SEEDS = (
+    ("drop", False, "reissue", 4),
+    ("mask", True, "reissue", 1),
+    ("drop", True, "resume", 2),
+    ("wait", False, "resume", 0),
+    ("mask", False, "resume", 1),
+)
 
 # Seeds chosen so that at step k some groups are in flight (PENDING and RUNNING, holding
 # trajectories) and, after it, every rule fires (the test checks it, so a change of the scenario
@@ -82,6 +102,10 @@ VARIANTS: tuple[Variant, ...] = tuple(
         ("wait", False, 11),
         ("wait", True, 17),
     )
+    for backend in ("asyncio", "trio")
+) + tuple(  # with versions and tokens, restored by reissuing or by resuming the partial groups
+    Variant(strategy, admission, backend, seed=seed, versions=True, in_flight=in_flight)
+    for strategy, admission, in_flight, seed in VERSIONED_SEEDS
     for backend in ("asyncio", "trio")
 )
 
@@ -96,10 +120,13 @@ class Producer:
     """The producers' side of the run: its state is JSON (``to_json`` / ``from_json``)."""
 
     seed: int
+    versions: bool = False  # report versions and tokens (see the module docs)
     tick: int = 0
     next_prompt: int = 0
     retry: list[str] = field(default_factory=list)  # prompts refused by admission, FIFO
-    # uid -> {"running": bool, "sessions": int put so far, "planned": int, "fail": bool}
+    # uid -> {"running": bool, "sessions": int put so far, "planned": int, "fail": bool}; with
+    # versions also "start" (the start version it gave, None while PENDING) and "made" (each
+    # session's [versions, tokens] as put)
     active: dict[str, dict[str, Any]] = field(default_factory=dict)
     refused: int = 0  # how many add_prompt_nowait calls raised BufferFullError
     evicted_in_flight: int = 0  # how many calls raised GroupEvictedError
@@ -107,6 +134,7 @@ class Producer:
     def to_json(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
+            "versions": self.versions,
             "tick": self.tick,
             "next_prompt": self.next_prompt,
             "retry": list(self.retry),
@@ -163,13 +191,17 @@ class Producer:
             self.refused += 1
             return False
         self.active[uid] = {"running": False, "sessions": 0, "planned": planned, "fail": fail}
+        if self.versions:
+            self.active[uid].update(start=None, made=[])
         return True
 
     def _advance(self, buf: ReplayBuffer, uid: str, rng: random.Random) -> None:
         plan, r = self.active[uid], rng.random()
         if not plan["running"]:
             if r < 0.5:
-                buf.mark_running_nowait(uid)
+                if self.versions:  # it starts on the newest weights
+                    plan["start"] = buf.dispatch_step()
+                buf.mark_running_nowait(uid, version=plan.get("start"))
                 plan["running"] = True
             elif r < 0.7 and plan["sessions"] < plan["planned"]:  # a put while still PENDING
                 self._put(buf, uid, plan)
@@ -184,8 +216,31 @@ class Producer:
 
     def _put(self, buf: ReplayBuffer, uid: str, plan: dict[str, Any]) -> None:
         session = plan["sessions"]
-        buf.put_nowait(uid, payload(self.seed, uid, session), session_id=session)
+        versions = tokens = None
+        if self.versions:
+            versions, tokens = generated(self.seed, uid, session, plan["start"], buf.dispatch_step())
+            plan["made"].append([versions, tokens])
+        buf.put_nowait(
+            uid, payload(self.seed, uid, session), session_id=session, versions=versions, tokens=tokens
+        )
         plan["sessions"] = session + 1
+
+
+def generated(
+    seed: int, uid: str, session: int, start: int | None, clock: int
+) -> tuple[list[list[int]] | None, int | None]:
+    """The ``(versions, tokens)`` a producer reports for one trajectory, put at ``clock`` into a
+    group started at version ``start`` (None: still PENDING); a pure function of them."""
+    rng = random.Random(f"{seed}/{uid}/{session}/versions")
+    if start is None or rng.random() < 0.2:
+        return None, rng.randint(0, 40)
+    version = max(0, start - 1) if rng.random() < 0.1 else start
+    runs = []
+    for _ in range(rng.randint(1, 4)):
+        runs.append([version, rng.randint(1, 30)])
+        if version < clock and rng.random() < 0.6:
+            version += 1  # new weights arrived while it decoded
+    return runs, None
 
 
 def regenerate(buf: ReplayBuffer, producer: Producer, reissue: tuple[Group, ...]) -> int:
@@ -202,16 +257,55 @@ def regenerate(buf: ReplayBuffer, producer: Producer, reissue: tuple[Group, ...]
     for group in reissue:
         plan = producer.active[group.uid]
         if plan["running"]:
-            buf.mark_running_nowait(group.uid)
+            buf.mark_running_nowait(group.uid, version=plan.get("start"))
         for session in range(plan["sessions"]):
-            buf.put_nowait(group.uid, payload(producer.seed, group.uid, session), session_id=session)
+            versions, tokens = plan["made"][session] if producer.versions else (None, None)
+            buf.put_nowait(
+                group.uid,
+                payload(producer.seed, group.uid, session),
+                session_id=session,
+                versions=versions,
+                tokens=tokens,
+            )
             again += 1
     return again
 
 
+def resume(buf: ReplayBuffer, producer: Producer, reissue: tuple[Group, ...]) -> int:
+    """Go on with the ``reissue`` groups of an ``in_flight="resume"`` restore: each holds its
+    partial prefix (checked against what the producer put), so a RUNNING one is only marked
+    running again (keeping its start version). Returns how many trajectories were put again: 0."""
+    assert {group.uid for group in reissue} <= set(producer.active), (
+        "a resumed group the producer does not know"
+    )
+    for group in reissue:
+        plan = producer.active[group.uid]
+        assert [t.session_id for t in group.trajectories] == list(range(plan["sessions"])), group.uid
+        if producer.versions:
+            made = [
+                [list(map(list, t.versions)) or None, None if t.versions else t.tokens]
+                for t in group.trajectories
+            ]
+            assert made == plan["made"], group.uid
+            assert group.start_version == (group.dispatch_step if plan["start"] is None else plan["start"])
+        if plan["running"]:
+            buf.mark_running_nowait(group.uid)
+    return 0
+
+
 def batch_record(batch: Batch, metrics: dict[str, float]) -> dict[str, Any]:
-    """Everything a batch says that must be identical across a resume, as JSON."""
+    """Everything a batch says that must be identical across a resume, as JSON (the per-token
+    arrays of issue 22 too)."""
+    versions, offsets = batch.token_versions()
     return {
+        "token_counts": batch.token_counts.tolist(),
+        "token_versions": versions.tolist(),
+        "offsets": offsets.tolist(),
+        "freshness": batch.freshness_mask()[0].tolist(),
+        "loss_excluded": batch.loss_excluded.tolist(),
+        "head_staleness": batch.head_staleness.tolist(),
+        "tail_staleness": batch.tail_staleness.tolist(),
+        "start_versions": [group.start_version for group in batch],
         "step": batch.global_steps,
         "uids": batch.uids,
         "keys": batch.keys,

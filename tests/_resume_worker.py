@@ -2,9 +2,10 @@
 
 Usage: ``python tests/_resume_worker.py JOBS.json RESULTS.json``. Each job names a variant of
 ``_resume_scenario`` and the files the test process saved at step k (the buffer checkpoint and
-the producer's state). For each, this restores the buffer (``in_flight="reissue"``), replays the
-puts the reissued groups had lost, replays the same producer ticks to step n and writes the
-batches and final stats as JSON. A job that raises reports its traceback instead.
+the producer's state). For each, this restores the buffer (the variant's ``in_flight``: "reissue",
+or "resume"), replays the puts the reissued groups had lost (a resumed group kept them), replays
+the same producer ticks to step n and writes the batches and final stats as JSON. A job that
+raises reports its traceback instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from _resume_scenario import Producer, Variant, drive, regenerate, stats_record
+from _resume_scenario import Producer, Variant, drive, regenerate, resume, stats_record
 from stalebuf import ReplayBuffer
 
 
@@ -24,10 +25,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     variant = Variant(**job["variant"])
     with open(job["producer"]) as file:
         producer = Producer.from_json(json.load(file))
-    result = ReplayBuffer.restore(job["checkpoint"], status_log_interval=None)
+    result = ReplayBuffer.restore(
+        job["checkpoint"],
+        in_flight=variant.in_flight,  # type: ignore[arg-type]
+        status_log_interval=None,
+    )
     buf = result.buffer
     restored = stats_record(buf.stats())
-    again = regenerate(buf, producer, result.reissue)
+    again = (resume if variant.in_flight == "resume" else regenerate)(buf, producer, result.reissue)
     regenerated = stats_record(buf.stats())
 
     async def finish() -> list[dict[str, Any]]:

@@ -209,10 +209,22 @@ CASES: tuple[Case, ...] = (
         "threshold.*2.0",
     ),
     C(
-        "threshold-None",
-        lambda c: SamplerConfig(max_off_policy_threshold=None),
+        "threshold-None-with-admission",  # None is no staleness control; admission needs a bound
+        lambda c: SamplerConfig(max_off_policy_threshold=None, admission_batch_size=4),
         ConfigError,
-        "threshold.*None",
+        "admission_batch_size needs a max_off_policy_threshold",
+    ),
+    C(
+        "metric-names-unknown",
+        lambda c: SamplerConfig(metric_names="verl"),
+        ConfigError,
+        "metric_names.*verl",
+    ),
+    C(
+        "bounded-sets-admission",
+        lambda c: SamplerConfig.bounded(threshold=2, batch_size=4, admission_batch_size=8),
+        ConfigError,
+        "pass batch_size= instead",
     ),
     C(
         "strategy-unknown",

@@ -542,7 +542,7 @@ def test_an_inconsistent_or_newer_checkpoint_is_refused() -> None:
 
 @pytest.mark.parametrize("bad", ["Reissue", "", None, 1, ("keep",)])
 def test_in_flight_must_be_one_of_the_modes(bad: Any) -> None:
-    with pytest.raises(ConfigError, match="in_flight must be one of 'reissue', 'keep', 'evict'"):
+    with pytest.raises(ConfigError, match="in_flight must be one of 'reissue', 'keep', 'evict', 'resume'"):
         ReplayBuffer.restore(rich().checkpoint(), in_flight=bad)
 
 

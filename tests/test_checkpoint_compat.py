@@ -3,8 +3,10 @@
 The files are in ``tests/fixtures/`` (``make_checkpoint_fixtures.py`` made them at commit f169765
 and its docstring lists the state): one in pickle mode, whose lazily stored groups are pickled as
 ``records._group`` with a ``records.LazyTrajectories`` (one with its records built), and one with
-the JSON payload codec. Each is restored under every ``in_flight`` mode, and the expected values
-below are written out by hand from that state, never read from the code under test.
+the JSON payload codec. Each is restored under every ``in_flight`` mode of that release, and the
+expected values below are written out by hand from that state, never read from the code under
+test. The files of commit e8b5814, the release before versioned trajectories, are checked at the
+end, under every mode of this one ("resume" too).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import anyio
 import attrs
 import pytest
 
+from _ckpt_helpers import assert_tokens_conserved
 from _helpers import LIMIT, assert_conserved
 from stalebuf import (
     BufferFullError,
@@ -29,6 +32,7 @@ from stalebuf import (
     RestoreResult,
     Status,
 )
+from stalebuf.checkpoint import TOKEN_COUNTERS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 #: The codec the codec file was saved with.
@@ -312,3 +316,179 @@ def test_an_old_file_saved_again_by_this_release_holds_the_same_state(
         old.config,
     )
     assert second.stats().partitions == first.stats().partitions
+
+
+# -- files written by e8b5814, the release before versioned trajectories (issue 22) ---------------
+#
+# ``make_checkpoint_fixtures_e8b5814.py`` made them (its docstring lists the state). That release
+# knew no versions, token counts or start versions: every trajectory comes back with no segments
+# and 0 tokens, every group starting at its dispatch step, every token counter 0, under every
+# ``in_flight`` mode; and the buffer then takes versions like any other.
+
+E8_FILES: dict[str, tuple[Path, Any]] = {
+    "pickle": (FIXTURES / "checkpoint_e8b5814_pickle.ckpt", None),
+    "codec": (FIXTURES / "checkpoint_e8b5814_codec.ckpt", CODEC),
+}
+ALL_MODES = ("reissue", "keep", "evict", "resume")
+#: uid -> (partition, dispatch step, status, tags, trajectories as (key, session id, index, tags,
+#: payload), finish step), in admission order; generation seconds apart (E8_SECONDS).
+E8_GROUPS: dict[str, tuple[Any, ...]] = {
+    "custom": ("train", 2, FINISHED, {"kind": "custom"},
+               [("custom_3_0", 3, 0, {"reward": 0.5}, 1.5), ("custom_5_2", 5, 2, {}, "c1")], 2),
+    "failed": ("train", 2, FAILURE, {}, [("failed_0_0", 0, 0, {}, "x")], 2),
+    "pending": ("train", 2, PENDING, {"kind": "pending"}, [("pending_1_0", 1, 0, {"turn": 0}, "p0")], 3),
+    "lazy": ("train", 3, FINISHED, {}, [("lazy_0_0", 0, 0, {}, {"a": 1}), ("lazy_1_0", 1, 0, {}, [2, 3]),
+                                        ("lazy_2_0", 2, 0, {}, None)], 3),
+    "built": ("train", 3, FINISHED, {"kind": "built", "n": [1, 2]},
+              [("built_0_0", 0, 0, {}, "b0"), ("built_1_0", 1, 0, {}, "b1")], 3),
+    "running": ("train", 3, RUNNING, {},
+                [("running_0_0", 0, 0, {}, "r0"), ("running_0_1", 0, 1, {}, "r1")], 3),
+    "v0": ("val", 0, FINISHED, {"split": "val"}, [("v0_0_0", 0, 0, {}, "v")], 0),
+    "v1": ("val", 0, FINISHED, {}, [("v1_0_0", 0, 0, {}, "w0"), ("v1_1_0", 1, 0, {}, "w1")], 0),
+    "v2": ("val", 0, RUNNING, {}, [("v2_0_0", 0, 0, {}, {"v2": True})], 0),
+}  # fmt: skip
+E8_IN_FLIGHT = ("pending", "running", "v2")
+#: Generation seconds: terminal groups', and the in-flight groups' at each file's snapshot.
+E8_SECONDS = {
+    "pickle": {"custom": 0.25, "failed": 0.25, "lazy": 0.0, "built": 0.0, "v0": 0.25, "v1": 0.0,
+               "pending": 1.5, "running": 1.25, "v2": 0.5},
+    "codec": {"custom": 0.25, "failed": 0.25, "lazy": 0.0, "built": 0.0, "v0": 0.25, "v1": 0.0,
+              "pending": 1.75, "running": 1.5, "v2": 0.75},
+}  # fmt: skip
+_E8_TRAIN = {"admitted_groups": 9, "admitted_trajectories": 16, "sampled_groups": 1,
+             "sampled_trajectories": 2, "evicted_stale_groups": 2, "evicted_stale_trajectories": 3,
+             "evicted_in_flight_groups": 1, "capacity": 8, "finished": 3, "failure": 1}  # fmt: skip
+#: The counters that are not 0, per mode: no token counter is ever one of them.
+E8_STATS: dict[str, dict[str, dict[str, int]]] = {
+    "reissue": {
+        "train": {**_E8_TRAIN, "pending": 2, "trajectories": 8, "reissued_groups": 2,
+                  "reissued_trajectories": 3},
+        "val": {**_VAL, "pending": 1, "trajectories": 3, "reissued_groups": 1, "reissued_trajectories": 1},
+    },
+    "keep": {
+        "train": {**_E8_TRAIN, "pending": 1, "running": 1, "trajectories": 11},
+        "val": {**_VAL, "running": 1, "trajectories": 4},
+    },
+    "resume": {
+        "train": {**_E8_TRAIN, "pending": 2, "trajectories": 11},
+        "val": {**_VAL, "pending": 1, "trajectories": 4},
+    },
+    "evict": {
+        "train": {**_E8_TRAIN, "trajectories": 8, "evicted_restart_groups": 2,
+                  "evicted_restart_trajectories": 3},
+        "val": {**_VAL, "trajectories": 3, "evicted_restart_groups": 1, "evicted_restart_trajectories": 1},
+    },
+}  # fmt: skip
+
+
+def restore_e8(name: str, mode: str) -> tuple[RestoreResult, list[EvictionEvent]]:
+    """Restore the e8b5814 file ``name`` under ``mode``; also return the events ``on_evict`` got."""
+    path, codec = E8_FILES[name]
+    events: list[EvictionEvent] = []
+    result = ReplayBuffer.restore(path, in_flight=mode, payload_codec=codec, on_evict=events.append,  # type: ignore[arg-type]
+                                  status_log_interval=None)  # fmt: skip
+    return result, events
+
+
+def versioned(group: Group) -> tuple[Any, ...]:
+    """A group as :func:`content` shows it, with its start version and each trajectory's
+    versions and tokens."""
+    return (*content(group), group.start_version, [(t.versions, t.tokens) for t in group.trajectories])
+
+
+def expected_e8(uid: str, status: Status | None = None, trajectories: bool = True) -> tuple[Any, ...]:
+    """``E8_GROUPS[uid]`` as :func:`versioned` shows it (``status`` in place of the saved one, and
+    without trajectories unless ``trajectories``): no segments, 0 tokens, starting at its step."""
+    partition, step, saved, tags, rows, finish_step = E8_GROUPS[uid]
+    rows = rows if trajectories else []
+    plain = [
+        (key, session, index, tags_, json.dumps(payload)) for key, session, index, tags_, payload in rows
+    ]
+    return (partition, step, saved if status is None else status, tags, plain, finish_step, step,
+            [((), 0)] * len(rows))  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("name", E8_FILES)
+def test_an_e8b5814_file_loads_without_versions_under_every_mode(name: str, mode: str) -> None:
+    result, events = restore_e8(name, mode)
+    groups = {group.uid: group for group in result.buffer.checkpoint().groups}
+    assert list(groups) == [uid for uid in E8_GROUPS if mode != "evict" or uid not in E8_IN_FLIGHT]
+    seconds = E8_SECONDS[name]
+    for uid, group in groups.items():
+        if uid not in E8_IN_FLIGHT:
+            assert versioned(group) == expected_e8(uid), uid
+            assert group.generation_seconds == seconds[uid], uid
+        elif mode == "keep":
+            assert versioned(group) == expected_e8(uid), uid
+        else:  # PENDING, with their trajectories under "resume", without under "reissue"
+            assert versioned(group) == expected_e8(uid, PENDING, mode == "resume"), uid
+        assert seconds[uid] <= group.generation_seconds < seconds[uid] + LIMIT, uid  # still ageing
+    reissue = [(g.uid, versioned(g), g.generation_seconds) for g in result.reissue]
+    if mode in ("reissue", "resume"):
+        assert reissue == [
+            (uid, expected_e8(uid, PENDING, mode == "resume"), seconds[uid]) for uid in E8_IN_FLIGHT
+        ]
+    else:
+        assert reissue == []
+    by_event = [(e.partition, e.reason, e.global_steps, [versioned(g) for g in e.groups]) for e in events]
+    assert by_event == (
+        [
+            ("train", "restart", 3, [expected_e8("pending"), expected_e8("running")]),
+            ("val", "restart", 0, [expected_e8("v2")]),
+        ]
+        if mode == "evict"
+        else []
+    )
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("name", E8_FILES)
+def test_an_e8b5814_file_restores_its_counters_with_every_token_counter_0(name: str, mode: str) -> None:
+    buf = restore_e8(name, mode)[0].buffer
+    stats = buf.stats()
+    for partition in ("train", "val"):
+        counters = {k: v for k, v in attrs.asdict(stats.partitions[partition]).items() if v}
+        assert counters == E8_STATS[mode][partition], partition
+    assert_conserved(buf)
+    assert_tokens_conserved(buf)
+    ckpt = buf.checkpoint()
+    assert [(p.name, p.last_sampled) for p in ckpt.partitions] == [("train", 3), ("val", -1)]
+    for saved in ckpt.partitions:
+        assert {key: saved.counters[key] for key in TOKEN_COUNTERS} == dict.fromkeys(TOKEN_COUNTERS, 0)
+    # b=4 per step: "lazy", "built" and "running" (unless evicted) hold slots of step 3.
+    free = 2 if mode == "evict" else 1
+    assert (buf.dispatch_step("train"), buf.capacity("train"), buf.free_slots("train")) == (3, 8, free)
+    assert ckpt.evicted_in_flight == ("old", *(E8_IN_FLIGHT if mode == "evict" else ()))
+
+
+@pytest.mark.parametrize("mode", ["reissue", "keep", "resume"])
+@pytest.mark.parametrize("name", E8_FILES)
+def test_an_e8b5814_files_in_flight_groups_go_on_with_versions(name: str, mode: str) -> None:
+    """After the restore the producers go on as this release's do: a start version, trajectories
+    with versions; the batch then hands the trainer their tokens, the old ones with none."""
+    buf = restore_e8(name, mode)[0].buffer
+    if mode != "keep":  # both PENDING again; "running" starts at version 2 (its first token)
+        buf.mark_running_nowait("running", version=2)
+    buf.put_nowait("pending", "p1", session_id=2, versions=[(3, 4)])
+    buf.put_nowait("running", "r2", session_id=1, versions=[(2, 1), (3, 2)])
+    buf.mark_finished_nowait("pending")
+    buf.mark_finished_nowait("running")
+    batch, _ = buf.sample_nowait(3, 6)
+    assert batch.uids == ["custom", "failed", "pending", "lazy", "built", "running"]
+    lost = mode == "reissue"  # the partial trajectories were discarded, their keys gone
+    pending = [] if lost else ["pending_1_0"]
+    running = [] if lost else ["running_0_0", "running_0_1"]
+    keys = ["custom_3_0", "custom_5_2", "failed_0_0", *pending, "pending_2_0", "lazy_0_0", "lazy_1_0",
+            "lazy_2_0", "built_0_0", "built_1_0", *running, "running_1_0"]  # fmt: skip
+    assert batch.keys == keys
+    tokens = {"pending_2_0": 4, "running_1_0": 3}
+    assert batch.token_counts.tolist() == [tokens.get(key, 0) for key in keys]
+    versions, offsets = batch.token_versions()
+    assert versions.tolist() == [3, 3, 3, 3, 2, 3, 3]
+    assert offsets[-1] == 7
+    mask, _ = batch.freshness_mask()
+    assert mask.tolist() == [True] * 7  # lag 1 or 2 at step 3: fresh under T=2
+    train = buf.stats().partitions["train"]
+    assert (train.admitted_tokens, train.sampled_tokens, train.tokens) == (7, 7, 0)
+    assert_tokens_conserved(buf)

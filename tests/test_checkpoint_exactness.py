@@ -1,14 +1,16 @@
 """Issue 12's acceptance test: a checkpointed and resumed run trains exactly what the
 uninterrupted run trains.
 
-For each variant (drop and wait, with and without admission control, asyncio and trio) the test
-process runs the seeded scenario of ``_resume_scenario`` from step 1 to n, saving the buffer (and
-the producer's state) to a file at the end of step k. One fresh process
-(``_resume_worker.py``) then restores every step-k file, regenerates the reissued groups and
-replays the same producer ticks to step n. Every batch k+1..n must be identical (uids, order,
-keys, payloads, staleness, every metric but the wall-clock ``*_seconds`` ones) and the final
-``stats()`` equal, except ``reissued_*`` and ``admitted_trajectories``, which is higher by
-exactly ``reissued_trajectories`` (the regenerated puts).
+For each variant (drop and wait, with and without admission control, asyncio and trio; and,
+issue 22, with versions and tokens under drop, wait and mask, restored by reissuing or by
+resuming the partial groups) the test process runs the seeded scenario of ``_resume_scenario``
+from step 1 to n, saving the buffer (and the producer's state) to a file at the end of step k.
+One fresh process (``_resume_worker.py``) then restores every step-k file, regenerates the
+reissued groups (or goes on with the resumed ones) and replays the same producer ticks to step n.
+Every batch k+1..n must be identical (uids, order, keys, payloads, staleness, the per-token
+arrays, every metric but the wall-clock ``*_seconds`` ones) and the final ``stats()`` equal,
+except, when reissued, ``reissued_*`` and ``admitted_trajectories`` and ``admitted_tokens``,
+higher by exactly ``reissued_trajectories`` and ``reissued_tokens`` (the regenerated puts).
 """
 
 from __future__ import annotations
@@ -26,26 +28,27 @@ import pytest
 import stalebuf
 from _helpers import assert_conserved
 from _resume_scenario import VARIANTS, Producer, Variant, drive, stats_record
-from stalebuf import ReplayBuffer, Status
+from stalebuf import Group, ReplayBuffer, Status
 
 TESTS = Path(__file__).resolve().parent
 # The stalebuf this process imported, so the fresh process runs the same code.
 SRC = Path(stalebuf.__file__).resolve().parent.parent
-_COUNTS = ("admitted_groups", "reissued_groups", "reissued_trajectories", "admitted_trajectories")
+_COUNTS = ("reissued_groups", "reissued_trajectories", "admitted_trajectories", "reissued_tokens",
+           "admitted_tokens")  # fmt: skip
 
 
 def run_original(variant: Variant, directory: Path) -> dict[str, Any]:
     """Run the whole scenario in this process, saving at step k; return what the test needs."""
     buf = ReplayBuffer(variant.config(), status_log_interval=None)
-    producer = Producer(variant.seed)
+    producer = Producer(variant.seed, versions=variant.versions)
     saved: dict[str, Any] = {}
     checkpoint = directory / f"{variant.id}.ckpt"
     state = directory / f"{variant.id}.producer.json"
 
     async def on_checkpoint() -> None:
         saved["stats"] = stats_record(buf.stats())
-        saved["in_flight"] = [  # (uid, running, trajectories) of the groups in flight
-            (group.uid, group.status is Status.RUNNING, len(group.trajectories))
+        saved["in_flight"] = [  # (uid, running, trajectories, tokens) of the groups in flight
+            (group.uid, group.status is Status.RUNNING, len(group.trajectories), group_tokens(group))
             for group in buf.checkpoint().groups
             if group.status in (Status.PENDING, Status.RUNNING) and group.partition == "train"
         ]
@@ -90,10 +93,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
     return {key: (originals[key], resumed[key]) for key in originals}
 
 
-def in_flight_at_checkpoint(original: dict[str, Any]) -> tuple[int, int, int]:
-    """(groups in flight, of which RUNNING, trajectories they held) at step k."""
+def group_tokens(group: Group) -> int:
+    return sum(t.tokens for t in group.trajectories)
+
+
+def in_flight_at_checkpoint(original: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(groups in flight, of which RUNNING, trajectories and tokens they held) at step k."""
     groups = original["checkpoint_in_flight"]
-    return len(groups), sum(running for _, running, _ in groups), sum(n for _, _, n in groups)
+    return (
+        len(groups),
+        sum(running for _, running, _, _ in groups),
+        sum(n for _, _, n, _ in groups),
+        sum(tokens for *_, tokens in groups),
+    )
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -108,11 +120,14 @@ def test_resumed_run_trains_exactly_what_the_uninterrupted_run_trains(
     original, resumed = runs[variant.id]
     assert "error" not in resumed, resumed.get("error")
     k, n = variant.checkpoint_at, variant.steps
-    groups, running, lost = in_flight_at_checkpoint(original)
-    # The scenario must exercise what the test is about: lost partial work that is regenerated.
+    groups, running, lost, lost_tokens = in_flight_at_checkpoint(original)
+    # The scenario must exercise what the test is about: partial work in flight at the checkpoint
+    # (with tokens, when there are versions), regenerated or resumed.
     assert (groups >= 2, running >= 1, lost >= 2) == (True, True, True), (groups, running, lost)
-    assert resumed["reissued"] == [uid for uid, _, _ in original["checkpoint_in_flight"]]  # in order
-    assert resumed["put_again"] == lost
+    assert (lost_tokens > 0) is variant.versions, lost_tokens
+    assert resumed["reissued"] == [uid for uid, *_ in original["checkpoint_in_flight"]]  # in order
+    reissued = variant.in_flight == "reissue"
+    assert resumed["put_again"] == (lost if reissued else 0)
 
     expected = original["batches"][k:]
     assert [record["step"] for record in expected] == list(range(k + 1, n + 1))
@@ -121,19 +136,19 @@ def test_resumed_run_trains_exactly_what_the_uninterrupted_run_trains(
         assert got == want, f"step {want['step']}: the resumed batch differs"
     assert resumed["producer"] == original["producer"], "the producers did not replay the same ticks"
 
-    # Final stats: equal except reissued_* and admitted_trajectories (+ the regenerated puts).
+    # Final stats: equal, but for what reissuing counts (reissued_* and the regenerated puts).
     final, again = original["final_stats"], resumed["final_stats"]
     assert again["closed"] == final["closed"]
     assert set(again["partitions"]) == set(final["partitions"])
     for name in (*final["partitions"], "total"):
         want = final["total"] if name == "total" else final["partitions"][name]
         got = again["total"] if name == "total" else again["partitions"][name]
-        reissued_groups = groups if name in ("train", "total") else 0
-        reissued = lost if name in ("train", "total") else 0
-        assert got["reissued_groups"] == reissued_groups, name
-        assert got["reissued_trajectories"] == reissued, name
-        assert got["admitted_trajectories"] == want["admitted_trajectories"] + reissued, name
-        assert differences(got, want).keys() <= set(_COUNTS) - {"admitted_groups"}, name
+        train = reissued and name in ("train", "total")
+        counted = (groups, lost, lost_tokens) if train else (0, 0, 0)
+        assert (got["reissued_groups"], got["reissued_trajectories"], got["reissued_tokens"]) == counted, name
+        assert got["admitted_trajectories"] == want["admitted_trajectories"] + counted[1], name
+        assert got["admitted_tokens"] == want["admitted_tokens"] + counted[2], name
+        assert differences(got, want).keys() <= set(_COUNTS), name
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[variant.id for variant in VARIANTS])
@@ -142,27 +157,38 @@ def test_restored_and_regenerated_state_matches_the_checkpoint(
 ) -> None:
     original, resumed = runs[variant.id]
     assert "error" not in resumed, resumed.get("error")
-    groups, running, lost = in_flight_at_checkpoint(original)
+    groups, running, lost, lost_tokens = in_flight_at_checkpoint(original)
     at_k = original["checkpoint_stats"]["partitions"]["train"]
     restored = resumed["restored_stats"]["partitions"]["train"]
-    # Right after restore: in-flight groups are PENDING and empty, the rest exactly as saved.
-    assert restored == {
-        **at_k,
-        "pending": at_k["pending"] + at_k["running"],
-        "running": 0,
-        "trajectories": at_k["trajectories"] - lost,
-        "reissued_groups": groups,
-        "reissued_trajectories": lost,
-    }
-    assert (at_k["pending"] + at_k["running"], at_k["running"]) == (groups, running)
-    # After regenerating them as far as they had got: as saved but for the reissue counters.
     regenerated = resumed["regenerated_stats"]["partitions"]["train"]
-    assert regenerated == {
-        **at_k,
-        "admitted_trajectories": at_k["admitted_trajectories"] + lost,
-        "reissued_groups": groups,
-        "reissued_trajectories": lost,
-    }
+    assert (at_k["pending"] + at_k["running"], at_k["running"]) == (groups, running)
+    assert at_k["tokens"] >= lost_tokens
+    if variant.in_flight == "resume":
+        # Right after restore: in-flight groups are PENDING with their prefixes; nothing reissued.
+        assert restored == {**at_k, "pending": groups, "running": 0}
+        # Once their producers marked the RUNNING ones running again: exactly as saved.
+        assert regenerated == at_k
+    else:
+        # Right after restore: in-flight groups are PENDING and empty, the rest exactly as saved.
+        assert restored == {
+            **at_k,
+            "pending": groups,
+            "running": 0,
+            "trajectories": at_k["trajectories"] - lost,
+            "tokens": at_k["tokens"] - lost_tokens,
+            "reissued_groups": groups,
+            "reissued_trajectories": lost,
+            "reissued_tokens": lost_tokens,
+        }
+        # After regenerating them as far as they had got: as saved but for the reissue counters.
+        assert regenerated == {
+            **at_k,
+            "admitted_trajectories": at_k["admitted_trajectories"] + lost,
+            "admitted_tokens": at_k["admitted_tokens"] + lost_tokens,
+            "reissued_groups": groups,
+            "reissued_trajectories": lost,
+            "reissued_tokens": lost_tokens,
+        }
     assert resumed["restored_stats"]["partitions"]["val"] == original["checkpoint_stats"]["partitions"]["val"]
 
 
@@ -171,8 +197,8 @@ def test_the_scenario_exercises_the_rules_after_the_checkpoint(
     variant: Variant, runs: dict[str, tuple[dict[str, Any], dict[str, Any]]]
 ) -> None:
     """A resume that only ever saw easy steps would prove little: after step k, the drop runs
-    evict stale groups (in flight too), admission refuses prompts, and groups fail; one run
-    carries evicted-in-flight groups across the checkpoint."""
+    evict stale groups (in flight too), the mask runs mask stale tokens, admission refuses
+    prompts, and groups fail; one run carries evicted-in-flight groups across the checkpoint."""
     original, _ = runs[variant.id]
     at_k, final = original["checkpoint_stats"]["total"], original["final_stats"]["total"]
     after = {key: final[key] - at_k[key] for key in final if isinstance(final[key], int)}
@@ -181,8 +207,12 @@ def test_the_scenario_exercises_the_rules_after_the_checkpoint(
     if variant.strategy == "drop":
         assert after["evicted_stale_groups"] > 0
         assert after["evicted_in_flight_groups"] > 0
-    else:
+    elif variant.strategy == "wait":
         assert final["evicted_stale_groups"] == 0
+    else:  # mask: stale tokens are trained masked; no group is evicted in flight
+        assert after["masked_tokens"] > 0
+        assert final["evicted_in_flight_groups"] == 0
+    assert (after["sampled_tokens"] > 0) is variant.versions
     if variant.admission:
         assert original["producer"]["refused"] > original["checkpoint_producer"]["refused"]
     if variant.strategy == "drop" and not variant.admission:

@@ -1110,7 +1110,8 @@ def forge(record: Any, **changes: Any) -> Any:
 def raw(record: Any, **changes: Any) -> Any:
     """A copy of a Group or Trajectory record (a lazily stored group too) with ``changes`` set as
     they are (for a lazily stored group, ``trajectories`` is its payloads)."""
-    values = dict(zip(record._fields, tuple.__iter__(record), strict=True))
+    names = (*record._fields, "_runs") if isinstance(record, Trajectory) else record._fields
+    values = dict(zip(names, tuple.__iter__(record), strict=True))
     values.update(changes)
     return tuple.__new__(type(record), tuple(values.values()))
 
@@ -1260,6 +1261,23 @@ IMPOSSIBLE: list[Any] = [
     *cases("groups[1].trajectories[1].session_id", lambda v: trajectory(1, 1, session_id=v), *_BAD_STEPS),
     *cases("groups[1].trajectories[1].index", lambda v: trajectory(1, 1, index=v), *_BAD_STEPS),
     *cases("groups[1].trajectories[1].tags", lambda v: trajectory(1, 1, tags=v), *_BAD_TAGS),
+    # Versions, tokens and start versions (issue 22): what put and mark_running would refuse,
+    # tokens that disagree with their versions, and token counters that do not conserve them.
+    *cases("groups[0].start_version", lambda v: group(0, start_version=v), *_BAD_STEPS),
+    *cases("groups[10].start_version", lambda v: group(10, start_version=v), -1, None, True),
+    *cases("groups[1].trajectories[1].versions", lambda v: trajectory(1, 1, versions=v, tokens=3), None, 5,
+           "ab", {(1, 3)}, {"a": 1}, ((1,),), ((1, 2, 3),), (5,), ("ab",), ((-1, 3),), ((True, 3),),
+           ((1.0, 3),), (("1", 3),), ((Count(1), 3),), ((2**63, 3),), ((1, 0),), ((1, -3),), ((1, True),),
+           ((1, 3.0),), ((1, 2**63),), ((0, 1), (1, 2**63 - 1))),
+    *cases("groups[1].trajectories[1].tokens",
+           lambda v: trajectory(1, 1, versions=((1, 2), (0, 3)), tokens=v), 4, 6, 0, -1, True, 5.0, "5", None,
+           Count(5)),
+    *cases("groups[1].trajectories[1].tokens", lambda v: trajectory(1, 1, versions=(), tokens=v),
+           -1, True, 1.0, "1", None, 2**63, Count(1)),
+    *cases("partitions[0].counters", lambda v: _counter(*v), ("admitted_tokens", 1), ("sampled_tokens", 1),
+           ("evicted_tokens", 1), ("reissued_tokens", 1), ("masked_tokens", 1)),  # masked: more than sampled
+    # Tokens resident that the counters (given, all 0) never admitted.
+    *cases("partitions[0].counters", lambda v: trajectory(1, 1, versions=v, tokens=2), ((7, 2),)),
     *cases("partitions", lambda v: forge(valid(), partitions=v), *_NOT_SEQUENCES),
     *cases("partitions[0]", lambda v: forge(valid(), partitions=(v,)), None, ("train", 1, {})),
     *cases("partitions[3].name", lambda i: forge(valid(), partitions=(*valid().partitions, train())), 0),

@@ -479,16 +479,16 @@ async def test_random_runs_never_wedge_and_cut_by_the_rules(seed: int) -> None:
     assert_conserved(buf)
 
 
-def test_the_readme_skyrl_example_runs() -> None:
-    """The README's "Deadlines" example (the SkyRL hang and its fix) runs as printed."""
+def test_the_docs_skyrl_example_runs() -> None:
+    """The "Deadlines" example of docs/flow-control.md (the SkyRL hang and its fix) runs as printed."""
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("The SkyRL hang, and its fix") :]
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "flow-control.md").read_text(encoding="utf-8")
+    section = page[page.index("The SkyRL hang, and its fix") :]
     block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert block is not None
-    exec(compile(block.group(1), "README.md (Deadlines)", "exec"), {"__name__": "readme"})
+    exec(compile(block.group(1), "docs/flow-control.md (Deadlines)", "exec"), {"__name__": "docs"})
 
 
 # -- defects found by attacking the deadlines (each a regression test) -------------------------

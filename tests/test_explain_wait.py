@@ -24,7 +24,7 @@ import trio.testing
 
 from _helpers import LIMIT, add_group, full_snapshot, make, start_call
 from stalebuf import ReplayBuffer, SamplerConfig, StalenessPolicy, Status, WaitExplanation
-from stalebuf.errors import FutureTagError, TagClosedError, WrongThreadError
+from stalebuf.errors import BatchNotReadyError, FutureTagError, TagClosedError, WrongThreadError
 
 ESCALATED = ["INFO", "INFO", "WARNING", "WARNING"]  # the third line of one call's wait on
 
@@ -362,3 +362,22 @@ def arm(policy: RaisingWaitGate) -> Any:
         policy.armed = True
 
     return armed
+
+
+@pytest.mark.anyio
+async def test_under_a_mixture_it_reads_every_task_s_cell() -> None:
+    """Under a task mixture the groups live in each task's cell: in flight, sampleable and the
+    group holding a wait gate are found there."""
+    buf = make(mixture={"math": 1, "code": 1}, max_off_policy_threshold=1, max_off_policy_strategy="wait")
+    buf.add_prompt_nowait("old", global_steps=0, tags={"task": "code"})
+    buf.mark_running_nowait("old")
+    with pytest.raises(BatchNotReadyError):
+        buf.sample_nowait(1, 2)  # moves the clock to 1
+    buf.put_group_nowait("m1", [1], tags={"task": "math"})
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            await start_call(tg, lambda: buf.sample(1, 2))
+            explanation = buf.explain_wait()
+            tg.cancel_scope.cancel()
+    assert (explanation.in_flight, explanation.sampleable, explanation.short_by) == (1, 1, 1)
+    assert (explanation.gate_held_by, explanation.gate_staleness) == ("old", 2.0)

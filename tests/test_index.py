@@ -121,7 +121,7 @@ class IndexModel:
     def take_stale(self, cutoff: int) -> None:
         expected = sorted((e for e in self.ready if e[0] < cutoff), key=lambda e: (e[0], e[1]))
         self.ready = [e for e in self.ready if e[0] >= cutoff]
-        got = self.part.take_stale(self.part.ready.stale_steps(lambda step: step < cutoff))
+        got = self.part.take_stale(self.part.ready.stale_steps(lambda step: step < cutoff), [])
         assert [g.uid for g in got] == [e[2].uid for e in expected]
         self.evicted_stale += len(expected)
 

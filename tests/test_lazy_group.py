@@ -213,15 +213,16 @@ def test_a_resident_group_leaves_few_gc_tracked_objects() -> None:
 
 def test_read_as_a_tuple_a_lazy_group_shows_its_built_trajectories() -> None:
     lazy, eager = _side_by_side([1, 2])
-    uid, partition, step, status, tags, trajectories, finish_step, seconds = lazy
+    uid, partition, step, status, tags, trajectories, finish_step, seconds, start = lazy
     assert trajectories is lazy.trajectories
-    assert lazy[5] is lazy[-3] is lazy.trajectories
+    assert start == lazy.start_version == step
+    assert lazy[5] is lazy[-4] is lazy.trajectories
     assert lazy[4:6] == (lazy.tags, lazy.trajectories)
     assert (
         tuple(lazy)[:5] == (uid, partition, step, status, tags) == ("lazy", "train", 0, Status.FINISHED, tags)
     )
     assert (finish_step, seconds) == (lazy.finish_step, lazy.generation_seconds)
-    assert len(lazy) == len(eager) == 8
+    assert len(lazy) == len(eager) == 9
     assert eager[5] is eager.trajectories
 
 
@@ -248,7 +249,7 @@ def test_tuple_operations_in_c_show_the_built_trajectories_too() -> None:
     lazy, eager = _side_by_side(["a", "b"])
     for group in (lazy, eager):
         t = group.trajectories
-        assert (group + ())[5] is (() + group)[5] is (group * 1)[5] is (2 * group)[13] is t  # noqa: RUF005
+        assert (group + ())[5] is (() + group)[5] is (group * 1)[5] is (2 * group)[14] is t  # noqa: RUF005
         assert t in group
         assert (group.count(t), group.index(t), group.index(t, 5, 6)) == (1, 5, 5)
         with pytest.raises(ValueError, match="not in tuple"):
@@ -257,8 +258,8 @@ def test_tuple_operations_in_c_show_the_built_trajectories_too() -> None:
             group + []  # noqa: RUF005 - a tuple's own error
     # %-formatting with a group as the argument tuple reads the slots with no call to hook: the
     # one place a lazily stored group shows its payloads (documented on LazyGroup).
-    assert ("%s|" * 8 % eager).split("|")[5] == str(eager.trajectories)
-    assert ("%s|" * 8 % lazy).split("|")[5] == str(("a", "b"))
+    assert ("%s|" * 9 % eager).split("|")[5] == str(eager.trajectories)
+    assert ("%s|" * 9 % lazy).split("|")[5] == str(("a", "b"))
 
 
 def test_a_lazily_stored_group_is_as_immutable_as_an_eager_one() -> None:
@@ -425,8 +426,8 @@ def test_python_level_tuple_reads_show_the_built_trajectories() -> None:
     constructor, ``json.dumps``) sees the built trajectories, never the stored payloads."""
     for group in _lazy_and_eager(["a", "b"]):
         t = group.trajectories
-        assert list(reversed(group))[2] is t
-        assert group[::-1][2] is group[-3] is group[1::2][2] is group[-1:-9:-2][1] is t
+        assert list(reversed(group))[3] is t
+        assert group[::-1][3] is group[-4] is group[1::2][2] is group[-4:-10:-2][0] is t
         assert group[5:6] == (t,)
         assert dict(zip(Group._fields, group, strict=True))["trajectories"] is t
         assert (lambda *fields: fields)(*group)[5] is [*group][5] is list(group)[5] is t
@@ -435,7 +436,7 @@ def test_python_level_tuple_reads_show_the_built_trajectories() -> None:
         assert [name for name, value in zip(Group._fields, group, strict=True) if value is t] == [
             "trajectories"
         ]
-        assert len(group) == len(tuple(group)) == 8
+        assert len(group) == len(tuple(group)) == 9
         rendered = json.dumps(group, default=str)
         assert rendered.count('"g_0_0"') == rendered.count('"g_1_0"') == 1
 

@@ -1,5 +1,6 @@
 """Per-sample metrics: SampleMetrics against a plain loop (the aggregation of dropped groups, over
-several rounds), and the producer's ``generation_seconds`` behind ``sampled_generation_seconds/mean``."""
+several rounds); the metric namings (``SamplerConfig.metric_names``); and the producer's
+``generation_seconds`` behind ``sampled_generation_seconds/mean``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _helpers import LIMIT, full_snapshot, make, start_call
+from _helpers import LIMIT, add_group, full_snapshot, make, sample_now, start_call
 from stalebuf import Group, Status
-from stalebuf.metrics import SampleMetrics
+from stalebuf.config import METRIC_NAMINGS
+from stalebuf.metrics import NAMINGS, VERL_09_NAMES, SampleMetrics, metric_name
 from stalebuf.records import EMPTY_TAGS, new_group, new_trajectory
 
 FIELDS = (
@@ -178,3 +180,62 @@ def test_bad_generation_seconds_are_typed_errors_that_change_nothing(
     with pytest.raises(error, match="generation_seconds"):
         buf.put_group_nowait("a", [1], generation_seconds=seconds, **options)  # type: ignore[arg-type]
     assert full_snapshot(buf) == before
+
+
+# -- namings ------------------------------------------------------------------------------------
+
+
+def _evicting_sample(naming: str) -> dict[str, float]:
+    """A sample at step 10 (T=2) that drops two stale groups (2 and 1 trajectories, dispatched at
+    steps 0 and 5) and evicts one failed group."""
+    buf = make(max_off_policy_threshold=2, failure_strategy="evict", metric_names=naming)
+    add_group(buf, "stale-a", 0, n=2)
+    add_group(buf, "stale-b", 5, n=1)
+    add_group(buf, "failed", 10, n=1, status=Status.FAILURE)
+    add_group(buf, "fresh", 10)
+    return sample_now(buf, 10, 1)[1]
+
+
+def test_default_naming() -> None:
+    metrics = _evicting_sample("default")
+    assert metrics["training/off_policy/dropped_groups"] == 2.0
+    assert metrics["training/off_policy/dropped_samples"] == 3.0
+    # over trajectories: ages 11, 11 and 6
+    assert metrics["training/off_policy/dropped_samples_staleness/mean"] == pytest.approx(28 / 3)
+    assert metrics["training/rollout_failure/evicted_groups"] == 1.0
+    assert not any("evicted_samples" in key for key in metrics)
+
+
+def test_verl_naming_counts_groups_under_verl_main_names() -> None:
+    """verl #7082's keys: off_policy/evicted_samples and rollout_failure/evicted_samples count
+    groups, and the evicted staleness is taken over groups (ages 11 and 6)."""
+    default, verl = _evicting_sample("default"), _evicting_sample("verl-0.9")
+    assert verl["training/off_policy/evicted_samples"] == 2.0
+    assert verl["training/rollout_failure/evicted_samples"] == 1.0
+    assert verl["training/off_policy/evicted_samples_staleness/mean"] == 8.5
+    assert verl["training/off_policy/evicted_samples_staleness/max"] == 11.0
+    assert verl["training/off_policy/evicted_samples_staleness/min"] == 6.0
+    renamed = {f"training/{key}" for key in VERL_09_NAMES}
+    assert {key for key in default if key not in renamed} == {
+        key for key in verl if "evicted_samples" not in key
+    }
+    assert len(verl) == len(default)
+
+
+def test_verl_naming_table() -> None:
+    """One table, applied to the default keys; the filters' count has verl's name in both."""
+    assert set(NAMINGS) == set(METRIC_NAMINGS)
+    assert metric_name("validation/rollout_failure/evicted_groups", "verl-0.9") == (
+        "validation/rollout_failure/evicted_samples"
+    )
+    assert metric_name("training/filter_groups/evicted_samples", "verl-0.9") == (
+        "training/filter_groups/evicted_samples"
+    )
+    assert metric_name("training/off_policy/wait_seconds", "verl-0.9") == "training/off_policy/wait_seconds"
+    assert (
+        metric_name("training/off_policy/dropped_groups", "default") == "training/off_policy/dropped_groups"
+    )
+    assert all(
+        new.endswith("evicted_samples") or "evicted_samples_staleness/" in new
+        for new in VERL_09_NAMES.values()
+    )

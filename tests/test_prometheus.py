@@ -65,6 +65,12 @@ PER_PARTITION = (
     ("stalebuf_reissued_trajectories_total", "reissued_trajectories"),
     ("stalebuf_cut_groups_total", "cut_groups"),
     ("stalebuf_cut_trajectories_total", "cut_trajectories"),
+    ("stalebuf_resident_tokens", "tokens"),
+    ("stalebuf_admitted_tokens_total", "admitted_tokens"),
+    ("stalebuf_sampled_tokens_total", "sampled_tokens"),
+    ("stalebuf_masked_tokens_total", "masked_tokens"),
+    ("stalebuf_evicted_tokens_total", "evicted_tokens"),
+    ("stalebuf_reissued_tokens_total", "reissued_tokens"),
 )
 
 
@@ -144,12 +150,12 @@ async def busy_buffer() -> ReplayBuffer:
     buffer = ReplayBuffer(config, status_log_interval=None)
     with pytest.raises(BatchNotReadyError):  # the clock to 1: admission refuses a step ahead of it
         buffer.sample_nowait(1, 1)
-    buffer.put_group_nowait("old", [1, 2], global_steps=0)
+    buffer.put_group_nowait("old", [1, 2], global_steps=0, tokens=[3, 4])
     buffer.add_prompt_nowait("flying", global_steps=0)
     buffer.mark_running_nowait("flying")
     buffer.put_nowait("flying", 1)
     buffer.put_group_nowait("bad", [1], global_steps=1, status="failure")
-    buffer.put_group_nowait("fresh", [1, 2, 3], global_steps=1)
+    buffer.put_group_nowait("fresh", [1, 2, 3], global_steps=1, versions=[[(1, 2)], None, [(1, 1), (2, 1)]])
     buffer.put_group_nowait("v1", [1], global_steps=0, partition="val")
     buffer.sample_nowait(2, 1)  # fresh; evicts old (stale), flying (stale, in flight), bad (failure)
     buffer.add_prompt_nowait("reissued", global_steps=2)
@@ -164,7 +170,7 @@ async def test_every_gauge_and_counter_equals_its_stats_field() -> None:
     buffer = await busy_buffer()
     registry = CollectorRegistry()
     register(buffer, registry)
-    buffer.put_group_nowait("now", [1], global_steps=2)  # fills step 2 (reissued is there too)
+    buffer.put_group_nowait("now", [1], global_steps=2, tokens=[5])  # fills step 2 (reissued is there too)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(until_closed, buffer.add_prompt("blocked"))  # admission: no slot at step 2
         tasks.start_soon(until_closed, buffer.sample(2, 5))  # 1 ready group: waits
@@ -179,7 +185,8 @@ async def test_every_gauge_and_counter_equals_its_stats_field() -> None:
     moved = {field for part in stats.partitions.values() for field, value in vars_of(part).items() if value}
     assert moved >= {"admitted_groups", "sampled_groups", "evicted_stale_groups", "evicted_failure_groups",
                      "evicted_in_flight_groups", "reissued_groups", "reissued_trajectories",
-                     "waiting_samplers", "waiting_producers", "pending", "finished", "capacity"}  # fmt: skip
+                     "waiting_samplers", "waiting_producers", "pending", "finished", "capacity",
+                     "tokens"}  # fmt: skip
 
 
 def vars_of(item: PartitionStats) -> dict[str, Any]:
@@ -222,7 +229,9 @@ def test_names_types_and_labels_follow_prometheus_conventions() -> None:
         "stalebuf_admitted_groups", "stalebuf_admitted_trajectories", "stalebuf_sampled_groups",
         "stalebuf_sampled_trajectories", "stalebuf_evicted_groups", "stalebuf_evicted_trajectories",
         "stalebuf_evicted_in_flight_groups", "stalebuf_reissued_groups", "stalebuf_reissued_trajectories",
-        "stalebuf_cut_groups", "stalebuf_cut_trajectories",
+        "stalebuf_cut_groups", "stalebuf_cut_trajectories", "stalebuf_admitted_tokens",
+        "stalebuf_sampled_tokens", "stalebuf_masked_tokens", "stalebuf_evicted_tokens",
+        "stalebuf_reissued_tokens",
     }  # fmt: skip
     for name in counters:
         assert all(sample.name == f"{name}_total" for sample in families[name].samples)

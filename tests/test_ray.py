@@ -1563,12 +1563,31 @@ def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
     ops = [
         AddPrompt(None, "a", 3, "val", {"k": 1}),
         AddPrompt("token", "a", None, "train", None),
-        MarkRunning("a"),
-        Put("a", [1, 2], 0, 4, None),
+        MarkRunning("a", None),
+        MarkRunning("a", 3),
+        Put("a", [1, 2], 0, 4, None, None, None),
+        Put("a", None, 0, 0, None, ((2, 3), (3, 1)), 4),
         MarkFinished("a"),
         MarkFailed("a"),
-        PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed", 1.5),
-        OpenRollout("t2", "c", None, "train", {"k": 2}),
+        PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed", None, None, None, 1.5),
+        PutGroup(
+            "t",
+            "b",
+            [1, 2],
+            0,
+            "train",
+            None,
+            None,
+            None,
+            None,
+            "finished",
+            [((1, 2),), None],
+            [2, 5],
+            1,
+            None,
+        ),
+        OpenRollout("t2", "c", None, "train", {"k": 2}, None),
+        OpenRollout("t3", "c", None, "train", None, 7),
         EndRollout("t2", False),
     ]
     for op in ops:
@@ -1579,11 +1598,13 @@ def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
         assert (type(decoded), decoded) == (type(op), op)
     request = SampleRequest("id", 1, 2, "train", 0.5)
     assert decode_sample(encode(request)) == request
-    for bad in [("put", "a"), (99, "a"), (1,), (1, "a", "extra"), [1, "a"], encode(request)]:
+    # (1, "a") and (2, "a", None, 0, 0, None): mark_running and put as protocol 4 sent them.
+    olds = [(1, "a"), (2, "a", None, 0, 0, None)]
+    for bad in [("put", "a"), (99, "a"), (1,), (1, "a", None, "extra"), [1, "a"], encode(request), *olds]:
         with pytest.raises(ProtocolError, match="same stalebuf"):
             decode_op(bad)
     with pytest.raises(ProtocolError):
-        decode_sample(encode(MarkRunning("a")))
+        decode_sample(encode(MarkRunning("a", None)))
 
 
 def test_client_needs_asyncio() -> None:
@@ -1668,3 +1689,127 @@ def test_a_remote_restore_result_unpacks_as_buffer_and_reissue() -> None:
     restored, reissue = RemoteRestoreResult(client, ())
     assert restored is client
     assert reissue == ()
+
+
+# -- versions, tokens and start versions (issue 22) ---------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_versions_tokens_and_start_versions_travel_to_the_actor_and_back_in_the_batch() -> None:
+    """Every producer call takes them as the local buffer does (numpy versions too: the client
+    copies them into int pairs); the client's batch holds them, knows T and the strategy (its
+    per-token arrays work there), and keeps both through ``resolve``."""
+    config = SamplerConfig(max_off_policy_threshold=2, max_off_policy_strategy="mask")
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.add_prompt("a", global_steps=0)
+            await buffer.mark_running("a", version=2)
+            await buffer.put("a", "a0", versions=[(2, 3), (3, 1)])
+            await buffer.put("a", "a1", session_id=1, tokens=2)
+            await buffer.mark_finished("a")
+            await buffer.put_group(
+                "b", ["b0", "b1"], global_steps=0, versions=[[(1, 2)], None], tokens=[None, 3], version=3
+            )
+            await buffer.put_group_nowait("c", ["c0"], global_steps=0, versions=[np.array([[3, 2]])])
+            async with buffer.rollout("d", global_steps=0, version=3) as group:
+                await group.put("d0", versions=[(np.int64(3), 1)])
+            batch, _ = await buffer.sample(3, 4)
+            assert (batch.max_off_policy_threshold, batch.parameter_sync_step, batch.masks) == (2, 1, True)
+            assert [(g.uid, g.start_version) for g in batch] == [("a", 2), ("b", 3), ("c", 0), ("d", 3)]
+            expected = [
+                ("a_0_0", ((2, 3), (3, 1)), 4),
+                ("a_1_0", (), 2),
+                ("b_0_0", ((1, 2),), 2),
+                ("b_1_0", (), 3),
+                ("c_0_0", ((3, 2),), 2),
+                ("d_0_0", ((3, 1),), 1),
+            ]
+            for current in (batch, await resolve(batch)):
+                assert [(t.key, t.versions, t.tokens) for t in current.trajectories] == expected
+                assert (current.max_off_policy_threshold, current.masks) == (2, True)
+                versions, offsets = current.token_versions()
+                assert versions.tolist() == [2, 2, 2, 3, 2, 2, 1, 1, 3, 3, 3, 3, 3, 3]
+                assert offsets.tolist() == [0, 4, 6, 8, 11, 13, 14]
+                # At step 3 (T=2) version 1 has lag 3: b_0_0 is all stale, kept out of the loss.
+                assert current.freshness_mask()[0].tolist() == [True] * 6 + [False] * 2 + [True] * 6
+                assert current.loss_excluded.tolist() == [False, False, True, False, False, False]
+            assert (await resolve(batch)).payloads == ["a0", "a1", "b0", "b1", "c0", "d0"]
+            total = (await buffer.stats()).total
+            assert (total.admitted_tokens, total.sampled_tokens, total.masked_tokens, total.tokens) == (
+                14,
+                14,
+                2,
+                0,
+            )
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_bad_versions_tokens_or_start_versions_fail_on_the_client_and_change_nothing(
+    remote: RemoteReplayBuffer,
+) -> None:
+    with anyio.fail_after(STEP_TIMEOUT):
+        await remote.add_prompt("run")
+        before = await remote.stats()
+        calls: list[tuple[Any, type[Exception]]] = [
+            (lambda: remote.mark_running("run", version=-1), ValueError),
+            (lambda: remote.mark_running("run", version=1.5), TypeError),
+            (lambda: remote.put("run", 1, versions=[(0, 0)]), ValueError),
+            (lambda: remote.put("run", 1, versions=[(0, 2)], tokens=3), ValueError),
+            (lambda: remote.put("run", 1, tokens="2"), TypeError),
+            (lambda: remote.put_group("new", [1, 2], tokens=[1]), ValueError),
+            (lambda: remote.put_group_nowait("new", [1], versions=[[("a", 1)]]), TypeError),
+            (lambda: remote.put_group("new", [1], version=True), TypeError),
+        ]
+        for call, error in calls:
+            with pytest.raises(error):
+                await call()
+        with pytest.raises(ValueError, match="version"):
+            remote.rollout("new", version=-3)  # refused on the call, before entering
+        assert await remote.stats() == before  # nothing added, nothing started or put
+
+
+@pytest.mark.asyncio
+async def test_a_remote_restore_can_resume_in_flight_groups_with_their_prefixes(tmp_path: Any) -> None:
+    """``RemoteReplayBuffer.restore(in_flight="resume")``: the in-flight group comes back PENDING
+    with its prefix (versions, tokens, start version; its payload stored by the new actor) and is
+    listed with it; its producer goes on after the prefix; nothing is counted as reissued."""
+    config = SamplerConfig(max_off_policy_threshold=2, max_off_policy_strategy="mask")
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    restored: RemoteReplayBuffer | None = None
+    try:
+        with anyio.fail_after(2 * STEP_TIMEOUT):
+            await buffer.add_prompt("e", global_steps=0)
+            await buffer.mark_running("e", version=1)
+            await buffer.put("e", "half", versions=[(1, 2), (2, 3)])
+            path = tmp_path / "buffer.ckpt"
+            await buffer.save(path)
+            result = RemoteReplayBuffer.restore(path, in_flight="resume", status_log_interval=None)
+            restored = result.buffer
+            (group,) = result.reissue
+            assert (group.uid, group.status, group.dispatch_step, group.start_version) == (
+                "e",
+                Status.PENDING,
+                0,
+                1,
+            )
+            assert [(t.key, t.versions, t.tokens) for t in group.trajectories] == [
+                ("e_0_0", ((1, 2), (2, 3)), 5)
+            ]
+            assert isinstance(group.trajectories[0].payload, PayloadRef)  # stored by the new actor
+            await restored.mark_running("e")  # keeps start version 1
+            await restored.put("e", "rest", session_id=1, versions=[(2, 4)])
+            await restored.mark_finished("e")
+            batch, _ = await restored.sample(2, 1)
+            assert (batch.groups[0].start_version, batch.keys) == (1, ["e_0_0", "e_1_0"])
+            assert batch.token_versions()[0].tolist() == [1, 1, 2, 2, 2, 2, 2, 2, 2]
+            assert (await resolve(batch)).payloads == ["half", "rest"]
+            total = (await restored.stats()).total
+            assert (total.reissued_groups, total.reissued_tokens) == (0, 0)
+            assert (total.admitted_tokens, total.sampled_tokens) == (9, 9)
+    finally:
+        buffer.kill()
+        if restored is not None:
+            restored.kill()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ def test_the_example_crashes_resumes_and_balances(in_flight: str) -> None:
     assert "restored step" in out
     assert "the ledger balances" in out
     assert "saved step 10" in out
+    # Everything the killed trainer printed comes before the kill (it was printed before it).
+    first_run, after_kill = out.split("[supervisor] killed trainer", 1)
+    killed_pid = re.findall(r"\[trainer (\d+)\]", first_run)[-1]
+    assert f"[trainer {killed_pid}]" not in after_kill
 
 
 def load_example() -> ModuleType:

@@ -32,6 +32,7 @@ TIGHT = [*SMALL, "--threshold", "1", "--latency", "lognormal:2.3,1.0", "--train-
 # The four runs of the default command line, in the order the report prints them.
 LABELS = ["drop", "drop+admission", "wait", "wait+admission"]
 README = Path(__file__).resolve().parent.parent / "README.md"
+SIMULATE_PAGE = README.parent / "docs" / "simulate.md"
 
 
 def run_json(tmp_path: Path, *args: str, name: str = "out.json") -> dict[str, Any]:
@@ -267,11 +268,16 @@ def test_admission_does_what_it_promises_at_the_default_settings(
     assert wasted["drop+admission"] < wasted["drop"]
 
 
-def test_the_readme_shows_the_default_run_exactly(default_run: tuple[str, dict[str, Any]]) -> None:
+def test_the_docs_show_the_default_run_exactly(default_run: tuple[str, dict[str, Any]]) -> None:
+    """docs/simulate.md pastes the whole default report; the README an excerpt of its lines."""
     report, _ = default_run
-    section = README.read_text(encoding="utf-8").split("## `stalebuf simulate`", 1)[1]
-    pasted = section.split("```text\n", 1)[1].split("```", 1)[0]
+    pasted = SIMULATE_PAGE.read_text(encoding="utf-8").split("```text\n", 1)[1].split("```", 1)[0]
     assert pasted == report
+    section = README.read_text(encoding="utf-8").split("## `stalebuf simulate`", 1)[1]
+    excerpt = section.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    lines = iter(report.splitlines())
+    assert len(excerpt) >= 8
+    assert all(line in lines for line in excerpt), "the README's excerpt is not the report's lines, in order"
 
 
 def test_admission_ignores_the_dispatch_budget() -> None:
@@ -505,11 +511,11 @@ def test_batch_size_times_group_size_is_bounded(capsys: pytest.CaptureFixture[st
     assert SimulationConfig(batch_size=MAX_BATCH_SIZE, group_size=64).batch_size == MAX_BATCH_SIZE
 
 
-def test_the_size_bounds_are_in_the_help_and_the_readme(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 21 item 12: the bounds are documented where the options are."""
+def test_the_size_bounds_are_in_the_help_and_the_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21 item 12: the bounds are documented where the options are (docs/simulate.md)."""
     assert main(["simulate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
-    readme = " ".join(README.read_text(encoding="utf-8").split())
+    readme = " ".join(SIMULATE_PAGE.read_text(encoding="utf-8").split())
     for option, bound in (
         ("--batch-size B groups per trainer step, at most", MAX_BATCH_SIZE),
         ("--group-size N trajectories per group (GRPO n), at most", MAX_GROUP_SIZE),
@@ -556,6 +562,9 @@ EVERY_FIELD: dict[str, tuple[list[str], object]] = {
     "train_step_seconds": (["--train-step-seconds", "4"], 4.0),
     "failure_rate": (["--failure-rate", "0.25"], 0.25),
     "seed": (["--seed", "9"], 9),
+    "in_flight_updates": (["--in-flight-updates"], True),
+    "tokens_per_second": (["--tokens-per-second", "80"], 80.0),
+    "chunk_tokens": (["--chunk-tokens", "64"], 64),
 }
 NOT_ON_THE_COMMAND_LINE: dict[str, str] = {}
 
@@ -564,7 +573,8 @@ def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -
     fields = {field.name for field in attrs.fields(SimulationConfig)}
     assert set(EVERY_FIELD) | set(NOT_ON_THE_COMMAND_LINE) == fields
     assert not set(EVERY_FIELD) & set(NOT_ON_THE_COMMAND_LINE)
-    defaults = SimulationConfig().to_dict()
+    # to_dict lists the settings of in-flight updates only when they are on.
+    defaults = {**SimulationConfig(in_flight_updates=True).to_dict(), "in_flight_updates": False}
     argv = [arg for args, _ in EVERY_FIELD.values() for arg in args]
     config = run_json(tmp_path, *argv)["results"]["wait+admission"]["config"]
     for name, (_, value) in EVERY_FIELD.items():

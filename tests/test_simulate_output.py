@@ -1,5 +1,5 @@
 """What ``stalebuf simulate`` writes: into a closed pipe, in the singular, the "long prompts"
-cutoff shared by every column, the plot's formats and colours, and the README's picture of the
+cutoff shared by every column, the plot's formats and colours, and the docs' picture of the
 default run."""
 
 from __future__ import annotations
@@ -207,16 +207,16 @@ def test_plot_colours_are_okabe_ito(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert fills <= okabe_ito
 
 
-# -- the README's picture -----------------------------------------------------------------------
+# -- the docs' picture -------------------------------------------------------------------------
 
 
-def test_the_readme_embeds_the_default_plot_and_says_how_to_remake_it() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## `stalebuf simulate`", 1)[1].split("\n## ", 1)[0]
-    assert re.search(r"!\[[^\]]+\]\(docs/simulate\.png\)", section)
+def test_the_docs_embed_the_default_plot_and_say_how_to_remake_it() -> None:
+    page = (ROOT / "docs" / "simulate.md").read_text(encoding="utf-8")
+    section = page.split("## The plot", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"!\[[^\]]+\]\(simulate\.png\)", section)
     command = "stalebuf simulate --no-progress --plot docs/simulate.png"
     assert f"```bash\n{command}\n```" in section
-    assert command in (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    assert command in (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
     png = (ROOT / "docs" / "simulate.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     # Four runs at the size write_plot draws them (12.8 x 6.5 inches at 100 dpi).

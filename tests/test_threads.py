@@ -14,6 +14,7 @@ Threads are joined with timeouts and every wait is bounded; nothing asserts on t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -585,3 +586,100 @@ async def test_a_bad_timeout_is_a_value_error_and_nothing_runs(timeout: Any) -> 
             outcome = await from_thread(call)
             assert type(outcome) is ValueError, outcome
         assert "a" not in buf
+
+
+# -- versions and tokens through the handle (issue 22) ---------------------------------------------
+
+
+def test_the_handle_takes_every_parameter_its_buffer_twin_takes() -> None:
+    """Each handle method runs the buffer method it mirrors: it has that method's parameters
+    (names, kinds and defaults), so a parameter added to the buffer (as issue 22's ``versions``,
+    ``tokens`` and ``version`` were, and issue 26's ``generation_seconds``) is not lost on other
+    threads. The waiting ones (``add_prompt``, ``put_group``) mirror the async methods and add
+    ``timeout`` last; the others mirror the ``*_nowait`` methods (the async ``mark_running``,
+    ``put``... never wait either) and ``wait_for_sampleable`` the buffer's own."""
+    buf = ReplayBuffer()
+    twins = {
+        "add_prompt": ("add_prompt", ["timeout"]),
+        "put_group": ("put_group", ["timeout"]),
+        "add_prompt_nowait": ("add_prompt_nowait", []),
+        "put_group_nowait": ("put_group_nowait", []),
+        "mark_running": ("mark_running_nowait", []),
+        "put": ("put_nowait", []),
+        "mark_finished": ("mark_finished_nowait", []),
+        "mark_failed": ("mark_failed_nowait", []),
+        "wait_for_sampleable": ("wait_for_sampleable", []),
+    }
+    for name, (twin_name, extra) in twins.items():
+        handle = inspect.signature(getattr(ThreadsafeProducer, name)).parameters
+        twin = inspect.signature(getattr(buf, twin_name)).parameters
+        shape = [(p.name, p.kind, p.default) for p in twin.values()]
+        shape += [(extra_name, inspect.Parameter.KEYWORD_ONLY, None) for extra_name in extra]
+        assert [(p.name, p.kind, p.default) for p in handle.values() if p.name != "self"] == shape, name
+
+
+@pytest.mark.anyio
+async def test_a_thread_records_versions_tokens_and_start_versions_through_the_handle() -> None:
+    """From another thread: a start version (``mark_running(version=)``), trajectories with
+    versions or a token count, and a whole group with per-trajectory versions, tokens and a
+    start version; the batch then holds each, and a sample parked for them is woken."""
+    with anyio.fail_after(LIMIT):
+        buf = make(max_off_policy_threshold=2, max_off_policy_strategy="mask")
+        producer = buf.threadsafe()
+        results: list[Any] = []
+
+        async def parked_sample() -> None:
+            results.append((await buf.sample(3, 2))[0])
+
+        def produce() -> None:
+            producer.add_prompt("a", global_steps=0)
+            producer.mark_running("a", version=2)
+            producer.put("a", "a0", versions=[(2, 3), (3, 1)])
+            producer.put("a", "a1", session_id=1, tokens=2)
+            producer.mark_finished("a")
+            producer.put_group("b", ["b0", "b1"], global_steps=0, versions=[[(1, 2)], None], tokens=[None, 3],
+                               version=3)  # fmt: skip
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parked_sample)
+            await settle()
+            assert await from_thread(produce) is None
+        (batch,) = results
+        assert [(g.uid, g.start_version) for g in batch] == [("a", 2), ("b", 3)]
+        assert [(t.key, t.versions, t.tokens) for t in batch.trajectories] == [
+            ("a_0_0", ((2, 3), (3, 1)), 4),
+            ("a_1_0", (), 2),
+            ("b_0_0", ((1, 2),), 2),
+            ("b_1_0", (), 3),
+        ]
+        # Tokens without versions count at their group's start version.
+        assert batch.token_versions()[0].tolist() == [2, 2, 2, 3, 2, 2, 1, 1, 3, 3, 3]
+        # At step 3 (T=2): version 1 has lag 3, masked; b_0_0 is all stale, kept out of the loss.
+        assert batch.freshness_mask()[0].tolist() == [True] * 6 + [False, False] + [True] * 3
+        assert batch.loss_excluded.tolist() == [False, False, True, False]
+
+
+@pytest.mark.anyio
+async def test_bad_versions_tokens_or_start_versions_from_a_thread_raise_there_and_change_nothing() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = make()
+        add_group(buf, "run", 0, status=Status.RUNNING)
+        add_group(buf, "pend", 0, status=Status.PENDING)
+        producer = buf.threadsafe()
+        calls: list[tuple[Callable[[], object], type[Exception]]] = [
+            (lambda: producer.mark_running("pend", version=-1), ValueError),
+            (lambda: producer.mark_running("pend", version=True), TypeError),  # type: ignore[arg-type]
+            (lambda: producer.put("run", 1, session_id=7, versions=[(0, 0)]), ValueError),
+            (lambda: producer.put("run", 1, session_id=7, versions="ab"), TypeError),  # type: ignore[arg-type]
+            (lambda: producer.put("run", 1, session_id=7, tokens=-2), ValueError),
+            (lambda: producer.put("run", 1, session_id=7, versions=[(0, 2)], tokens=3), ValueError),
+            (lambda: producer.put_group("new", [1, 2], global_steps=0, tokens=[1]), ValueError),
+            (lambda: producer.put_group("new", [1], global_steps=0, versions=[[(-1, 1)]]), ValueError),
+            (lambda: producer.put_group("new", [1], global_steps=0, version="3"), TypeError),  # type: ignore[arg-type]
+        ]
+        for call, error in calls:
+            before = (full_snapshot(buf), [(g.uid, g.start_version) for g in buf.checkpoint().groups])
+            outcome = await from_thread(call)
+            assert type(outcome) is error, f"expected {error.__name__}, got {outcome!r}"
+            assert (full_snapshot(buf), [(g.uid, g.start_version) for g in buf.checkpoint().groups]) == before
+        assert "new" not in buf

@@ -396,3 +396,25 @@ def test_a_waiter_whose_loop_was_closed_under_it_is_forgotten() -> None:
     del task
     gc.collect()  # the abandoned coroutine is finalised here: its cleanup must not fail
     assert sampleable_waiters(buf) == {}
+
+
+# -- task mixtures -------------------------------------------------------------------------------
+
+
+async def test_under_a_mixture_it_counts_every_task_s_groups_as_sampleable_count_does() -> None:
+    """Under a task mixture the groups live in each task's cell: the count sums them all, as
+    ``sampleable_count(task=None)`` does, and a group of either task wakes the call."""
+    buf = make(mixture={"math": 3, "code": 1}, max_off_policy_threshold=2)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            waiting = await start_call(tg, lambda: buf.wait_for_sampleable(0, 3))
+            buf.put_group_nowait("m0", [1], tags={"task": "math"})
+            buf.put_group_nowait("c0", [1], tags={"task": "code"})
+            await settle()
+            assert not waiting.done
+            assert (buf.sampleable_count(0), buf.sampleable_count(0, task="code")) == (2, 1)
+            buf.put_group_nowait("c1", [1], tags={"task": "code"})
+            await settle()
+    assert waiting.result == 3 == buf.sampleable_count(0)
+    explanation = buf.explain_wait()
+    assert (explanation.in_flight, explanation.waiting_samplers) == (0, 0)

@@ -1,4 +1,4 @@
-"""stalebuf: an asyncio-native, staleness-aware replay buffer for asynchronous RL of LLMs.
+"""stalebuf: an anyio-native, staleness-aware replay buffer for asynchronous RL of LLMs.
 
 Producers move groups of trajectories through PENDING -> RUNNING -> FINISHED/FAILURE;
 the trainer's ``await buffer.sample(global_steps, batch_size)`` blocks until a whole

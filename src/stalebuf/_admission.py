@@ -17,7 +17,7 @@ from ._partition import PartitionState
 from ._rules import Rules
 from ._status_log import logger
 from ._store import GroupStore
-from ._validation import check_partition, describe
+from ._validation import describe
 from ._waiting import LoopBinding, ProducerWaits, Waiter, park
 from .errors import BufferClosedError, BufferFullError, FutureTagError, TagClosedError
 
@@ -36,18 +36,14 @@ class _Admitted(Generic[_T]):
 
 
 class ProducerQueue:
-    """One partition's admission state: producers waiting for a slot (arrival order; only
-    the head may be admitted), the ledger of their waits, the last step sampled, and the
-    producer calls refused for good since the last batch (``explain_wait`` reports them)."""
+    """One partition's (or, under a task mixture, one task's) producers waiting for a slot
+    (arrival order; only the head may be admitted) and the ledger of their waits."""
 
-    __slots__ = ("last_sampled", "producers", "refusals", "refused_tag", "waits")
+    __slots__ = ("producers", "waits")
 
     def __init__(self) -> None:
         self.producers: deque[Waiter] = deque()
         self.waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
-        self.last_sampled = -1  # the largest step a sample returned a batch at
-        self.refusals = 0  # TagClosedError and FutureTagError raised since the last batch
-        self.refused_tag: int | None = None  # the tag of the latest of them
 
     def drop_abandoned(self, everywhere: bool = False) -> None:
         """Forget producers whose event loop was closed under them (the head only, O(1), unless
@@ -79,77 +75,55 @@ class Admission:
 
     Attributes (read them; change them only through the methods):
         clocks: each partition's dispatch clock, the largest step a sample was called with.
+        sampled: each partition's largest step a sample returned a batch at.
+        refused: per partition, the producer calls refused for good (TagClosedError,
+            FutureTagError) since its last batch and the tag the latest asked for
+            (``explain_wait`` reports them).
+        queues: the waiting producers, by ``PartitionState.key`` (a partition's name, or
+            ``(name, task)`` for a task of a mixture: one FIFO per task).
     """
 
-    __slots__ = ("binding", "clocks", "queues", "rules", "store")
+    __slots__ = ("binding", "clocks", "queues", "refused", "rules", "sampled", "store")
 
     def __init__(self, store: GroupStore, rules: Rules, binding: LoopBinding) -> None:
         self.store = store
         self.rules = rules
         self.binding = binding
         self.clocks: dict[str, int] = {}
-        self.queues: dict[str, ProducerQueue] = {}
+        self.sampled: dict[str, int] = {}
+        self.refused: dict[str, tuple[int, int]] = {}
+        self.queues: dict[str | tuple[str, str], ProducerQueue] = {}
 
-    def queue(self, name: str) -> ProducerQueue:
-        """Return partition ``name``'s admission state, creating it the first time."""
-        queue = self.queues.get(name)
+    def queue(self, key: str | tuple[str, str]) -> ProducerQueue:
+        """Return the producer queue of ``key`` (a partition's or a task's), creating it."""
+        queue = self.queues.get(key)
         if queue is None:
-            queue = self.queues[name] = ProducerQueue()
+            queue = self.queues[key] = ProducerQueue()
         return queue
 
     def last_sampled(self, name: str) -> int:
         """The largest step a sample on ``name`` returned a batch at (-1 before any)."""
-        queue = self.queues.get(name)
-        return -1 if queue is None else queue.last_sampled
-
-    def clock(self, partition: object) -> int:
-        """``dispatch_step``: partition ``partition``'s dispatch clock (any thread may ask).
-
-        Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-        """
-        return self.clocks.get(check_partition(partition), 0)
-
-    def capacity_of(self, partition: object) -> int | None:
-        """``capacity``: :meth:`capacity` of partition ``partition``, its arguments checked.
-
-        Raises:
-            WrongThreadError: called from another thread than the bound loop's.
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-        """
-        self.binding.check_thread()
-        name = check_partition(partition)
-        return self.capacity(self.store.partitions.get(name), name)
-
-    def free_slots_of(self, partition: object) -> int | None:
-        """``free_slots``: :meth:`free_slots` of partition ``partition``, its arguments checked.
-
-        Raises:
-            WrongThreadError: called from another thread than the bound loop's.
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            Exception: whatever the policy's ``admits`` raised.
-        """
-        self.binding.check_thread()
-        name = check_partition(partition)
-        return self.free_slots(self.store.partitions.get(name), name)
-
-    def waiting(self, name: str) -> int:
-        """How many producers wait for a slot in partition ``name``."""
-        queue = self.queues.get(name)
-        return 0 if queue is None else len(queue.producers)
+        return self.sampled.get(name, -1)
 
     def refusals(self, name: str) -> tuple[int, int | None]:
-        """How many producer calls on ``name`` were refused for good (TagClosedError,
-        FutureTagError) since its last batch, and the tag the latest of them asked for."""
-        queue = self.queues.get(name)
-        return (0, None) if queue is None else (queue.refusals, queue.refused_tag)
+        """How many producer calls on ``name`` were refused for good since its last batch, and
+        the tag the latest of them asked for."""
+        count, tag = self.refused.get(name, (0, None))
+        return count, tag
 
     def _refused(self, name: str, tag: int, error: BufferFullError) -> BufferFullError:
         """Count ``error``, about to be raised to a producer that asked for ``tag``; return it."""
-        queue = self.queue(name)
-        queue.refusals += 1
-        queue.refused_tag = tag
+        self.refused[name] = (self.refused.get(name, (0, tag))[0] + 1, tag)
         return error
+
+    def waiting(self, name: str, task: str | None = None) -> int:
+        """How many producers wait for a slot in partition ``name`` (of ``task`` only, if given)."""
+        return sum(
+            len(queue.producers)
+            for key, queue in self.queues.items()
+            if (key == name and task is None)
+            or (type(key) is tuple and key[0] == name and task in (None, key[1]))
+        )
 
     # -- the clock and the samples that move it -------------------------------------------
 
@@ -161,11 +135,12 @@ class Admission:
 
     def batch_taken(self, name: str, global_steps: int) -> None:
         """Record that a sample at ``global_steps`` returned a batch (its slots are free)."""
-        queue = self.queue(name)
-        if global_steps > queue.last_sampled:
-            queue.last_sampled = global_steps
-        queue.refusals, queue.refused_tag = 0, None  # "since the last batch"
-        if queue.producers:
+        if global_steps > self.sampled.get(name, -1):
+            self.sampled[name] = global_steps
+        if self.refused:
+            self.refused.pop(name, None)  # "since the last batch"
+        queue = self.queues.get(name)
+        if queue.producers if queue is not None else self.rules.tasks:  # a mixture's are its tasks'
             self.wake(name)
 
     # -- the rule ---------------------------------------------------------------------
@@ -184,19 +159,19 @@ class Admission:
         """
         clock = self.clocks.get(name, 0)
         tag = clock if requested is None else requested
-        queue = self.queues.get(name)
         if part is None:  # not created yet: nothing is resident there, nobody waits
             cap = self.rules.admission_cap(name)
             if cap is None:
                 return tag
-            resident, last_sampled, queue = 0, -1, None
+            resident, last_sampled, queue, span = 0, -1, None, self.rules.span
         else:
             cap = part.cap
             if cap is None:
                 return tag
             # What resident_at_step and last_sampled() answer, read inline: this runs per group.
             resident = part.resident_at.get(tag, 0) if part.resident_at is not None else 0
-            last_sampled = -1 if queue is None else queue.last_sampled
+            last_sampled = self.sampled.get(name, -1)
+            queue, span = self.queues.get(part.key), part.span
         if tag > clock:
             ahead = FutureTagError(
                 f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
@@ -207,29 +182,56 @@ class Admission:
         if not head and queue is not None and queue.producers:
             queue.drop_abandoned()
             if queue.producers:
-                if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
+                if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
                     raise self._refused(name, tag, _closed_error(name, tag, last_sampled))
                 raise BufferFullError(f"producers are waiting for admission to partition {describe(name)}")
-        if not self.rules.admits(tag, resident, last_sampled, cap, name):
-            if requested is not None and self.rules.closed_for_good(name, tag, last_sampled):
-                error = _closed_error(name, tag, last_sampled)
-                raise error if head else self._refused(name, tag, error)
+        if not self.rules.admits(tag, resident, last_sampled, cap, name, span):
+            if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
+                closed = _closed_error(name, tag, last_sampled)
+                raise closed if head else self._refused(name, tag, closed)
             raise BufferFullError(
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"
             )
         return tag
 
-    def free_slots(self, part: PartitionState | None, name: str) -> int | None:
+    def cells(
+        self, part: PartitionState | None, name: str, task: str | None = None
+    ) -> list[tuple[int | None, int | None, PartitionState | None]]:
+        """``(admission cap, threshold, cell)`` of each cell of partition ``name`` (``part``,
+        None if unused: from the rules, no cell) that a query about ``task`` (None: all) covers.
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        rules = self.rules
+        if part is not None:
+            cells = part.cells
+            if cells is None:
+                return [(part.cap, part.threshold, part)]
+            chosen = cells.values() if task is None else (cells[task],)
+            return [(cell.cap, cell.threshold, cell) for cell in chosen]
+        cap = rules.admission_cap(name)
+        if not rules.tasks or rules.policy.is_exempt(name):
+            return [(cap, rules.threshold, None)]
+        tasks = rules.tasks if task is None else (task,)
+        return [(*rules.cell_settings(name, one, cap)[:2], None) for one in tasks]
+
+    def free_slots(self, part: PartitionState | None, name: str, task: str | None = None) -> int | None:
         """How many groups ``add_prompt`` would admit at the clock's step of partition ``name``
-        (``part``, None if unused: every slot at its clock's step) without waiting.
+        (``part``, None if unused: every slot at its clock's step) without waiting: of ``task``
+        under a mixture, or summed over its tasks.
 
         Raises:
             Exception: whatever the policy's ``admits`` raised.
         """
+        free = [self._free(cap, cell, name) for cap, _, cell in self.cells(part, name, task)]
+        return None if None in free else sum(free)  # type: ignore[arg-type]
+
+    def _free(self, cap: int | None, part: PartitionState | None, name: str) -> int | None:
+        """:meth:`free_slots` of one cell (``part``; None: unused, every slot free)."""
         if part is None:
-            return self.rules.admission_cap(name)
-        cap = part.cap
+            return cap
         if cap is None:
             return None
         try:
@@ -238,9 +240,15 @@ class Admission:
             return 0
         return max(cap - part.resident_at_step(tag), 0)
 
-    def capacity(self, part: PartitionState | None, name: str) -> int | None:
-        """``T * S * b`` for partition ``name``; None without admission control."""
-        return self.rules.capacity(self.rules.admission_cap(name) if part is None else part.cap)
+    def capacity(self, part: PartitionState | None, name: str, task: str | None = None) -> int | None:
+        """``T * S * b`` for partition ``name`` (of ``task``, or summed over the tasks of a
+        mixture, each with its own ``T`` and quota of ``b``); None without admission control.
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        bounds = [self.rules.capacity(cap, threshold) for cap, threshold, _ in self.cells(part, name, task)]
+        return None if None in bounds else sum(bounds)  # type: ignore[arg-type]
 
     # -- waiting for a slot -------------------------------------------------------------
 
@@ -256,11 +264,11 @@ class Admission:
                 closes it while the producer waits).
             Exception: whatever ``admit`` raised (the producer leaves the queue either way).
         """
-        binding, name, rules = self.binding, part.name, self.rules
+        binding, name, rules, span = self.binding, part.name, self.rules, part.span
         binding.check_backend()
         binding.bind()
         waiter = binding.new_waiter(-1 if requested is None else requested, 0)
-        queue = self.queue(name)
+        queue = self.queue(part.key)
 
         def attempt() -> _Admitted[_T] | None:
             if self.store.closed:
@@ -270,34 +278,41 @@ class Admission:
             try:
                 tag = self.tag_for(name, part, requested, head=True)
             except BufferFullError as exc:
-                if requested is None or not rules.closed_for_good(name, requested, queue.last_sampled):
+                if requested is None or not rules.closed_for_good(
+                    name, requested, self.last_sampled(name), span
+                ):
                     return None
                 self._refused(name, requested, exc)  # a sample closed its tag while it waited
                 raise
             return _Admitted(admit(tag))
 
-        if requested is not None and rules.closed_for_good(name, requested, queue.last_sampled):
-            error = _closed_error(name, requested, queue.last_sampled)  # waiting would be forever
-            raise self._refused(name, requested, error)
+        last = self.last_sampled(name)
+        if requested is not None and rules.closed_for_good(name, requested, last, span):
+            raise self._refused(
+                name, requested, _closed_error(name, requested, last)
+            )  # waiting would be forever
         queue.waits.park(waiter, waiter.now())
         queue.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
         try:
             admitted = await park(waiter, attempt)
         finally:
-            self._leave(queue, name, waiter)
+            self._leave(queue, part, waiter)
         return admitted.value
 
-    def take_producer_wait(self, name: str) -> float:
-        """Return the seconds producers spent blocked on ``name`` since the last call, counting
-        those still blocked up to now, and start the next period (O(1))."""
-        queue = self.queue(name)
-        now: float | None = None
-        if queue.producers:
-            with contextlib.suppress(RuntimeError):  # trio's clock, read outside its run: later
-                now = queue.producers[0].now()
-        return queue.waits.report(now)
+    def take_producer_wait(self, part: PartitionState) -> float:
+        """Return the seconds producers spent blocked on ``part`` (its tasks' too) since the
+        last call, counting those still blocked up to now, and start the next period."""
+        total = 0.0
+        for cell in part.cells.values() if part.cells is not None else (part,):
+            queue = self.queue(cell.key)
+            now: float | None = None
+            if queue.producers:
+                with contextlib.suppress(RuntimeError):  # trio's clock, read outside its run: later
+                    now = queue.producers[0].now()
+            total += queue.waits.report(now)
+        return total
 
-    def _leave(self, queue: ProducerQueue, name: str, waiter: Waiter) -> None:
+    def _leave(self, queue: ProducerQueue, part: PartitionState, waiter: Waiter) -> None:
         """Take ``waiter`` out of the queue and count its wait; if it was the head, pass the
         turn on."""
         producers = queue.producers
@@ -314,16 +329,25 @@ class Admission:
             now = None
         queue.waits.leave(waiter, now)
         if head:
-            self.wake(name)
+            self._wake_queue(part)
 
     def wake(self, name: str) -> None:
-        """Wake the head waiting producer of ``name`` if a slot is open for it (or its tag
-        closed for good, so that it raises instead of holding the queue up forever).
+        """Wake the head waiting producer of ``name`` (of each of its tasks, under a mixture)
+        if a slot is open for it (or its tag closed for good, so that it raises instead of
+        holding the queue up forever).
 
         Runs after another call's state change: a policy hook that raises here is logged and
         the producer woken, to raise it from its own call.
         """
-        queue = self.queues.get(name)
+        part = self.store.partitions.get(name)
+        if part is None or self.store.closed:
+            return
+        for cell in part.cells.values() if part.cells is not None else (part,):
+            self._wake_queue(cell)
+
+    def _wake_queue(self, part: PartitionState) -> None:
+        """Wake the head producer of ``part``'s queue if it may go on (see :meth:`wake`)."""
+        queue, name = self.queues.get(part.key), part.name
         if queue is None or self.store.closed:
             return
         queue.drop_abandoned()
@@ -332,11 +356,11 @@ class Admission:
         head = queue.producers[0]
         requested = None if head.global_steps < 0 else head.global_steps
         try:
-            self.tag_for(name, self.store.partitions.get(name), requested, head=True)
+            self.tag_for(name, part, requested, head=True)
         except BufferFullError:
             try:
                 closed = requested is not None and self.rules.closed_for_good(
-                    name, requested, queue.last_sampled
+                    name, requested, self.last_sampled(name), part.span
                 )
             except Exception:  # woken, it asks again and raises it from its own call
                 logger.exception("a staleness policy hook raised while checking a waiting producer")
@@ -364,5 +388,4 @@ class Admission:
     def restore(self, clocks: dict[str, int], last_sampled: dict[str, int]) -> None:
         """Set the clocks and last sampled steps a restore read (before anyone waits)."""
         self.clocks.update(clocks)
-        for name, step in last_sampled.items():
-            self.queue(name).last_sampled = step
+        self.sampled.update(last_sampled)

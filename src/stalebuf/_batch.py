@@ -4,15 +4,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any, Literal
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ._group_records import Group, Trajectory
+from . import _token_arrays as arrays
+from ._group_records import Group, Trajectory, pack_runs
 
-__all__ = ["Batch", "EvictionEvent", "EvictionReason", "new_batch"]
+#: The bytes of one packed (version, n_tokens) run.
+_RUN_BYTES = 16
+_runs_of = itemgetter(7)  # Trajectory._runs
+_tokens_of = attrgetter("tokens")
+_start_of = attrgetter("start_version")
+_trajectories_of = attrgetter("trajectories")
+
+__all__ = ["Batch", "EvictionEvent", "EvictionReason", "batch_runs", "fresh_span", "new_batch"]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -24,13 +34,25 @@ class Batch:
         global_steps: the trainer step passed to ``sample``.
         groups: the selected groups, in selection order.
         parameter_sync_step: the sync step S of the buffer's policy (its config's), used by
-            :attr:`staleness`.
+            :attr:`staleness` and the per-token staleness.
+        max_off_policy_threshold: the threshold T of the buffer's policy: a token of version
+            ``v`` is fresh iff ``g - v + 1 <= T*S`` (:meth:`freshness_mask`); None: every token
+            is fresh (no staleness bound).
+        masks: whether the ``mask`` strategy judged this batch (non-exempt partition):
+            :attr:`loss_excluded` is all False otherwise.
+
+    The per-trajectory and per-token arrays are flattened over :attr:`trajectories` (group
+    order); per-token ones are packed (trajectories concatenated, no padding) with CSR
+    ``offsets`` (trajectory ``i`` owns ``offsets[i]:offsets[i + 1]``). A trajectory put
+    without ``versions`` contributes ``tokens`` copies of its group's start version.
     """
 
     partition: str
     global_steps: int
     groups: tuple[Group, ...]
     parameter_sync_step: int = 1
+    max_off_policy_threshold: int | None = None
+    masks: bool = False
 
     def __len__(self) -> int:
         """Return the number of groups."""
@@ -73,8 +95,116 @@ class Batch:
         )
         return (self.global_steps + 1 - dispatch) / self.parameter_sync_step
 
+    # -- versions and tokens --------------------------------------------------------------
 
-EvictionReason = Literal["stale", "failure", "restart"]
+    @property
+    def target_version(self) -> int:
+        """The policy version being trained: ``global_steps``."""
+        return self.global_steps
+
+    def _runs(self) -> tuple[arrays.Int64s, arrays.Int64s, arrays.Int64s, arrays.Int64s]:
+        return batch_runs(self.groups)
+
+    def _span(self) -> int:
+        return fresh_span(self)
+
+    @property
+    def token_counts(self) -> npt.NDArray[np.int64]:
+        """The token count of each trajectory, ``int64[n_traj]``."""
+        return np.fromiter((t.tokens for group in self.groups for t in group.trajectories), dtype=np.int64)
+
+    @property
+    def head_staleness(self) -> npt.NDArray[np.float64]:
+        """The staleness ``(g - head + 1) / S`` of each trajectory's oldest token, ``float64[n_traj]``."""
+        versions, _, offsets, starts = self._runs()
+        return arrays.head_tail_staleness(
+            versions, offsets, starts, self.global_steps, self.parameter_sync_step
+        )[0]
+
+    @property
+    def tail_staleness(self) -> npt.NDArray[np.float64]:
+        """The staleness ``(g - tail + 1) / S`` of each trajectory's newest token, ``float64[n_traj]``."""
+        versions, _, offsets, starts = self._runs()
+        return arrays.head_tail_staleness(
+            versions, offsets, starts, self.global_steps, self.parameter_sync_step
+        )[1]
+
+    @property
+    def loss_excluded(self) -> npt.NDArray[np.bool_]:
+        """``bool[n_traj]``: True for a trajectory the ``mask`` strategy keeps out of the loss
+        (at least one token, all of them stale); all False under ``drop`` and ``wait``."""
+        versions, lengths, offsets, _ = self._runs()
+        if not self.masks:
+            return np.zeros(offsets.size - 1, dtype=np.bool_)
+        return arrays.loss_excluded(versions, lengths, offsets, self.global_steps, self._span())
+
+    def token_versions(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The version of every token and the CSR offsets: ``(int64[total_tokens], int64[n_traj + 1])``."""
+        versions, lengths, offsets, _ = self._runs()
+        return np.repeat(versions, lengths), _token_offsets(lengths, offsets)
+
+    def freshness_mask(self) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+        """``(mask, offsets)``: True where a token may enter the loss, its lag ``g - v + 1 <=
+        T*S``; the same under every strategy (a ``wait`` batch holding stale tokens shows them)."""
+        versions, lengths, offsets, _ = self._runs()
+        mask = arrays.packed_freshness_mask(versions, lengths, self.global_steps, self._span())
+        return mask, _token_offsets(lengths, offsets)
+
+    @staticmethod
+    def padded(
+        array: npt.ArrayLike, offsets: npt.ArrayLike, *, pad_to: int | None = None, fill: object = 0
+    ) -> npt.NDArray[Any]:
+        """A packed per-token ``array`` as ``(n_traj, L)``, each row padded with ``fill`` (``L``:
+        ``pad_to`` or the longest trajectory); the dtype is ``array``'s.
+
+        Raises:
+            TypeError, ValueError: ``offsets`` are not CSR offsets ending at ``len(array)``,
+                ``pad_to`` is shorter than the longest trajectory, or ``fill`` does not fit the
+                dtype.
+        """
+        return arrays.padded(array, offsets, pad_to=pad_to, fill=fill)
+
+
+def batch_runs(
+    groups: tuple[Group, ...],
+) -> tuple[arrays.Int64s, arrays.Int64s, arrays.Int64s, arrays.Int64s]:
+    """``(run_versions, run_lengths, run_offsets, start versions)`` of the groups' trajectories,
+    flattened in group order (see :mod:`stalebuf._token_arrays`): one join of the versions each
+    trajectory holds packed, so the cost is C-level loops over trajectories and runs."""
+    per_group = list(map(_trajectories_of, groups))
+    sizes = np.fromiter(map(len, per_group), dtype=np.int64, count=len(groups))
+    starts = np.fromiter(map(_start_of, groups), dtype=np.int64, count=len(groups))
+    start_versions = np.repeat(starts, sizes)
+    pieces = list(map(_runs_of, chain.from_iterable(per_group)))
+    if b"" in pieces:  # put without versions: its tokens count at the group's start version
+        tokens = map(_tokens_of, chain.from_iterable(per_group))
+        pieces = [
+            packed or (pack_runs(((int(start), count),)) if count else b"")
+            for packed, count, start in zip(pieces, tokens, start_versions.tolist(), strict=True)
+        ]
+    counts = np.array(list(map(len, pieces)), dtype=np.int64) // _RUN_BYTES
+    # Columns as contiguous arrays: np.repeat by a strided view of lengths would copy it anyway.
+    columns = np.frombuffer(b"".join(pieces), dtype=np.int64).reshape(-1, 2).T.copy()
+    run_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(counts, out=run_offsets[1:])
+    return columns[0], columns[1], run_offsets, start_versions
+
+
+def _token_offsets(run_lengths: arrays.Int64s, run_offsets: arrays.Int64s) -> arrays.Int64s:
+    """The CSR token offsets of packed runs: trajectory ``i`` owns ``offsets[i]:offsets[i + 1]``."""
+    ends = np.zeros(run_lengths.size + 1, dtype=np.int64)
+    np.cumsum(run_lengths, out=ends[1:])
+    offsets: arrays.Int64s = ends[run_offsets]
+    return offsets
+
+
+def fresh_span(batch: Batch) -> int:
+    """``T*S`` of ``batch``, or a span no lag can exceed when it has no threshold."""
+    threshold = batch.max_off_policy_threshold
+    return arrays.MAX_INT + 1 if threshold is None else threshold * batch.parameter_sync_step
+
+
+EvictionReason = Literal["stale", "failure", "restart", "filtered"]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -85,10 +215,11 @@ class EvictionEvent:
         partition: the partition they were evicted from.
         reason: "stale" (drop strategy; in-flight groups too with ``evict_stale_in_flight``),
             "failure" (``failure_strategy="evict"``) or "restart" (in-flight groups evicted by
-            ``ReplayBuffer.restore(..., in_flight="evict")``).
+            ``ReplayBuffer.restore(..., in_flight="evict")``) or "filtered" (a group filter
+            rejected it as it finished).
         groups: the evicted groups, oldest first.
-        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart",
-            the partition's dispatch clock).
+        global_steps: the trainer step of the ``sample`` call that evicted them (for "restart"
+            and "filtered", the partition's dispatch clock).
     """
 
     partition: str
@@ -101,20 +232,28 @@ class EvictionEvent:
 # by name; setting the slot descriptors directly takes about two thirds of that. Tests compare
 # what this builds with what the class's own constructor builds.
 _new = object.__new__
-_set_bpartition, _set_bsteps, _set_groups, _set_sync = (
+_set_bpartition, _set_bsteps, _set_groups, _set_sync, _set_threshold, _set_masks = (
     Batch.__dict__[field.name].__set__ for field in attrs.fields(Batch)
 )
 
 
 def new_batch(
-    partition: str, global_steps: int, groups: tuple[Group, ...], parameter_sync_step: int
+    partition: str,
+    global_steps: int,
+    groups: tuple[Group, ...],
+    parameter_sync_step: int,
+    max_off_policy_threshold: int | None = None,
+    masks: bool = False,
 ) -> Batch:
-    """Return ``Batch(partition, global_steps, groups, parameter_sync_step)``, built faster."""
+    """Return ``Batch(partition, global_steps, groups, parameter_sync_step,
+    max_off_policy_threshold, masks)``, built faster."""
     batch = _new(Batch)
     _set_bpartition(batch, partition)
     _set_bsteps(batch, global_steps)
     _set_groups(batch, groups)
     _set_sync(batch, parameter_sync_step)
+    _set_threshold(batch, max_off_policy_threshold)
+    _set_masks(batch, masks)
     return batch
 
 

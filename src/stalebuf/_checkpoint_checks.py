@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 import attrs
 
 from ._checkpoint_scan import behind_dicts, resident_if_valid
+from ._checkpoint_versions import checked_versions
 from ._lazy_group import LazyGroup, new_lazy_group
 from ._partition import GENERATION_WINDOW
 from ._store import CUT_REASON, EVICTED_UIDS_REMEMBERED
@@ -34,10 +35,10 @@ from ._validation import (
     describe_error,
     is_finite_number,
 )
-from .checkpoint import COUNTERS, FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
+from .checkpoint import COUNTERS, FORMAT_VERSION, TOKEN_COUNTERS, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
-from .records import EMPTY_TAGS, Group, Status, Trajectory, new_group, new_trajectory
+from .records import EMPTY_TAGS, Group, Status, Trajectory, new_group, new_trajectory, pack_runs
 
 __all__ = ["checked"]
 
@@ -54,6 +55,7 @@ _TRAJECTORIES_LEFT = (
     "evicted_restart_trajectories",
     "reissued_trajectories",
 )
+_TOKENS_LEFT = ("sampled_tokens", "evicted_tokens", "reissued_tokens")
 
 
 def checked(checkpoint: object, groups: object = None) -> BufferCheckpoint:
@@ -80,8 +82,8 @@ def checked(checkpoint: object, groups: object = None) -> BufferCheckpoint:
     clocks = _checked_clocks(checkpoint.clocks)
     partitions = _checked_partitions(checkpoint.partitions, clocks)
     records, resident = _checked_groups(checkpoint.groups if groups is None else groups, partitions)
-    for index, saved in enumerate(partitions.values()):
-        _check_conserved(index, saved, *resident.get(saved.name, (0, 0)))
+    for index, saved in enumerate(list(partitions.values())):
+        partitions[saved.name] = _conserved(index, saved, *resident.get(saved.name, (0, 0, 0)))
     evicted = _checked_evicted(checkpoint.evicted_in_flight)
     reasons = _checked_reasons(checkpoint.evicted_reasons, len(evicted))
     return BufferCheckpoint(
@@ -206,7 +208,9 @@ def _checked_partitions(partitions: object, clocks: Mapping[str, int]) -> dict[s
             if type(key) is not str or key not in _COUNTER_NAMES:
                 raise _invalid(f"{where}.counters", f"has an unknown counter {describe(key)}")
             _field(f"{where}.counters[{key!r}]", lambda value: check_step(value, "a counter"), value)
-        counters = {key: counters.get(key, 0) for key in COUNTERS}
+        # Token counters stay absent if all are (an older file): _conserved derives them.
+        given = not counters.keys().isdisjoint(TOKEN_COUNTERS)
+        counters = {key: counters.get(key, 0) for key in COUNTERS if given or key not in TOKEN_COUNTERS}
         if counters["evicted_in_flight_groups"] > counters["evicted_stale_groups"]:  # a part of it
             raise _invalid(f"{where}.counters", "count more groups evicted in flight than as stale")
         generation = _checked_generation(f"{where}.generation", saved.generation)
@@ -214,16 +218,23 @@ def _checked_partitions(partitions: object, clocks: Mapping[str, int]) -> dict[s
     return checked_partitions
 
 
-def _check_conserved(index: int, saved: PartitionCheckpoint, groups: int, trajectories: int) -> None:
-    """Check the conservation law of ``stats()`` for one partition with its resident counts.
+def _conserved(
+    index: int, saved: PartitionCheckpoint, groups: int, trajectories: int, tokens: int
+) -> PartitionCheckpoint:
+    """Check the conservation laws of ``stats()`` for one partition with its resident counts;
+    return it with its token counters, derived if it has none (a file written before versions
+    existed): every resident token admitted, none gone yet.
 
     Raises:
         CheckpointError: the counters do not add up.
     """
-    counters = saved.counters
+    counters = dict(saved.counters)
+    if "admitted_tokens" not in counters:
+        counters.update(dict.fromkeys(TOKEN_COUNTERS, 0), admitted_tokens=tokens)
     for kind, resident, left in (
         ("groups", groups, _GROUPS_LEFT),
         ("trajectories", trajectories, _TRAJECTORIES_LEFT),
+        ("tokens", tokens, _TOKENS_LEFT),
     ):
         admitted = counters[f"admitted_{kind}"]
         accounted = resident + sum(counters[key] for key in left)
@@ -233,6 +244,11 @@ def _check_conserved(index: int, saved: PartitionCheckpoint, groups: int, trajec
                 f"do not conserve {kind}: {admitted} admitted, but {resident} resident and "
                 f"{accounted - resident} gone ({', '.join(left)})",
             )
+    if counters["masked_tokens"] > counters["sampled_tokens"]:  # a part of them
+        raise _invalid(f"partitions[{index}].counters", "count more tokens masked than sampled")
+    if counters.keys() == saved.counters.keys():
+        return saved
+    return PartitionCheckpoint(saved.name, saved.last_sampled, counters, saved.generation)
 
 
 def _checked_evicted(uids: object) -> tuple[str, ...]:
@@ -297,9 +313,9 @@ def _checked_generation(where: str, times: object) -> tuple[float, ...]:
 
 def _checked_groups(
     groups: object, partitions: Mapping[str, PartitionCheckpoint]
-) -> tuple[tuple[Group, ...], dict[str, tuple[int, int]]]:
-    """The groups (a record rebuilt where tags needed copying), and each partition's resident
-    (groups, trajectories).
+) -> tuple[tuple[Group, ...], dict[str, tuple[int, int, int]]]:
+    """The groups (a record rebuilt where tags or versions needed copying), and each partition's
+    resident (groups, trajectories, tokens).
 
     Raises:
         CheckpointError: a group is invalid, of an unknown partition, or repeats a uid.
@@ -313,7 +329,7 @@ def _checked_groups(
     seen: dict[str, int] = {}
     resident = {}
     for index, group in enumerate(records):
-        record, count = _checked_group(index, group)
+        record, count, tokens = _checked_group(index, group)
         uid, partition = record.uid, record.partition
         if partition not in partitions:
             raise CheckpointError(
@@ -325,14 +341,15 @@ def _checked_groups(
                 f"the checkpoint is inconsistent: groups[{index}].uid {describe(uid)} is also "
                 f"groups[{seen[uid]}]'s"
             )
-        held = resident.get(partition, (0, 0))
-        resident[partition] = (held[0] + 1, held[1] + count)
+        held = resident.get(partition, (0, 0, 0))
+        resident[partition] = (held[0] + 1, held[1] + count, held[2] + tokens)
         out.append(record)
     return tuple(out), resident
 
 
-def _checked_group(index: int, group: object) -> tuple[Group, int]:
-    """The group (rebuilt if a tags mapping needed copying) and how many trajectories it holds.
+def _checked_group(index: int, group: object) -> tuple[Group, int, int]:
+    """The group (rebuilt if a tags mapping or versions needed copying), how many trajectories
+    and how many tokens it holds.
 
     Raises:
         CheckpointError: a field is invalid (named).
@@ -345,7 +362,7 @@ def _checked_group(index: int, group: object) -> tuple[Group, int]:
     if record is None or len(values) != len(Group._fields):
         got = f"one of {len(values)} fields" if record is not None else kind.__name__
         raise _invalid(where, f"must be a Group record, got {got}")
-    uid, partition, step, status, tags, stored, finish, seconds = values
+    uid, partition, step, status, tags, stored, finish, seconds, start = values
     uid = _field(f"{where}.uid", check_uid, uid)
     _field(f"{where}.partition", check_partition, partition)
     _field(f"{where}.dispatch_step", lambda value: check_step(value, "dispatch_step"), step)
@@ -358,6 +375,7 @@ def _checked_group(index: int, group: object) -> tuple[Group, int]:
         raise _invalid(
             f"{where}.generation_seconds", f"must be a finite number >= 0, got {describe(seconds)}"
         )
+    _field(f"{where}.start_version", lambda value: check_step(value, "start_version"), start)
     frozen = _checked_tags(f"{where}.tags", tags)
     if kind is LazyGroup:  # default keys: every record it builds is valid once its uid is
         if type(stored) is not tuple:
@@ -367,11 +385,14 @@ def _checked_group(index: int, group: object) -> tuple[Group, int]:
         records = stored
     else:
         records = _checked_trajectories(where, uid, stored)
+    tokens = 0 if kind is LazyGroup else sum(trajectory.tokens for trajectory in records)
     if frozen is tags and records is stored:
-        return record, len(records)
+        return record, len(records), tokens
     if kind is LazyGroup:
-        return new_lazy_group(uid, partition, step, status, frozen, records, finish, seconds), len(records)
-    return new_group(uid, partition, step, status, frozen, records, finish, seconds), len(records)
+        record = new_lazy_group(uid, partition, step, status, frozen, records, finish, seconds, start)
+    else:
+        record = new_group(uid, partition, step, status, frozen, records, finish, seconds, start)
+    return record, len(records), tokens
 
 
 def _checked_trajectories(where: str, uid: str, records: object) -> tuple[Trajectory, ...]:
@@ -405,10 +426,10 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
     """
     record = trajectory if type(trajectory) is Trajectory else None
     values: tuple[Any, ...] = () if record is None else tuple(tuple.__iter__(record))
-    if record is None or len(values) != len(Trajectory._fields):
+    if record is None or len(values) != Trajectory.SLOTS:
         got = f"one of {len(values)} fields" if record is not None else type(trajectory).__name__
         raise _invalid(where, f"must be a Trajectory record, got {got}")
-    key, session_id, index, tags, payload = values
+    key, session_id, index, tags, payload, versions, tokens, runs = values
     _field(f"{where}.session_id", lambda value: check_index(value, "session_id"), session_id)
     _field(f"{where}.index", lambda value: check_index(value, "index"), index)
     expected = f"{uid}_{session_id}_{index}"
@@ -417,7 +438,11 @@ def _checked_trajectory(where: str, uid: str, trajectory: object) -> Trajectory:
             f"{where}.key", f"must be {describe(expected)} (uid_session_index), got {describe(key)}"
         )
     frozen = _checked_tags(f"{where}.tags", tags)
-    return record if frozen is tags else new_trajectory(key, session_id, index, frozen, payload)
+    segments = checked_versions(where, versions, tokens)
+    # The packed copy of the versions the batch arrays read is rebuilt unless it is theirs.
+    if frozen is tags and segments is versions and type(runs) is bytes and runs == pack_runs(segments):
+        return record
+    return new_trajectory(key, session_id, index, frozen, payload, segments, tokens)
 
 
 def _checked_tags(where: str, tags: object) -> Mapping[str, Any]:

@@ -5,19 +5,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Callable, Iterator
+import struct
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
 
 from ._stored import peek_trajectories
 from ._validation import check_tags, describe, describe_error
-from .checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
+from .checkpoint import FORMAT_VERSION, TOKEN_COUNTERS, BufferCheckpoint, PartitionCheckpoint
 from .config import SamplerConfig
 from .errors import CheckpointError
-from .records import Group, Status, new_group, new_trajectory
+from .records import Group, Status, Trajectory, pack_runs
 
-__all__ = ["read_plain", "write_plain"]
+__all__ = ["read_plain", "write_plain", "written_counters"]
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -40,11 +41,15 @@ def write_plain(
     config = attrs.asdict(checkpoint.config)
     config["exempt_partitions"] = sorted(config["exempt_partitions"])
     config["sampler_kwargs"] = dict(config["sampler_kwargs"])
+    config["task_thresholds"] = dict(config["task_thresholds"])
+    if config["mixture"] is not None:
+        config["mixture"] = dict(config["mixture"])
     manifest = {
         "config": config,
         "policy": checkpoint.policy,
         "partitions": [
-            [p.name, p.last_sampled, dict(p.counters), list(p.generation)] for p in checkpoint.partitions
+            [p.name, p.last_sampled, written_counters(p.counters), list(p.generation)]
+            for p in checkpoint.partitions
         ],
         "clocks": dict(checkpoint.clocks),
         "evicted_in_flight": list(checkpoint.evicted_in_flight),
@@ -73,9 +78,18 @@ def write_plain(
                 write_frame(data)
 
 
+def written_counters(counters: Mapping[str, int]) -> dict[str, int]:
+    """The counters a file holds: all but the token counters that are 0 (a partition that never
+    counted a token is then written as before versions existed; a reader fills in 0)."""
+    return {key: value for key, value in counters.items() if value or key not in TOKEN_COUNTERS}
+
+
 def _group_row(group: Group) -> list[Any]:
-    trajectories = [[t.key, t.session_id, t.index, dict(t.tags)] for t in peek_trajectories(group)]
-    return [
+    """A group's JSON row; its start version is a 9th field only when it is not the dispatch step,
+    and a trajectory's versions and tokens two more fields only when it has any (files written
+    before versions existed hold neither, and a reader of then reads a row without them)."""
+    trajectories = [_trajectory_row(t) for t in peek_trajectories(group)]
+    row = [
         group.uid,
         group.partition,
         group.dispatch_step,
@@ -85,6 +99,16 @@ def _group_row(group: Group) -> list[Any]:
         group.generation_seconds,
         trajectories,
     ]
+    if group.start_version != group.dispatch_step:
+        row.append(group.start_version)
+    return row
+
+
+def _trajectory_row(trajectory: Trajectory) -> list[Any]:
+    row = [trajectory.key, trajectory.session_id, trajectory.index, dict(trajectory.tags)]
+    if trajectory.tokens or trajectory.versions:
+        row += [[list(pair) for pair in trajectory.versions], trajectory.tokens]
+    return row
 
 
 def _to_json(value: Any, where: str) -> bytes:
@@ -181,14 +205,15 @@ def read_plain(
     return checkpoint, tuple(groups)
 
 
-def _row(where: str, value: object, size: int) -> list[Any]:
-    """``value``, a JSON list of ``size`` fields.
+def _row(where: str, value: object, size: int, longer: int | None = None) -> list[Any]:
+    """``value``, a JSON list of ``size`` fields (or ``longer``, the row with its later fields).
 
     Raises:
         CheckpointError: it is something else.
     """
-    if type(value) is not list or len(value) != size:
-        raise CheckpointError(f"the checkpoint's {where} must be a JSON list of {size} fields")
+    if type(value) is not list or len(value) not in (size, longer):
+        sizes = str(size) if longer is None else f"{size} or {longer}"
+        raise CheckpointError(f"the checkpoint's {where} must be a JSON list of {sizes} fields")
     return value
 
 
@@ -200,12 +225,15 @@ def _group_from_row(
     Raises:
         CheckpointError: the row is not shaped as the writer writes it, or ``decode`` failed.
     """
-    uid, partition, step, status, tags, finish_step, seconds, rows = _row(where, row, 8)
+    uid, partition, step, status, tags, finish_step, seconds, rows, *start = _row(where, row, 8, 9)
     if type(rows) is not list:
         raise CheckpointError(f"the checkpoint's {where}.trajectories must be a JSON list")
     trajectories = []
     for position, trajectory in enumerate(rows):
-        key, session_id, index, trajectory_tags = _row(f"{where}.trajectories[{position}]", trajectory, 4)
+        key, session_id, index, trajectory_tags, *counted = _row(
+            f"{where}.trajectories[{position}]", trajectory, 4, 6
+        )
+        versions, tokens = (_segments(counted[0]), counted[1]) if counted else ((), 0)
         try:
             payload = decode(bytes(next_frame()))
         except CheckpointError:
@@ -214,12 +242,46 @@ def _group_from_row(
             raise CheckpointError(
                 f"decode failed for trajectory {describe(key)}: {describe_error(exc)}"
             ) from exc
-        trajectories.append(new_trajectory(key, session_id, index, _frozen(trajectory_tags), payload))
+        trajectories.append(
+            tuple.__new__(  # its runs packed only if they can be: the checks name what is wrong
+                Trajectory,
+                (
+                    key,
+                    session_id,
+                    index,
+                    _frozen(trajectory_tags),
+                    payload,
+                    versions,
+                    tokens,
+                    _packed(versions),
+                ),
+            )
+        )
     with contextlib.suppress(ValueError):  # not a status: left for the checks to name
         status = Status(status)
     if type(seconds) is float and not math.isfinite(seconds):
         seconds = 0.0  # JSON may hold NaN or Infinity; no clock measures either
-    return new_group(uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
+    # An older row has no start version: the dispatch step. A given one goes to the checks as it
+    # is (new_group would read a null as "the dispatch step").
+    fields = (uid, partition, step, status, _frozen(tags), tuple(trajectories), finish_step, seconds)
+    return tuple.__new__(Group, (*fields, start[0] if start else step))
+
+
+def _packed(versions: Any) -> bytes:
+    """``versions`` packed as the batch arrays read them, or ``b""`` if they cannot be (not int
+    pairs): the checks then refuse them, naming the field."""
+    try:
+        return pack_runs(versions)
+    except (TypeError, ValueError, struct.error):
+        return b""
+
+
+def _segments(versions: object) -> Any:
+    """A JSON list of ``[version, n_tokens]`` lists as a tuple of pairs; another value as it is,
+    for the checks to name."""
+    if type(versions) is list and all(type(pair) is list for pair in versions):
+        return tuple(map(tuple, versions))
+    return versions
 
 
 def _frozen(tags: object) -> Any:

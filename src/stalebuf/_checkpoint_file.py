@@ -28,7 +28,7 @@ from typing import IO, Any, Protocol
 import attrs
 
 from ._checkpoint_checks import checked
-from ._checkpoint_codec import read_plain, write_plain
+from ._checkpoint_codec import read_plain, write_plain, written_counters
 from ._checkpoint_path import (
     create_temporary,
     forget_temporary,
@@ -198,7 +198,8 @@ def _digest(version: int, flags: int, length: int, body: hashlib._Hash) -> bytes
 
 
 def _write_pickled(body: _Body, checkpoint: BufferCheckpoint) -> None:
-    manifest = attrs.evolve(checkpoint, groups=())
+    partitions = tuple(attrs.evolve(p, counters=written_counters(p.counters)) for p in checkpoint.partitions)
+    manifest = attrs.evolve(checkpoint, groups=(), partitions=partitions)
     try:
         body.frame(pickle.dumps((manifest, len(checkpoint.groups)), protocol=5))
     except Exception as exc:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Mapping
+from functools import partial
 from itertools import chain, compress, repeat
 from math import isfinite
 from operator import add, attrgetter, is_not, itemgetter, le
 from types import MappingProxyType
 from typing import Any
 
+from ._checkpoint_versions import valid_versions
 from ._lazy_group import LazyGroup
 from ._validation import MAX_INT, is_utf8
 from .checkpoint import PartitionCheckpoint
@@ -25,14 +27,17 @@ _GROUP_KINDS = frozenset({Group, LazyGroup})
 # The field accessors of the records read their slots in C (a lazily stored group's getitem would
 # build its trajectory records; "_stored" reads the slot that holds them or its payloads).
 _FIELDS = tuple("_stored" if name == "trajectories" else name for name in Group._fields)
-_uid, _partition, _step, _status, _tags, _stored, _finish, _seconds = map(attrgetter, _FIELDS)
+_uid, _partition, _step, _status, _tags, _stored, _finish, _seconds, _start = map(attrgetter, _FIELDS)
+_versions, _tokens, _runs = itemgetter(5), itemgetter(6), itemgetter(7)
+#: A group's trajectory records to their token counts, as a C-level callable.
+_tokens_of = partial(map, _tokens)
 
 
 def resident_if_valid(
     records: tuple[Any, ...], partitions: Mapping[str, PartitionCheckpoint]
-) -> dict[str, tuple[int, int]] | None:
-    """Each partition's resident (groups, trajectories) if every record is a valid group with
-    read-only tags, of a known partition, and no uid repeats; else None (the group-by-group
+) -> dict[str, tuple[int, int, int]] | None:
+    """Each partition's resident (groups, trajectories, tokens) if every record is a valid group
+    with read-only tags, of a known partition, and no uid repeats; else None (the group-by-group
     check then names the fault). The same rules as :func:`_checked_group`, or stricter."""
     if not records:
         return {}
@@ -44,6 +49,8 @@ def resident_if_valid(
         return None
     if not (_valid_steps(steps) and _valid_steps(finishes) and all(map(le, steps, finishes))):
         return None
+    if not _valid_steps(list(map(_start, records))):
+        return None
     seconds = list(map(_seconds, records))
     if set(map(type, seconds)) != {float} or not all(map(isfinite, seconds)) or min(seconds) < 0:
         return None
@@ -53,12 +60,15 @@ def resident_if_valid(
     if set(map(type, stored)) != {tuple}:
         return None
     eager = list(map(is_not, kinds, repeat(LazyGroup)))
-    if not _valid_trajectories(list(compress(uids, eager)), list(compress(stored, eager))):
+    eager_stored = list(compress(stored, eager))
+    if not _valid_trajectories(list(compress(uids, eager)), eager_stored):
         return None
-    resident: dict[str, tuple[int, int]] = {}
-    for name, count in zip(names, map(len, stored), strict=True):
-        held = resident.get(name, (0, 0))
-        resident[name] = (held[0] + 1, held[1] + count)
+    # A lazily stored group holds no tokens; an eager one the sum of its trajectories'.
+    tokens = iter(list(map(sum, map(_tokens_of, eager_stored))))
+    resident: dict[str, tuple[int, int, int]] = {}
+    for name, count, is_eager in zip(names, map(len, stored), eager, strict=True):
+        held = resident.get(name, (0, 0, 0))
+        resident[name] = (held[0] + 1, held[1] + count, held[2] + (next(tokens) if is_eager else 0))
     return resident
 
 
@@ -111,9 +121,13 @@ def _valid_trajectories(uids: list[str], stored: list[tuple[Any, ...]]) -> bool:
     records = list(chain.from_iterable(stored))
     if not records:
         return True
-    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {len(Trajectory._fields)}:
+    if set(map(type, records)) != {Trajectory} or set(map(len, records)) != {Trajectory.SLOTS}:
         return False
     keys, sessions, indices, tags = (list(map(itemgetter(i), records)) for i in range(4))
+    if not valid_versions(
+        list(map(_versions, records)), list(map(_tokens, records)), list(map(_runs, records))
+    ):
+        return False
     if set(map(type, keys)) != {str} or not (_valid_steps(sessions) and _valid_steps(indices)):
         return False
     owners = chain.from_iterable(map(repeat, uids, map(len, stored)))

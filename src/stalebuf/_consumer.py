@@ -1,11 +1,10 @@
 """The consumer: what ``sample`` does. Evict by the rules until nothing more goes, select, or park.
 
 :class:`Consumer` owns the parked ``sample`` calls (one arrival-ordered queue per partition),
-the status reporter, ``on_evict``, the sample observers and the ``wait_for_sampleable`` calls
-(``_sampleable.py``; they take nothing, so they never join a queue of samples). Each evaluation asks the rules
-first (``_rules.py``) and changes the store after, so a hook that raises leaves the buffer as
-it was. A parked call re-checks everything when woken; when it leaves the head of its
-partition's queue, for any reason, it passes the wake-up on (as CPython's asyncio queues do).
+the status reporter, ``on_evict``, the sample observers and, apart, ``wait_for_sampleable``'s.
+Each evaluation asks the rules first (``_rules.py``) and changes the store after, so a hook that
+raises leaves the buffer as it was. A parked call re-checks everything when woken; when it leaves
+the head of its partition's queue, for any reason, it passes the wake-up on (as asyncio does).
 """
 
 from __future__ import annotations
@@ -14,27 +13,35 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from time import monotonic
-from types import MappingProxyType
 
 import anyio
 
 from ._admission import Admission
 from ._deadlines import Deadlines
 from ._eviction import Eviction
-from ._explain import explain_wait
+from ._explain import Explainer
+from ._filtering import Filtering
+from ._group_snapshots import terminal_record
+from ._mixture import Mixing
+from ._open_group import OpenGroup
 from ._partition import PartitionState
+from ._partition_stats import buffer_stats
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
+from ._sample_report import SampleReport
 from ._sampleable import SampleableWaits
 from ._status_log import StatusLog, log_waiting, logger, next_due
 from ._store import GroupStore
-from ._validation import check_partition, describe, describe_error, describe_typed
-from ._waiting import LoopBinding, Waiter, park, park_with_deadline
+from ._validation import describe
+from ._waiting import LoopBinding, Waiter, drop_abandoned, park, park_with_deadline
 from .errors import BufferClosedError
-from .metrics import SampleMetrics, metric_prefix
-from .records import Batch, EvictionEvent, Group, new_batch
-from .stats import BufferStats, PartitionStats, WaitExplanation
+from .metrics import SampleMetrics
+from .records import Batch, EvictionEvent, Group, Status
+from .stats import BufferStats
 
 __all__ = ["Consumer", "EvictCallback", "SampleObserver"]
+
+_FINISHED = Status.FINISHED
+
 
 #: What a parked sample's attempt returns to set its deadline timer again (never a batch: a
 #: batch holds at least one group).
@@ -51,6 +58,7 @@ class Consumer:
     Attributes (read them; change them only through the methods):
         waiting: the parked ``sample`` calls of each partition, in arrival order.
         sampleable: ``sampleable_count`` and the parked ``wait_for_sampleable`` calls.
+        explainer: ``explain_wait`` and the reason a status line gives.
         evaluations: how often a sample evaluated a partition (tests and benchmarks read it
             to prove an idle wait does no work).
     """
@@ -61,7 +69,12 @@ class Consumer:
         "deadlines",
         "evaluations",
         "eviction",
+        "explainer",
+        "filtering",
+        "filters",
+        "mixing",
         "observers",
+        "report",
         "rules",
         "sampleable",
         "status_interval",
@@ -84,13 +97,59 @@ class Consumer:
         self.rules = rules
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
-        self.deadlines = Deadlines(store, admission, rules)
         self.sampleable = SampleableWaits(store, rules)
+        self.explainer = Explainer(store, admission, rules, self.sampleable, self)
+        self.filtering = Filtering(rules.filters, self.eviction)
+        self.filters = bool(rules.filters)  # whether any group is ever filtered (read per group)
+        self.deadlines = Deadlines(store, admission, rules, self.filtering)
+        self.mixing = Mixing(store, rules)
+        self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None
         self.waiting: dict[str, deque[Waiter]] = {}
         self.observers: list[SampleObserver] = []
         self.evaluations = 0
+
+    # -- groups ending -------------------------------------------------------------------
+
+    def finish(
+        self, group: OpenGroup, status: Status, clock: int, measured: bool = True, timed: float | None = None
+    ) -> None:
+        """End the in-flight ``group`` with ``status`` (``store.end``'s arguments, ``timed`` its
+        ``seconds``): one that finishes is filtered first, and evicted at once if a filter rejects it.
+
+        Raises:
+            Exception: what ``on_evict`` raised reporting a filtered group (it is evicted all
+                the same), or StalebufError when its refills keep being filtered.
+        """
+        store = self.store
+        if status is not _FINISHED or not self.filters:  # the common case, without a call
+            self.notify(store.end(group, status, clock, measured, None, timed))
+            return
+        part = store.cell_of(group)
+        if part.exempt:
+            self.notify(store.end(group, status, clock, measured, None, timed))
+            return
+        record = terminal_record(group, status, clock, timed)
+        keep = self.filtering.keeps(part, record)
+        if store.groups.get(group.uid) is not group:  # a filter ended the group itself
+            return
+        if keep:
+            self.notify(store.end(group, status, clock, measured, record))
+        else:
+            store.filter_out(group, measured)
+            self.filtered(part, (record,))
+
+    def judge(self, part: PartitionState, record: Group) -> bool:
+        """Run the filters on ``record`` (FINISHED, of ``part``); whether it is kept (never raises)."""
+        return self.filtering.keeps(part, record)
+
+    def filtered(self, part: PartitionState, records: tuple[Group, ...]) -> None:
+        """Report ``records``, just evicted by a filter: their slots are free (wake producers),
+        then ``on_evict`` hears of them (see :meth:`Filtering.report`)."""
+        clock = self.admission.clocks.get(part.name, 0)
+        self.admission.wake(part.name)
+        self.filtering.report(EvictionEvent(part.name, "filtered", records, clock))
 
     # -- wake-ups ------------------------------------------------------------------------
 
@@ -109,12 +168,16 @@ class Consumer:
             return
         head = waiters[0]
         if head.abandoned():  # its loop was closed under it: the next live waiter is the head
-            _drop_abandoned(waiters)
+            drop_abandoned(waiters)
             if not waiters:
                 return
             head = waiters[0]
         try:
-            wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
+            if part.task is None:
+                wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
+            else:  # a task's cell: the batch is judged across its partition's cells
+                parent = self.store.partitions[part.name]
+                wake = self.mixing.has_work(parent, head.global_steps, head.batch_size)
             if not wake and part.deadlines:  # a new head, or a deadline moved earlier: set the timer
                 cut_at = self.deadlines.next_cut(part)
                 if cut_at is not None and cut_at < head.cut_at:
@@ -145,14 +208,13 @@ class Consumer:
         waiters = self.waiting.get(name)
         if not waiters:
             return False
-        _drop_abandoned(waiters)
+        drop_abandoned(waiters)
         return bool(waiters)
 
     def close(self) -> None:
-        """Wake every parked sample and ``wait_for_sampleable`` (each raises BufferClosedError
-        from its own call)."""
+        """Wake every parked call (each raises BufferClosedError from its own ``sample``)."""
         for waiters in self.waiting.values():
-            _drop_abandoned(waiters, everywhere=True)
+            drop_abandoned(waiters, everywhere=True)
             for waiter in waiters:
                 waiter.wake()
         self.sampleable.close()
@@ -162,68 +224,17 @@ class Consumer:
         waiters = self.waiting.get(name)
         if not waiters:
             return 0
-        _drop_abandoned(waiters, everywhere=True)
+        drop_abandoned(waiters, everywhere=True)
         return len(waiters)
 
     def stats(self) -> BufferStats:
         """Return the buffer's snapshot: the store's counts, with the queues of the consumer
-        and admission (abandoned waiters, whose loop closed under them, left out).
-
-        Raises:
-            WrongThreadError: called from another thread than the bound loop's.
-        """
-        self.binding.check_thread()
-        admission = self.admission
-        admission.drop_abandoned()
-        partitions = {
-            name: part.stats(
-                self.count_waiting(name), admission.waiting(name), admission.capacity(part, name)
-            )
-            for name, part in sorted(self.store.partitions.items())
-        }
-        total = PartitionStats()
-        for item in partitions.values():
-            total = total + item
-        return BufferStats(closed=self.store.closed, partitions=MappingProxyType(partitions), total=total)
-
-    def explain(self, partition: object) -> WaitExplanation:
-        """``explain_wait``: why the head ``sample`` parked on ``partition`` waits.
-
-        Raises:
-            WrongThreadError: called from another thread than the bound loop's.
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            Exception: whatever a policy hook raised.
-        """
-        self.binding.check_thread()
-        name = check_partition(partition)
-        live = self.count_waiting(name)
-        head = self.waiting[name][0] if live else None
-        return explain_wait(name, self.store.partitions.get(name), head, live, self.rules, self.admission)
-
-    def reason(self, name: str, waiter: Waiter) -> str:
-        """Why ``waiter``, parked on partition ``name``, waits: its status line's last words."""
-        try:
-            reason = self.explain(name).reason
-        except Exception as exc:  # a policy hook: the line is logged all the same
-            return f"(unknown: explaining it raised {describe_error(exc)})"
-        waiters = self.waiting.get(name) or ()
-        ahead = next((i for i, queued in enumerate(waiters) if queued is waiter), 0)
-        if ahead:
-            return (
-                f"{ahead} earlier sample(s) on the partition go first, and the first waits because {reason}"
-            )
-        return reason
+        and admission (abandoned waiters, whose loop closed under them, left out)."""
+        self.admission.drop_abandoned()
+        return buffer_stats(self.store, self.admission, self.filtering, self.mixing, self.count_waiting)
 
     def subscribe(self, observer: SampleObserver) -> Callable[[], None]:
-        """Call ``observer(batch, metrics)`` with every batch returned; return what stops it.
-
-        Raises:
-            TypeError: ``observer`` is not callable.
-            WrongThreadError: called from another thread than the bound loop's.
-        """
-        if not callable(observer):
-            raise TypeError(f"observer must be callable, got {describe_typed(observer)}")
-        self.binding.check_thread()
+        """Call ``observer(batch, metrics)`` with every batch returned; return what stops it."""
         observers = self.observers
         observers.append(observer)
 
@@ -272,6 +283,8 @@ class Consumer:
         self.evaluations += 1
         if part.deadlines and self.deadlines.cut_overdue(part) and self.sampleable.waiting:
             self.sampleable.notify(part)  # cut groups are terminal: sampleable, maybe
+        if part.cells is not None:
+            return self._evaluate_mixture(part, global_steps, batch_size, metrics)
         verdict = self.rules.quick_verdict(part, global_steps, batch_size)
         if verdict != NEEDS_RULES:  # the common case: the default rules and nothing to evict
             if verdict == NO_BATCH:
@@ -286,6 +299,24 @@ class Consumer:
             return None
         metrics.oldest_first = oldest
         return self._take_batch(part, None if oldest else chosen, global_steps, batch_size)
+
+    def _evaluate_mixture(
+        self, part: PartitionState, global_steps: int, batch_size: int, metrics: SampleMetrics
+    ) -> list[Group] | None:
+        """:meth:`evaluate` for a partition under a task mixture: evict in every task's cell,
+        then take each task's share of a batch if one may be returned (see ``_mixture.py``)."""
+        left = False
+        for cell in part.cells.values():  # type: ignore[union-attr]  # a mixture's parent
+            left = self.eviction.run(cell, global_steps, metrics) or left
+        mixing = self.mixing
+        if not mixing.ready(part, global_steps, batch_size):
+            if left:
+                self.admission.wake(part.name)
+            return None
+        groups = mixing.take(part, mixing.choose(part, global_steps, batch_size), batch_size)
+        self.admission.batch_taken(part.name, global_steps)
+        metrics.oldest_first = False
+        return groups
 
     def _take_batch(
         self, part: PartitionState, chosen: list[Group] | None, global_steps: int, batch_size: int
@@ -307,27 +338,7 @@ class Consumer:
 
         An observer that raises is logged, never turned into an error: the batch is taken.
         """
-        sync_step = self.rules.sync_step
-        batch = new_batch(part.name, global_steps, tuple(groups), sync_step)
-        admission = None
-        if part.cap is not None:
-            # The batch is already taken: a policy hook that raises here must not lose it, so
-            # the error is logged and the metric reports NaN (unknown).
-            try:
-                free: float = self.admission.free_slots(part, part.name) or 0
-            except Exception:
-                logger.exception("a staleness policy hook raised while counting free admission slots")
-                free = math.nan
-            admission = (free, self.admission.take_producer_wait(part.name))
-        rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission)
-        if part.deadlines:  # the cuts since the partition's previous batch
-            cut_groups, cut_trajectories, cut_seconds = self.store.take_recent_cuts(part)
-            prefix = f"{metric_prefix(part.name)}/rollout"
-            rendered[f"{prefix}/cut_groups"] = float(cut_groups)
-            rendered[f"{prefix}/cut_trajectories"] = float(cut_trajectories)
-            rendered[f"{prefix}/cut_generation_seconds/mean"] = (
-                cut_seconds / cut_groups if cut_groups else 0.0
-            )
+        batch, rendered = self.report.render(part, global_steps, groups, metrics, wait_seconds)
         for observer in self.observers:
             try:
                 observer(batch, rendered)
@@ -369,7 +380,7 @@ class Consumer:
         timer_logs = interval is not None and binding.on_asyncio
         if timer_logs:
             if self.status_log is None:
-                self.status_log = StatusLog(interval, self.waiting, self.store.partitions, self.reason)  # type: ignore[arg-type]
+                self.status_log = StatusLog(interval, self.waiting, self.store.partitions, self.explainer)  # type: ignore[arg-type]
             self.status_log.watch(waiter, started)
         waiters = self.waiting.get(part.name)
         if waiters is None:
@@ -414,7 +425,7 @@ class Consumer:
 
         def log_line(now: float) -> tuple[float, bool]:
             nonlocal next_log
-            log_waiting(part, waiter, next_log - started, interval, self.reason(part.name, waiter))  # type: ignore[arg-type]
+            log_waiting(part, waiter, next_log - started, interval, self.explainer.reason)  # type: ignore[arg-type]
             next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
             return next_log, False
 
@@ -476,22 +487,9 @@ class Consumer:
                 )
             waiter.rearm_if_cancelled()  # the scope's cancellation may have cancelled the signal
             if now >= next_log:
-                log_waiting(part, waiter, next_log - started, interval, self.reason(part.name, waiter))  # type: ignore[arg-type]
+                log_waiting(part, waiter, next_log - started, interval, self.explainer.reason)  # type: ignore[arg-type]
                 next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
             if now >= wake_at:  # a straggler's deadline: cut it and evaluate (as the head)
                 taken = attempt()
                 if taken is not None:
                     return taken
-
-
-def _drop_abandoned(waiters: deque[Waiter], everywhere: bool = False) -> None:
-    """Forget waiters whose event loop was closed under them: they will never run. Only the
-    head is checked (O(1) on the hot paths) unless ``everywhere``."""
-    if everywhere:
-        if any(waiter.abandoned() for waiter in waiters):
-            live = [waiter for waiter in waiters if not waiter.abandoned()]
-            waiters.clear()
-            waiters.extend(live)
-        return
-    while waiters and waiters[0].abandoned():
-        waiters.popleft()

@@ -13,11 +13,15 @@ from __future__ import annotations
 from time import monotonic
 
 from ._admission import Admission
+from ._filtering import Filtering
+from ._group_snapshots import cut_record
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._rules import Rules
 from ._store import GroupStore
-from .records import Status
+from .records import EvictionEvent, Group, Status
+
+_FINISHED = Status.FINISHED
 
 __all__ = ["Deadlines"]
 
@@ -25,12 +29,13 @@ __all__ = ["Deadlines"]
 class Deadlines:
     """Cuts the stragglers of a buffer's partitions (it owns no state of its own)."""
 
-    __slots__ = ("admission", "rules", "store")
+    __slots__ = ("admission", "filtering", "rules", "store")
 
-    def __init__(self, store: GroupStore, admission: Admission, rules: Rules) -> None:
+    def __init__(self, store: GroupStore, admission: Admission, rules: Rules, filtering: Filtering) -> None:
         self.store = store
         self.admission = admission
         self.rules = rules
+        self.filtering = filtering
 
     def next_cut(self, part: PartitionState) -> float | None:
         """When (``monotonic()``) the first in-flight group of ``part`` reaches its deadline, or
@@ -39,6 +44,9 @@ class Deadlines:
         Raises:
             StalebufError, Exception: the policy's ``group_deadline`` answered nonsense or raised.
         """
+        if part.cells is not None:  # a task mixture: its cells hold the groups
+            cuts = [cut for cut in map(self.next_cut, part.cells.values()) if cut is not None]
+            return min(cuts, default=None)
         first = part.first_started() if part.deadlines else None
         if first is None:
             return None
@@ -54,6 +62,8 @@ class Deadlines:
         Raises:
             StalebufError, Exception: a policy hook answered nonsense or raised.
         """
+        if part.cells is not None:  # a task mixture: its cells hold the groups
+            return sum(map(self.cut_overdue, part.cells.values()))
         if not part.deadlines or not part.starts:
             return 0
         first = part.first_started()
@@ -70,9 +80,40 @@ class Deadlines:
             (group, self.rules.cut_status(part, len(group.trajectories))) for group in overdue
         ]
         clock = self.admission.clocks.get(part.name, 0)
+        filtered: list[Group] = []
         for group, status in outcomes:
-            self.store.cut(group, status, clock, seconds)
+            self._cut(part, group, status, clock, seconds, filtered)
+        if filtered:
+            self.admission.wake(part.name)
+            self.filtering.report(EvictionEvent(part.name, "filtered", tuple(filtered), clock))
         return len(outcomes)
+
+    def _cut(
+        self,
+        part: PartitionState,
+        group: OpenGroup,
+        status: Status,
+        clock: int,
+        seconds: float,
+        filtered: list[Group],
+    ) -> None:
+        """Cut ``group`` (a group that finishes is filtered first; one a filter ended itself,
+        or an earlier cut's filter did, is left alone)."""
+        store, filtering = self.store, self.filtering
+        if store.groups.get(group.uid) is not group:
+            return
+        if status is not _FINISHED or not filtering.applies(part):
+            store.cut(group, status, clock, seconds)
+            return
+        record = cut_record(group, status, clock)
+        keep = filtering.keeps(part, record)
+        if store.groups.get(group.uid) is not group:
+            return
+        if keep:
+            store.cut(group, status, clock, seconds, record)
+        else:
+            store.cut_filtered(group, seconds)
+            filtered.append(record)
 
 
 def _overdue(part: PartitionState, started_before: float) -> list[OpenGroup]:
@@ -97,7 +138,7 @@ def _overdue(part: PartitionState, started_before: float) -> list[OpenGroup]:
     found.sort()
     groups = []
     for _, _, group in found:
-        at_step = in_flight.get(group.dispatch_step)
+        at_step = in_flight.get(group.head)
         if at_step is not None and at_step.get(group.uid) is group:
             groups.append(group)
     return groups

@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable
 
 from ._admission import Admission
+from ._judged_index import JudgedEntry
 from ._partition import PartitionState
 from ._rules import Rules
 from ._status_log import logger
@@ -74,17 +75,18 @@ class Eviction:
         left = False
         while True:
             stale = rules.stale_steps(part, global_steps)
+            judged = rules.stale_judged(part, global_steps)
             stale_in_flight = rules.stale_in_flight_steps(part, global_steps)
-            if not stale and not stale_in_flight and not part.failed:
+            if not stale and not judged and not stale_in_flight and not part.failed:
                 return left
             if evicted_before:
                 rounds = _readmitted_rounds(
-                    part, stale, stale_in_flight, readmitted_from, evicted_before, rounds
+                    part, (stale, judged, stale_in_flight), readmitted_from, evicted_before, rounds
                 )
             # State changes from here on: the call has gone through, so the clock moves now
             # (a hook that raised above left everything, the clock included, as it was).
             self.admission.advance(name, global_steps)
-            events = self._evict(part, global_steps, stale, stale_in_flight, metrics)
+            events = self._evict(part, global_steps, (stale, judged, stale_in_flight), metrics)
             left = True
             self.admission.wake(name)  # slots freed: wake before on_evict runs, which may raise
             evicted_before = frozenset(group.uid for event in events for group in event.groups)
@@ -96,19 +98,20 @@ class Eviction:
         self,
         part: PartitionState,
         global_steps: int,
-        stale: list[int],
-        stale_in_flight: list[int],
+        chosen: tuple[list[int], list[JudgedEntry], list[int]],
         metrics: SampleMetrics,
     ) -> list[EvictionEvent]:
-        """Evict what the rules chose (nothing here raises); return the events to report."""
+        """Evict what the rules chose (``chosen``: stale ready steps, stale judged entries,
+        stale in-flight heads; nothing here raises); return the events to report."""
+        stale, judged, stale_in_flight = chosen
         events: list[EvictionEvent] = []
         store = self.store
         if part.failed:
             failed = store.evict_failed(part)
             metrics.failed_groups += len(failed)
             events.append(EvictionEvent(part.name, "failure", tuple(failed), global_steps))
-        if stale or stale_in_flight:
-            dropped = store.evict_stale(part, stale)
+        if stale or judged or stale_in_flight:
+            dropped = store.evict_stale(part, stale, judged)
             if stale_in_flight:
                 # The sample evicting them moves the clock to its step (it went through).
                 clock = max(self.admission.clocks.get(part.name, 0), global_steps)
@@ -143,8 +146,7 @@ class Eviction:
 
 def _readmitted_rounds(
     part: PartitionState,
-    stale: list[int],
-    stale_in_flight: list[int],
+    chosen: tuple[list[int], list[JudgedEntry], list[int]],
     readmitted_from: int,
     evicted_before: frozenset[str],
     rounds: int,
@@ -160,8 +162,10 @@ def _readmitted_rounds(
         StalebufError: the bound is reached, or the round would evict exactly what the round
             before evicted (same uids: it would loop forever).
     """
+    stale, judged, stale_in_flight = chosen
     buckets, in_flight = part.ready.buckets, part.in_flight.groups
     entries = [(seq, group.uid) for step in stale for seq, group in buckets[step].live_entries()]
+    entries += [(seq, group.uid) for _, seq, group in judged]
     entries += [(group.seq, uid) for step in stale_in_flight for uid, group in in_flight[step].items()]
     entries += [(seq, group.uid) for _, seq, group in part.failed]
     if not all(seq >= readmitted_from for seq, _ in entries):

@@ -1,76 +1,120 @@
 """Why a parked ``sample`` waits: ``explain_wait`` and the reason its status line gives.
 
-Everything here reads; nothing changes a part's state. The answer is built from what the
-parts own: the head of the partition's queue of parked samples (the consumer's), the groups
-(the store's), the rules' count and wait gate, and admission's slots and refused producers.
+Everything here reads; nothing changes a part's state. :class:`Explainer` builds the answer from
+what the parts own: the head of the partition's queue of parked samples (the consumer's), the
+groups (the store's, in each task's cell under a mixture), the count ``sampleable_count`` gives,
+the rules' wait gate, and admission's slots and refused producers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import deque
+from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 
 from ._admission import Admission
 from ._partition import PartitionState
 from ._rules import Rules
-from ._validation import describe
+from ._sampleable import SampleableWaits
+from ._store import GroupStore
+from ._validation import check_partition, describe, describe_error
 from ._waiting import Waiter
 from .stats import WaitExplanation
 
-__all__ = ["explain_wait"]
+__all__ = ["Explainer"]
 
 
-def explain_wait(
-    name: str,
-    part: PartitionState | None,
-    head: Waiter | None,
-    waiting: int,
-    rules: Rules,
-    admission: Admission,
-) -> WaitExplanation:
-    """Explain why ``head``, the first of the ``waiting`` samples parked on partition ``name``
-    (``part``, None if it does not exist yet), waits (see :class:`~stalebuf.WaitExplanation`).
+class ParkedSamples(Protocol):
+    """The consumer's queues of parked samples, as the explainer reads them."""
 
-    Raises:
-        Exception: whatever a policy hook raised (``is_stale``, ``must_wait_for``, ``admits``).
-    """
-    refusals, refused_tag = admission.refusals(name)
-    producers = admission.waiting(name)
-    full = admission.free_slots(part, name) == 0
-    in_flight = 0 if part is None else part.pending + part.running
-    if head is None:
-        return WaitExplanation(
+    @property
+    def waiting(self) -> Mapping[str, deque[Waiter]]:
+        """The parked ``sample`` calls of each partition, in arrival order."""
+
+    def count_waiting(self, name: str) -> int:
+        """How many live ``sample`` calls wait on partition ``name``."""
+
+
+class Explainer:
+    """Answers ``explain_wait`` for one buffer, and the reason of its status lines (owns nothing)."""
+
+    __slots__ = ("admission", "parked", "rules", "sampleable", "store")
+
+    def __init__(
+        self,
+        store: GroupStore,
+        admission: Admission,
+        rules: Rules,
+        sampleable: SampleableWaits,
+        parked: ParkedSamples,
+    ) -> None:
+        self.store = store
+        self.admission = admission
+        self.rules = rules
+        self.sampleable = sampleable
+        self.parked = parked
+
+    def explain(self, partition: object) -> WaitExplanation:
+        """``explain_wait``: why the head ``sample`` parked on ``partition`` waits.
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            Exception: whatever a policy hook raised (``is_stale``, ``must_wait_for``, ``admits``).
+        """
+        self.store.binding.check_thread()
+        name = check_partition(partition)
+        waiting = self.parked.count_waiting(name)
+        head = self.parked.waiting[name][0] if waiting else None
+        part = self.store.partitions.get(name)
+        cells = [] if part is None else [part] if part.cells is None else list(part.cells.values())
+        admission = self.admission
+        refusals, refused_tag = admission.refusals(name)
+        idle = WaitExplanation(
             partition=name,
             reason=f"no sample waits on partition {describe(name)}",
-            in_flight=in_flight,
+            in_flight=sum(cell.pending + cell.running for cell in cells),
             closed_tag_refusals=refusals,
             closed_tag=refused_tag,
-            admission_full=full,
-            waiting_producers=producers,
+            admission_full=admission.free_slots(part, name) == 0,
+            waiting_producers=admission.waiting(name),
         )
-    steps, size = head.global_steps, head.batch_size
-    sampleable = 0 if part is None else rules.count_fresh(part, steps)
-    held_by, held_at = _gate_holder(part, steps, rules)
-    explanation = WaitExplanation(
-        partition=name,
-        reason="",
-        waiting_samplers=waiting,
-        global_steps=steps,
-        batch_size=size,
-        waited_seconds=_waited(head),
-        sampleable=sampleable,
-        short_by=max(0, size - sampleable),
-        in_flight=in_flight,
-        gate_held_by=held_by,
-        gate_staleness=None if held_at is None else (steps - held_at + 1) / rules.sync_step,
-        closed_tag_refusals=refusals,
-        closed_tag=refused_tag,
-        admission_full=full,
-        waiting_producers=producers,
-    )
-    return attrs.evolve(explanation, reason=_reason(explanation, held_at))
+        if head is None:
+            return idle
+        steps, size = head.global_steps, head.batch_size
+        sampleable = self.sampleable.fresh(name, steps)
+        held_by, held_at = _gate_holder(cells, steps, self.rules)
+        explanation = attrs.evolve(
+            idle,
+            waiting_samplers=waiting,
+            global_steps=steps,
+            batch_size=size,
+            waited_seconds=_waited(head),
+            sampleable=sampleable,
+            short_by=max(0, size - sampleable),
+            gate_held_by=held_by,
+            gate_staleness=None if held_at is None else (steps - held_at + 1) / self.rules.sync_step,
+        )
+        return attrs.evolve(explanation, reason=_reason(explanation, held_at))
+
+    def reason(self, name: str, waiter: Waiter) -> str:
+        """Why ``waiter``, parked on partition ``name``, waits: its status line's last words
+        (never raises: a hook's error is named instead)."""
+        try:
+            reason = self.explain(name).reason
+        except Exception as exc:  # a policy hook: the line is logged all the same
+            return f"(unknown: explaining it raised {describe_error(exc)})"
+        waiters = self.parked.waiting.get(name) or ()
+        ahead = next((i for i, queued in enumerate(waiters) if queued is waiter), 0)
+        if ahead:
+            return (
+                f"{ahead} earlier sample(s) on the partition go first, and the first waits because {reason}"
+            )
+        return reason
 
 
 def _reason(explained: WaitExplanation, held_at: int | None) -> str:
@@ -104,16 +148,19 @@ def _reason(explained: WaitExplanation, held_at: int | None) -> str:
     return "; ".join(causes) if causes else "a batch may be taken now: the sample is about to wake"
 
 
-def _gate_holder(part: PartitionState | None, steps: int, rules: Rules) -> tuple[str | None, int | None]:
+def _gate_holder(cells: list[PartitionState], steps: int, rules: Rules) -> tuple[str | None, int | None]:
     """The uid and dispatch step of the in-flight group that keeps the wait gate closed for a
-    sample at ``steps`` (the oldest in flight, the first admitted at its step), or Nones."""
-    if part is None or rules.gate_open(part, steps):
-        return None, None
-    oldest = part.in_flight.oldest()
-    at_step = None if oldest is None else part.in_flight.groups.get(oldest)
-    if not at_step:
-        return None, None
-    return next(iter(at_step)), oldest
+    sample at ``steps`` (the oldest in flight of a cell whose gate is closed, the first admitted
+    at its step), or Nones."""
+    held: tuple[int, str] | None = None
+    for cell in cells:
+        if rules.gate_open(cell, steps):
+            continue
+        oldest = cell.in_flight.oldest()
+        at_step = None if oldest is None else cell.in_flight.groups.get(oldest)
+        if oldest is not None and at_step and (held is None or oldest < held[0]):
+            held = (oldest, next(iter(at_step)))
+    return (None, None) if held is None else (held[1], held[0])
 
 
 def _waited(head: Waiter) -> float:

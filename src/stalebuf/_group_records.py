@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import struct
 from collections.abc import Mapping, Sequence
 from functools import partial
 from itertools import repeat
@@ -25,6 +26,7 @@ __all__ = [
     "default_records",
     "new_group",
     "new_trajectory",
+    "pack_runs",
     "record_repr",
     "tags_for_pickle",
 ]
@@ -80,6 +82,11 @@ class Trajectory(tuple):  # type: ignore[type-arg]
         index: the position of this piece within the session (multi-turn rollouts).
         tags: read-only metadata given to ``put`` (empty when none was given).
         payload: whatever the producer stored; the buffer never looks at it.
+        versions: run-length ``(version, n_tokens)`` pairs in generation order: the policy
+            version (a trainer step) that generated each run of tokens; ``()`` when none
+            were given (its tokens then count at the group's start version).
+        tokens: its token count (the sum of the runs when ``versions`` was given; 0 when
+            neither was given).
     """
 
     __slots__ = ()
@@ -89,23 +96,43 @@ class Trajectory(tuple):  # type: ignore[type-arg]
     __ne__ = object.__ne__
     __hash__ = object.__hash__
     __repr__ = _repr
-    _fields = ("key", "session_id", "index", "tags", "payload")
+    _fields = ("key", "session_id", "index", "tags", "payload", "versions", "tokens")
+    #: The tuple's length: the fields, then the versions packed for the batch arrays.
+    SLOTS = 8
 
     def __new__(
-        cls, key: str, session_id: int, index: int, tags: Mapping[str, Any], payload: Any
+        cls,
+        key: str,
+        session_id: int,
+        index: int,
+        tags: Mapping[str, Any],
+        payload: Any,
+        versions: tuple[tuple[int, int], ...] = (),
+        tokens: int = 0,
     ) -> Trajectory:
-        """Build a trajectory record."""
-        return tuple.__new__(cls, (key, session_id, index, tags, payload))
+        """Build a trajectory record (unchecked: the buffer checks what producers give)."""
+        return tuple.__new__(
+            cls, (key, session_id, index, tags, payload, versions, tokens, pack_runs(versions))
+        )
 
     key: str = _field(0, "The key, ``f'{uid}_{session_id}_{index}'``.")
     session_id: int = _field(1, "The rollout session.")
     index: int = _field(2, "The piece of the session.")  # type: ignore[assignment]
     tags: Mapping[str, Any] = _field(3, "Read-only metadata.")
     payload: Any = _field(4, "What the producer stored.")
+    versions: tuple[tuple[int, int], ...] = _field(5, "Run-length ``(version, n_tokens)`` pairs.")
+    tokens: int = _field(6, "The token count.")
+    # The versions as native int64 (version, n_tokens) pairs: a batch joins these bytes into its
+    # run arrays in C, where reading the pairs back from tuples cost ~2 us per trajectory.
+    _runs: bytes = _field(7, "The versions, packed.")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle support: the read-only tags travel as a plain dict."""
-        return (_trajectory, (self.key, self.session_id, self.index, _plain(self.tags), self.payload))
+        """Pickle support: the read-only tags travel as a plain dict (and a trajectory without
+        tokens pickles as files written before versions existed hold it)."""
+        fields = (self.key, self.session_id, self.index, _plain(self.tags), self.payload)
+        if self.tokens or self.versions:
+            return (_trajectory, (*fields, self.versions, self.tokens))
+        return (_trajectory, fields)
 
 
 class Group(tuple):  # type: ignore[type-arg]
@@ -123,6 +150,8 @@ class Group(tuple):  # type: ignore[type-arg]
             flight), and at least ``dispatch_step``; ``finish_step - dispatch_step`` is how many
             trainer steps it generated for.
         generation_seconds: wall-clock seconds from ``add_prompt`` to finish (or eviction).
+        start_version: the policy version at which generation of the group started (its first
+            token): ``mark_running(version=)``, ``put_group(version=)``, else the dispatch step.
     """
 
     __slots__ = ()
@@ -141,6 +170,7 @@ class Group(tuple):  # type: ignore[type-arg]
         "trajectories",
         "finish_step",
         "generation_seconds",
+        "start_version",
     )
 
     def __new__(
@@ -153,10 +183,24 @@ class Group(tuple):  # type: ignore[type-arg]
         trajectories: tuple[Trajectory, ...],
         finish_step: int = 0,
         generation_seconds: float = 0.0,
+        start_version: int | None = None,
     ) -> Group:
-        """Build a group record."""
+        """Build a group record (``start_version`` None: its dispatch step)."""
+        if start_version is None:
+            start_version = dispatch_step
         return tuple.__new__(
-            cls, (uid, partition, dispatch_step, status, tags, trajectories, finish_step, generation_seconds)
+            cls,
+            (
+                uid,
+                partition,
+                dispatch_step,
+                status,
+                tags,
+                trajectories,
+                finish_step,
+                generation_seconds,
+                start_version,
+            ),
         )
 
     uid: str = _field(0, "The group's id.")
@@ -167,6 +211,7 @@ class Group(tuple):  # type: ignore[type-arg]
     trajectories: tuple[Trajectory, ...] = _field(5, "Its trajectories, in ``put`` order.")
     finish_step: int = _field(6, "The clock when it finished.")
     generation_seconds: float = _field(7, "Seconds from add to finish.")
+    start_version: int = _field(8, "The version generation started at.")
     # The trajectories as stored: the records here, the payloads in a LazyGroup (_lazy_group.py;
     # both have the group's len(); a field accessor reads the slot itself, past any override).
     _stored: Any = _field(5, "The trajectories as stored.")
@@ -184,20 +229,13 @@ class Group(tuple):  # type: ignore[type-arg]
         return Group(**values)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle support: the read-only tags travel as a plain dict."""
-        return (
-            _group,
-            (
-                self.uid,
-                self.partition,
-                self.dispatch_step,
-                self.status,
-                _plain(self.tags),
-                self.trajectories,
-                self.finish_step,
-                self.generation_seconds,
-            ),
-        )
+        """Pickle support: the read-only tags travel as a plain dict (and a group that starts at
+        its dispatch step pickles as files written before versions existed hold it)."""
+        fields = (self.uid, self.partition, self.dispatch_step, self.status, _plain(self.tags))
+        rest = (self.trajectories, self.finish_step, self.generation_seconds)
+        if self.start_version != self.dispatch_step:
+            return (_group, (*fields, *rest, self.start_version))
+        return (_group, (*fields, *rest))
 
     # -- the trajectories as stored: read without building lazily stored records --------
 
@@ -226,6 +264,13 @@ DEFAULT_KEY_SESSIONS = 64
 DEFAULT_KEY_SUFFIXES = tuple(f"_{session}_0" for session in range(DEFAULT_KEY_SESSIONS))
 
 
+def pack_runs(versions: tuple[tuple[int, int], ...]) -> bytes:
+    """``versions`` as native int64 ``(version, n_tokens)`` pairs (``b""`` for none)."""
+    if not versions:
+        return b""
+    return struct.pack(f"={2 * len(versions)}q", *[value for pair in versions for value in pair])
+
+
 def default_keys(uid: str, count: int) -> list[str]:
     """The keys of trajectories ``0..count-1`` of ``uid`` with default session ids and indices:
     ``f"{uid}_{i}_0"``, built by C-level loops."""
@@ -240,7 +285,16 @@ _new_trajectory_from = partial(tuple.__new__, Trajectory)
 def default_records(uid: str, payloads: tuple[Any, ...]) -> tuple[Trajectory, ...]:
     """The records of ``payloads`` under default keys (session ``i``, index 0, no tags)."""
     count = len(payloads)
-    rows = zip(default_keys(uid, count), range(count), repeat(0), repeat(EMPTY_TAGS), payloads)
+    rows = zip(
+        default_keys(uid, count),
+        range(count),
+        repeat(0),
+        repeat(EMPTY_TAGS),
+        payloads,
+        repeat(()),
+        repeat(0),
+        repeat(b""),
+    )
     return tuple(map(_new_trajectory_from, rows))
 
 
@@ -270,10 +324,18 @@ _tuple_new = tuple.__new__
 
 
 def new_trajectory(
-    key: str, session_id: int, index: int, tags: Mapping[str, Any], payload: Any
+    key: str,
+    session_id: int,
+    index: int,
+    tags: Mapping[str, Any],
+    payload: Any,
+    versions: tuple[tuple[int, int], ...] = (),
+    tokens: int = 0,
 ) -> Trajectory:
-    """Return ``Trajectory(key, session_id, index, tags, payload)``, built faster."""
-    return _tuple_new(Trajectory, (key, session_id, index, tags, payload))
+    """Return ``Trajectory(key, session_id, index, tags, payload, versions, tokens)``, built faster."""
+    return _tuple_new(
+        Trajectory, (key, session_id, index, tags, payload, versions, tokens, pack_runs(versions))
+    )
 
 
 def new_group(
@@ -285,11 +347,25 @@ def new_group(
     trajectories: tuple[Trajectory, ...],
     finish_step: int,
     generation_seconds: float,
+    start_version: int | None = None,
 ) -> Group:
     """Return ``Group(uid, partition, dispatch_step, status, tags, trajectories, finish_step,
-    generation_seconds)``, built faster."""
+    generation_seconds, start_version)``, built faster."""
+    if start_version is None:
+        start_version = dispatch_step
     return _tuple_new(
-        Group, (uid, partition, dispatch_step, status, tags, trajectories, finish_step, generation_seconds)
+        Group,
+        (
+            uid,
+            partition,
+            dispatch_step,
+            status,
+            tags,
+            trajectories,
+            finish_step,
+            generation_seconds,
+            start_version,
+        ),
     )
 
 
@@ -324,9 +400,15 @@ def tags_for_pickle(tags: Mapping[str, Any]) -> object:
 
 
 def _trajectory(
-    key: str, session_id: int, index: int, tags: dict[str, Any] | None, payload: Any
+    key: str,
+    session_id: int,
+    index: int,
+    tags: dict[str, Any] | None,
+    payload: Any,
+    versions: tuple[tuple[int, int], ...] = (),
+    tokens: int = 0,
 ) -> Trajectory:
-    return new_trajectory(key, session_id, index, _frozen_tags(tags), payload)
+    return new_trajectory(key, session_id, index, _frozen_tags(tags), payload, versions, tokens)
 
 
 def _group(
@@ -338,7 +420,9 @@ def _group(
     trajectories: tuple[Trajectory, ...] | LazyTrajectories,
     finish_step: int,
     generation_seconds: float,
+    start_version: int | None = None,
 ) -> Group:
+    # start_version: absent from pickles written before versions existed (the dispatch step).
     if isinstance(trajectories, LazyTrajectories):
         # A lazily stored group from an older pickle: loaded as the eager group of the same
         # records (a lazy group pickles through _lazy_group.new_lazy_group now, and records.py
@@ -353,6 +437,7 @@ def _group(
         trajectories,
         finish_step,
         generation_seconds,
+        dispatch_step if start_version is None else start_version,
     )
 
 

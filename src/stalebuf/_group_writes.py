@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from ._admission import Admission
 from ._consumer import Consumer
-from ._open_group import GroupWatch, OpenGroup
+from ._group_snapshots import finished_record
+from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._store import GroupStore
 from ._validation import (
@@ -26,8 +27,9 @@ from ._validation import (
     check_uid,
     describe,
 )
+from ._versions import check_group_versions, check_start_version
 from .errors import DuplicateGroupError, DuplicateTrajectoryError
-from .records import EMPTY_TAGS, Group, Status
+from .records import EMPTY_TAGS, Group, Status, default_keys
 
 __all__ = ["GroupStatus", "GroupWriter"]
 
@@ -61,22 +63,13 @@ class GroupWriter:
         if part.deadlines:
             self.consumer.admitted(part)
 
-    def end_watched(self, watch: GroupWatch, finished: bool) -> bool:
-        """``end_watched``: finish (or fail) the group ``watch`` was taken on if that very group
-        is still in flight; return whether it did.
-
-        Raises:
-            TypeError: ``watch`` is not a GroupWatch.
-            WrongThreadError: called from another thread than the bound loop's.
-        """
-        if not isinstance(watch, GroupWatch):
-            raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
-        store, group = self.store, watch.group
-        store.binding.check_thread()
+    def end_watched(self, group: OpenGroup, finished: bool) -> bool:
+        """Finish (or fail) ``group`` if that very group is still in flight; return whether it did."""
+        store = self.store
         if store.closed or store.groups.get(group.uid) is not group:
             return False
         clock = self.admission.clocks.get(group.partition, 0)
-        self.consumer.notify(store.end(group, _FINISHED if finished else _FAILURE, clock))
+        self.consumer.finish(group, _FINISHED if finished else _FAILURE, clock)
         return True
 
     def put_new_finished(
@@ -86,24 +79,38 @@ class GroupWriter:
         payloads: list[Any] | tuple[Any, ...],
         global_steps: int | None,
         tags: Mapping[str, Any] | None,
+        version: int | None = None,
         generation_seconds: object = None,
     ) -> list[str]:
         """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked
-        (but ``tags`` and ``generation_seconds``). What can raise runs before any change.
+        (``version``: its start version, and ``generation_seconds``, unchecked). What can raise
+        runs before any change.
 
         Raises:
-            TypeError, ValueError: ``tags`` or ``generation_seconds`` is invalid.
+            TypeError, ValueError: ``tags``, ``version`` or ``generation_seconds`` is invalid.
             BufferFullError: admission control has no slot for it now.
         """
-        seconds = 0.0 if generation_seconds is None else check_generation_seconds(generation_seconds) or 0.0
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
+        if version is not None:
+            version = check_start_version(version)
+        seconds = 0.0 if generation_seconds is None else check_generation_seconds(generation_seconds) or 0.0
         clock = self.admission.clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
         if part.cap is not None:
             step = self.admission.tag_for(part.name, part, global_steps)
         stored = payloads if type(payloads) is tuple else tuple(payloads)
-        keys = self.store.add_finished(part, uid, step, clock, stored, frozen_tags, seconds)
-        consumer = self.consumer
+        consumer, store = self.consumer, self.store
+        record = None
+        if consumer.filters and not part.exempt:
+            record = finished_record(part.name, uid, step, clock, stored, frozen_tags, version, seconds)
+            keep = consumer.judge(part, record)
+            if uid in store.groups:  # a filter added the uid itself
+                raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
+            if not keep:
+                store.add_filtered(part, record)
+                consumer.filtered(part, (record,))
+                return default_keys(uid, len(stored))
+        keys = store.add_finished(part, uid, step, clock, stored, frozen_tags, version, record, seconds)
         if consumer.waiting.get(part.name) or consumer.sampleable.waiting:  # notify's first tests, inline
             consumer.notify(part)
         return keys
@@ -120,13 +127,15 @@ class GroupWriter:
         indices: Sequence[int] | None,
         status: object,
         granted: int | None = None,
+        versioning: tuple[object, object, object] = (None, None, None),
         generation_seconds: object = None,
     ) -> list[str]:
         """``put_group_nowait`` after the open/thread check: check everything, then change.
 
         ``granted`` is the admission slot a waiting producer was given (its dispatch step);
-        ``generation_seconds`` the producer's measure (None: the time since its admission here,
-        0.0 for a group this call adds, as on the fast path).
+        ``versioning`` the ``(versions, tokens, version)`` arguments; ``generation_seconds`` the
+        producer's measure (None: the time since its admission here, 0.0 for a group this call
+        adds, as on the fast path).
 
         Raises:
             The errors of ``ReplayBuffer.put_group_nowait``.
@@ -138,7 +147,13 @@ class GroupWriter:
         group_tags = check_tags(tags)
         terminal = _terminal_status(status)
         seconds = check_generation_seconds(generation_seconds)
-        keys, rows = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
+        keys, checked = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
+        rows: tuple[tuple[Any, ...], ...] = checked
+        versions, tokens, version = versioning
+        start = None if version is None else check_start_version(version)
+        counted = check_group_versions(len(rows), versions, tokens)
+        if counted is not None:
+            rows = tuple((*row, *count) for row, count in zip(rows, counted, strict=True))
         store = self.store
         group: OpenGroup | Group | None = store.groups.get(uid)
         measured = group is not None  # in flight before this call: its generation time is real
@@ -149,18 +164,20 @@ class GroupWriter:
             store.open_group(uid, "put a group into")  # raises GroupEvictedError
             raise AssertionError("unreachable")
         else:
-            step = (
-                granted
-                if granted is not None
-                else self.admission.tag_for(partition, store.partitions.get(partition), global_steps)
-            )
+            part = store.partitions.get(partition)
+            if store.rules.tasks:  # its task's cell (ValueError before any change: no task)
+                part = store.cell(partition, group_tags)
+            step = granted if granted is not None else self.admission.tag_for(partition, part, global_steps)
             # Everything is valid: from here on nothing raises, so the group lands whole.
-            group = store.admit(uid, step, store.partition(partition), group_tags)
+            group = store.admit(uid, step, part or store.partition(partition), group_tags)
+        if start is not None:
+            store.set_start_version(group, start)
         store.fill(group, rows)
         if seconds is None and not measured:  # added by this very call: nothing was generating here
             seconds = 0.0
-        part = store.end(group, terminal, self.admission.clocks.get(partition, 0), measured, seconds)
-        self.consumer.notify(part)
+        self.consumer.finish(
+            group, terminal, self.admission.clocks.get(partition, 0), measured, timed=seconds
+        )
         return keys
 
     def put_back(self, group: Group) -> bool:
@@ -169,10 +186,8 @@ class GroupWriter:
 
         Raises:
             TypeError: ``group`` is not a Group record.
-            WrongThreadError: called from another thread than the bound loop's.
             The errors of :meth:`put` for values it would refuse.
         """
-        self.store.binding.check_thread()
         if not isinstance(group, Group):
             raise TypeError(f"group must be a Group, got {type(group).__name__}")
         if self.store.closed or group.uid in self.store.groups:
@@ -189,6 +204,11 @@ class GroupWriter:
             [t.index for t in trajectories],
             _FINISHED if group.status is _FINISHED else _FAILURE,
             granted=group.global_steps,  # its slot was granted when it was first admitted
+            versioning=(
+                [t.versions or None for t in trajectories],
+                [t.tokens for t in trajectories],
+                group.start_version,
+            ),
             generation_seconds=group.generation_seconds,
         )
         return True

@@ -147,6 +147,15 @@ class Bucket:
             return list(map(_group_of, self.live_entries()))
         return self.members[self.head :]  # type: ignore[return-value]  # (no spent slot)
 
+    def iter_entries(self) -> Iterator[Entry]:
+        """Return an iterator over the ``(seq, group)`` entries, oldest first, lazily."""
+        head = self.head
+        members: Iterator[Group] = _iter_from(self.members, head)  # type: ignore[arg-type]  # no spent slot
+        entries: Iterator[Entry] = zip(_iter_from(self.seqs, head), members, strict=True)
+        if self.late:
+            return heapq.merge(entries, sorted(self.late))
+        return entries
+
     def iter_groups(self) -> Iterator[Group]:
         """Return an iterator over the groups, oldest first, lazily (O(1) to start)."""
         head = self.head
@@ -287,6 +296,37 @@ class ReadyIndex:
         self.newest = [-step for step in self.buckets]
         heapq.heapify(self.newest)
         self.count -= len(chosen)
+
+    def remove(self, doomed: dict[int, set[int]]) -> None:
+        """Remove the groups whose ids ``doomed`` lists under their dispatch step (all present);
+        O(the buckets touched + S)."""
+        buckets, emptied = self.buckets, False
+        for step, ids in doomed.items():
+            bucket = buckets[step]
+            if len(ids) == len(bucket):
+                del buckets[step]
+                emptied = True
+            else:
+                bucket.keep([entry for entry in bucket.live_entries() if id(entry[1]) not in ids])
+            self.count -= len(ids)
+        if emptied:
+            self.steps = list(buckets)
+            heapq.heapify(self.steps)
+            self.newest = [-step for step in buckets]
+            heapq.heapify(self.newest)
+
+    def iter_oldest(self) -> Iterator[tuple[int, int, Group]]:
+        """Yield ``(step, seq, group)`` oldest first, lazily (the index must not change)."""
+        buckets = self.buckets
+        for step in self.steps_in_order():
+            for seq, group in buckets[step].iter_entries():
+                yield step, seq, group
+
+    def entries(self) -> Iterator[tuple[int, int, Group]]:
+        """Yield ``(step, seq, group)`` for every group, bucket by bucket (in no step order)."""
+        for step, bucket in self.buckets.items():
+            for seq, group in bucket.live_entries():
+                yield step, seq, group
 
     def steps_in_order(self) -> Iterator[int]:
         """Yield the steps in ascending order, lazily: O(j log j) for the first j.

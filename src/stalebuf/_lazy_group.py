@@ -111,7 +111,10 @@ class LazyGroup(_WithInstanceDict):
         # new_lazy_group and records._frozen_tags, the names this pickle holds, are in stalebuf
         # since f169765 with these signatures: its checkpoint files stay readable by that release.
         fields = (self.uid, self.partition, self.dispatch_step, self.status, tags_for_pickle(self.tags))
-        return (new_lazy_group, (*fields, self._stored, self.finish_step, self.generation_seconds))
+        rest = (self._stored, self.finish_step, self.generation_seconds)
+        if self.start_version != self.dispatch_step:
+            return (new_lazy_group, (*fields, *rest, self.start_version))
+        return (new_lazy_group, (*fields, *rest))
 
     def _peek(self) -> tuple[Trajectory, ...]:
         built = self._built
@@ -196,12 +199,15 @@ def new_lazy_group(
     payloads: tuple[Any, ...],
     finish_step: int,
     generation_seconds: float,
+    start_version: int | None = None,
 ) -> LazyGroup:
-    """Return the :class:`LazyGroup` of ``payloads`` under default keys (records not built).
+    """Return the :class:`LazyGroup` of ``payloads`` under default keys (records not built;
+    ``start_version`` None: the dispatch step).
 
     Pickles of a LazyGroup call it by name to load: its name, module and parameters are part of
-    the checkpoint file format.
+    the checkpoint file format (``start_version`` is optional: older pickles lack it).
     """
-    return _tuple_new(
-        LazyGroup, (uid, partition, dispatch_step, status, tags, payloads, finish_step, generation_seconds)
-    )
+    if start_version is None:
+        start_version = dispatch_step
+    fields = (uid, partition, dispatch_step, status, tags, payloads, finish_step, generation_seconds)
+    return _tuple_new(LazyGroup, (*fields, start_version))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._versions import VersionSpan
 from .records import Status, Trajectory
 
 __all__ = ["GroupWatch", "OpenGroup"]
@@ -25,17 +26,26 @@ class OpenGroup:
     it happened: "evicted", "closed", "cut" (finished or failed, kept) or "cut-evicted" (failed
     and evicted with it). ``started_at`` is when its deadline clock started (``monotonic()``):
     its admission, or the restore that kept or reissued it.
+
+    ``start_version`` is the policy version generation started at (its dispatch step until a
+    producer says otherwise); ``span`` the head and tail of the trajectories put so far (None
+    while none carried versions or tokens); ``head`` the group's head, the key its partition's
+    in-flight index files it under.
     """
 
     __slots__ = (
         "admitted_at",
         "dispatch_step",
         "ending",
+        "head",
         "partition",
         "seq",
+        "span",
+        "start_version",
         "started_at",
         "status",
         "tags",
+        "task",
         "trajectories",
         "uid",
         "watchers",
@@ -53,7 +63,10 @@ class OpenGroup:
     ) -> None:
         self.uid = uid
         self.partition = partition
+        self.task: str | None = None  # its task under a mixture (its partition's cell)
         self.dispatch_step = dispatch_step
+        self.start_version = self.head = dispatch_step
+        self.span: VersionSpan | None = None
         self.seq = seq
         self.status = _PENDING
         self.tags = tags
@@ -68,6 +81,16 @@ class OpenGroup:
     def global_steps(self) -> int:
         """The dispatch step, under the name :class:`~stalebuf.Group` also answers to."""
         return self.dispatch_step
+
+    def head_now(self) -> int:
+        """The group's head from its start version and what was put so far."""
+        span = self.span
+        return self.start_version if span is None else span.head(self.start_version)
+
+    def tail_now(self) -> int:
+        """The group's tail from its start version and what was put so far."""
+        span = self.span
+        return self.start_version if span is None else span.tail(self.start_version)
 
     def notify_watchers(self, ending: str) -> None:
         """Record how the group left flight (``ending``) and call every watcher once."""

@@ -13,12 +13,19 @@ from collections import deque
 from operator import attrgetter
 
 from ._index import InFlightIndex, ReadyIndex
+from ._judged_index import JudgedEntry, JudgedIndex
+from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
 from ._stored import count_trajectories, stored_trajectories
+from ._versions import record_span
 from .records import Group, Status
-from .stats import PartitionStats
 
-__all__ = ["GENERATION_WINDOW", "MEDIAN_AFTER", "PartitionState"]
+__all__ = ["BY_DISPATCH", "BY_HEAD", "BY_TAIL", "GENERATION_WINDOW", "MEDIAN_AFTER", "PartitionState"]
+
+#: Which version a partition's ready groups are judged by (the rule book's answer): none
+#: differs from the dispatch step for eviction (``wait``, exempt), the head (``drop``), the
+#: tail (``mask``).
+BY_DISPATCH, BY_HEAD, BY_TAIL = 0, 1, 2
 
 #: How many generation times of groups that finished uncut in flight a partition keeps, and how
 #: many it needs before ``group_deadline_factor`` gives a deadline.
@@ -28,9 +35,16 @@ _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
 _status_of = attrgetter("status")
 
 
+def group_tokens(group: Group) -> int:
+    """The tokens of a terminal group (a lazily stored one has none: no version was given)."""
+    if group.__class__ is LazyGroup:
+        return 0
+    return sum(trajectory.tokens for trajectory in group._peek())
+
+
 def _in_flight(in_flight: dict[int, dict[str, OpenGroup]], group: OpenGroup) -> bool:
     """Whether ``group`` (by identity) is still in flight in the index ``in_flight``."""
-    at_step = in_flight.get(group.dispatch_step)
+    at_step = in_flight.get(group.head)
     return at_step is not None and at_step.get(group.uid) is group
 
 
@@ -39,15 +53,21 @@ class PartitionState:
 
     ``exempt``, ``evict_failures``, ``evict_in_flight`` and ``cap`` (admission control's
     per-dispatch-step bound ``b``, None without it) are the rule book's answers for this
-    partition, asked once when it is created. Under admission control it keeps
-    ``resident_at``, the resident groups per dispatch step, which admission reads.
+    partition, asked once when it is created, and so is ``judge``: which version its ready
+    groups are judged by (:data:`BY_DISPATCH`, :data:`BY_HEAD` or :data:`BY_TAIL`). Under
+    admission control it keeps ``resident_at``, the resident groups per dispatch step, which
+    admission reads. In-flight groups are indexed by their head; ready groups by dispatch step,
+    plus ``judged`` (a :class:`~stalebuf._judged_index.JudgedIndex`) while some ready group is
+    judged by another version than its dispatch step.
     """
 
     __slots__ = (
         "_sorted_generation",
         "admitted_groups",
+        "admitted_tokens",
         "admitted_trajectories",
         "cap",
+        "cells",
         "cut_groups",
         "cut_trajectories",
         "deadlines",
@@ -55,28 +75,41 @@ class PartitionState:
         "evict_in_flight",
         "evicted_failure_groups",
         "evicted_failure_trajectories",
+        "evicted_filtered_groups",
+        "evicted_filtered_trajectories",
         "evicted_in_flight_groups",
         "evicted_restart_groups",
         "evicted_restart_trajectories",
         "evicted_stale_groups",
         "evicted_stale_trajectories",
+        "evicted_tokens",
         "exempt",
         "failed",
         "failure",
         "finished",
         "generation",
         "in_flight",
+        "judge",
+        "judged",
+        "key",
+        "masked_tokens",
         "name",
         "pending",
         "ready",
         "recent_cuts",
         "reissued_groups",
+        "reissued_tokens",
         "reissued_trajectories",
         "resident_at",
         "running",
         "sampled_groups",
+        "sampled_tokens",
         "sampled_trajectories",
+        "span",
         "starts",
+        "task",
+        "threshold",
+        "tokens",
         "trajectories",
     )
 
@@ -89,8 +122,22 @@ class PartitionState:
         evict_in_flight: bool = False,
         cap: int | None = None,
         deadlines: bool = False,
+        judge: int = BY_DISPATCH,
+        threshold: int | None = None,
+        span: int = 1,
+        task: str | None = None,
     ) -> None:
         self.name = name
+        # A partition of a task mixture is a parent with one cell (a PartitionState of its
+        # own, ``task`` set) per task: the groups, indexes and counters live in the cells, and
+        # the parent only names them (``cells``). ``key`` tells cells apart in admission's queues.
+        self.task = task
+        self.key: str | tuple[str, str] = name if task is None else (name, task)
+        self.cells: dict[str, PartitionState] | None = None
+        self.threshold = threshold  # T of its groups (the task's, in a cell); span = T*S
+        self.span = span
+        self.judge = BY_DISPATCH if exempt else judge
+        self.judged: JudgedIndex | None = None
         self.exempt = exempt
         self.evict_failures = evict_failures and not exempt
         self.evict_in_flight = evict_in_flight and not exempt
@@ -119,8 +166,13 @@ class PartitionState:
         self.evicted_stale_groups = self.evicted_stale_trajectories = 0
         self.evicted_failure_groups = self.evicted_failure_trajectories = 0
         self.evicted_in_flight_groups = 0
+        self.evicted_filtered_groups = self.evicted_filtered_trajectories = 0
         self.evicted_restart_groups = self.evicted_restart_trajectories = 0
         self.reissued_groups = self.reissued_trajectories = 0
+        # Tokens: resident, and the conservation law's terms (admitted == sampled + evicted +
+        # reissued + resident); masked tokens are a subset of the sampled ones.
+        self.tokens = self.admitted_tokens = self.sampled_tokens = self.masked_tokens = 0
+        self.evicted_tokens = self.reissued_tokens = 0
 
     # -- in-flight groups -------------------------------------------------------------
 
@@ -129,10 +181,17 @@ class PartitionState:
         self.pending += 1
         self.admitted_groups += 1
         step = group.dispatch_step
-        self.in_flight.add(step, group.uid, group)
+        self.in_flight.add(group.head, group.uid, group)
         resident_at = self.resident_at
         if resident_at is not None:
             resident_at[step] = resident_at.get(step, 0) + 1
+
+    def move(self, group: OpenGroup, head: int) -> None:
+        """File the in-flight ``group`` under its new ``head`` (a put or a start version moved it)."""
+        in_flight = self.in_flight
+        in_flight.remove(group.head, group.uid)
+        group.head = head
+        in_flight.add(head, group.uid, group)
 
     # -- deadlines ----------------------------------------------------------------------
 
@@ -185,10 +244,12 @@ class PartitionState:
         self.pending -= 1
         self.running += 1
 
-    def add_trajectories(self, count: int) -> None:
-        """Record ``count`` trajectories put into an in-flight group."""
+    def add_trajectories(self, count: int, tokens: int = 0) -> None:
+        """Record ``count`` trajectories (of ``tokens`` tokens) put into an in-flight group."""
         self.trajectories += count
         self.admitted_trajectories += count
+        self.tokens += tokens
+        self.admitted_tokens += tokens
 
     def terminate(self, group: OpenGroup, record: Group) -> None:
         """Move ``group`` out of flight; ``record`` is its terminal form."""
@@ -197,7 +258,7 @@ class PartitionState:
         else:
             self.running -= 1
         step = group.dispatch_step
-        self.in_flight.remove(step, group.uid)
+        self.in_flight.remove(group.head, group.uid)
         if record.status is _FINISHED:
             self.finished += 1
         else:
@@ -205,7 +266,56 @@ class PartitionState:
             if self.evict_failures:
                 self.failed.append((step, group.seq, record))
                 return
-        self.ready.push(step, group.seq, record)
+        judge = self.judge
+        if judge == BY_DISPATCH or (group.span is None and group.start_version == step):
+            if self.judged is None:
+                self.ready.push(step, group.seq, record)
+                return
+            key = step
+        else:
+            key = group.head if judge == BY_HEAD else group.tail_now()
+        self._push_judged(step, group.seq, record, key)
+
+    def filter_out(self, group: OpenGroup) -> None:
+        """Move ``group`` out of flight as evicted by a filter (it became FINISHED, and a
+        filter rejected it): it never becomes sampleable, its slot is free at once."""
+        if group.status is _PENDING:
+            self.pending -= 1
+        else:
+            self.running -= 1
+        self.in_flight.remove(group.head, group.uid)
+        self._release(group.dispatch_step)
+        count = len(group.trajectories)
+        tokens = 0 if group.span is None else group.span.tokens
+        self.trajectories -= count
+        self.tokens -= tokens
+        self.evicted_filtered_groups += 1
+        self.evicted_filtered_trajectories += count
+        self.evicted_tokens += tokens
+
+    def add_filtered(self, group: Group) -> None:
+        """Count a group written FINISHED in one call that a filter rejected: admitted and
+        evicted at once, never resident."""
+        count = count_trajectories(group)
+        tokens = 0 if group.__class__ is LazyGroup else record_span(group.start_version, group._peek())[2]
+        self.admitted_groups += 1
+        self.admitted_trajectories += count
+        self.admitted_tokens += tokens
+        self.evicted_filtered_groups += 1
+        self.evicted_filtered_trajectories += count
+        self.evicted_tokens += tokens
+
+    def _push_judged(self, step: int, seq: int, record: Group, key: int) -> None:
+        """Add a ready group judged by version ``key`` (keeping ``judged`` once one differs)."""
+        judged = self.judged
+        if judged is None:
+            if key == step:
+                self.ready.push(step, seq, record)
+                return
+            # Every group already ready is judged by its dispatch step.
+            judged = self.judged = JudgedIndex(self.ready.entries())
+        self.ready.push(step, seq, record)
+        judged.push(key, seq, record)
 
     def add_terminal(self, group: Group, seq: int) -> None:
         """Record a group that arrives already terminal (``put_group`` of a new group, or a
@@ -216,6 +326,12 @@ class PartitionState:
         self.admitted_groups += 1
         self.admitted_trajectories += count
         self.trajectories += count
+        if group.__class__ is LazyGroup:
+            head = tail = group.start_version
+        else:
+            head, tail, tokens = record_span(group.start_version, group._peek())
+            self.tokens += tokens
+            self.admitted_tokens += tokens
         resident_at = self.resident_at
         if resident_at is not None:
             resident_at[step] = resident_at.get(step, 0) + 1
@@ -226,17 +342,26 @@ class PartitionState:
             if self.evict_failures:
                 self.failed.append((step, seq, group))
                 return
-        self.ready.push(step, seq, group)
+        judge = self.judge
+        key = step if judge == BY_DISPATCH else head if judge == BY_HEAD else tail
+        if key == step and self.judged is None:  # the common case, without the call
+            self.ready.push(step, seq, group)
+        else:
+            self._push_judged(step, seq, group, key)
 
     def take_stale_in_flight(self, steps: list[int]) -> list[OpenGroup]:
         """Evict and return the in-flight groups of the oldest ``steps`` (the policy chose them)."""
         groups = self.in_flight.pop_steps(steps)
-        trajectories = running = 0
+        trajectories = running = tokens = 0
         for group in groups:
             trajectories += len(group.trajectories)
+            if group.span is not None:
+                tokens += group.span.tokens
             if group.status is not _PENDING:
                 running += 1
             self._release(group.dispatch_step)
+        self.tokens -= tokens
+        self.evicted_tokens += tokens
         self.running -= running
         self.pending -= len(groups) - running
         self.trajectories -= trajectories
@@ -257,8 +382,9 @@ class PartitionState:
             else:
                 del resident_at[step]
 
-    def _forget(self, groups: list[Group]) -> int:
-        """Drop terminal ``groups`` from the resident counts; return their trajectory count."""
+    def _forget(self, groups: list[Group]) -> tuple[int, int]:
+        """Drop terminal ``groups`` from the resident counts (and the judged index); return
+        their trajectory and token counts."""
         # C-level loops: this runs for every sampled batch.
         trajectories = sum(map(len, map(stored_trajectories, groups)))
         # No resident failure, none to count: a batch of 64 then skips reading 64 statuses.
@@ -269,7 +395,14 @@ class PartitionState:
         self.finished -= len(groups) - failures
         self.failure -= failures
         self.trajectories -= trajectories
-        return trajectories
+        judged = self.judged
+        if judged is not None:
+            judged.forget(groups)
+            if not self.ready.count:
+                self.judged = None  # back to the buckets alone
+        tokens = sum(map(group_tokens, groups)) if self.tokens else 0  # none resident: none leave
+        self.tokens -= tokens
+        return trajectories, tokens
 
     def take_failed(self) -> list[Group]:
         """Evict and return every failed group awaiting eviction, oldest first."""
@@ -277,14 +410,27 @@ class PartitionState:
         entries.sort(key=lambda entry: entry[:2])
         self.failed = []
         groups = [entry[2] for entry in entries]
-        self.evicted_failure_trajectories += self._forget(groups)
+        trajectories, tokens = self._forget(groups)
+        self.evicted_failure_trajectories += trajectories
+        self.evicted_tokens += tokens
         self.evicted_failure_groups += len(groups)
         return groups
 
-    def take_stale(self, steps: list[int]) -> list[Group]:
-        """Evict and return the ready groups of the oldest ``steps`` (the policy chose them)."""
-        groups = self.ready.pop_steps(steps)
-        self.evicted_stale_trajectories += self._forget(groups)
+    def take_stale(self, steps: list[int], judged: list[JudgedEntry]) -> list[Group]:
+        """Evict and return the ready groups the rules found stale, oldest first: those of the
+        oldest ``steps`` (buckets judged by dispatch step), or the ``judged`` entries."""
+        if judged:
+            doomed: dict[int, set[int]] = {}
+            for _, _, group in judged:
+                doomed.setdefault(group.dispatch_step, set()).add(id(group))
+            self.ready.remove(doomed)
+            judged.sort(key=lambda entry: (entry[2].dispatch_step, entry[1]))
+            groups = [entry[2] for entry in judged]
+        else:
+            groups = self.ready.pop_steps(steps)
+        trajectories, tokens = self._forget(groups)
+        self.evicted_stale_trajectories += trajectories
+        self.evicted_tokens += tokens
         self.evicted_stale_groups += len(groups)
         return groups
 
@@ -295,41 +441,27 @@ class PartitionState:
             chosen = self.ready.take_oldest(count)
         else:
             self.ready.take(chosen)
-        self.sampled_trajectories += self._forget(chosen)
+        trajectories, tokens = self._forget(chosen)
+        self.sampled_trajectories += trajectories
+        self.sampled_tokens += tokens
         self.sampled_groups += len(chosen)
         return chosen
+
+    def count_masked(self, tokens: int) -> None:
+        """Count ``tokens`` sampled tokens that the ``mask`` strategy kept out of the loss."""
+        self.masked_tokens += tokens
+
+    def oldest_judged(self) -> int:
+        """The smallest version a ready group is judged by (there must be one)."""
+        judged = self.judged
+        if judged is not None:
+            oldest = judged.oldest()
+            if oldest is not None:
+                return oldest
+        return self.ready.steps[0]
 
     # -- admission ----------------------------------------------------------------------
 
     def resident_at_step(self, step: int) -> int:
         """How many resident groups are tagged ``step`` (only under admission control)."""
         return self.resident_at.get(step, 0) if self.resident_at is not None else 0
-
-    def stats(self, waiting_samplers: int, waiting_producers: int, capacity: int | None) -> PartitionStats:
-        """Return a snapshot of this partition's counts, with the queue lengths and capacity
-        that the consumer and admission own."""
-        return PartitionStats(
-            pending=self.pending,
-            running=self.running,
-            finished=self.finished,
-            failure=self.failure,
-            trajectories=self.trajectories,
-            waiting_samplers=waiting_samplers,
-            admitted_groups=self.admitted_groups,
-            admitted_trajectories=self.admitted_trajectories,
-            sampled_groups=self.sampled_groups,
-            sampled_trajectories=self.sampled_trajectories,
-            evicted_stale_groups=self.evicted_stale_groups,
-            evicted_stale_trajectories=self.evicted_stale_trajectories,
-            evicted_failure_groups=self.evicted_failure_groups,
-            evicted_failure_trajectories=self.evicted_failure_trajectories,
-            evicted_in_flight_groups=self.evicted_in_flight_groups,
-            evicted_restart_groups=self.evicted_restart_groups,
-            evicted_restart_trajectories=self.evicted_restart_trajectories,
-            reissued_groups=self.reissued_groups,
-            reissued_trajectories=self.reissued_trajectories,
-            waiting_producers=waiting_producers,
-            cut_groups=self.cut_groups,
-            cut_trajectories=self.cut_trajectories,
-            capacity=capacity,
-        )

@@ -21,6 +21,8 @@ from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
 from ._custom_sampler import build_from_config, load_custom_sampler
 from ._eviction import Eviction, check_on_evict
+from ._group_snapshots import snapshot
+from ._partition import group_tokens
 from ._store import GroupStore
 from ._stored import count_trajectories
 from ._validation import check_payload_codec, check_status_log_interval, describe, describe_error
@@ -71,7 +73,7 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
     now = monotonic()
     clocks = admission.clocks
     groups = tuple(
-        group if isinstance(group, Group) else store.snapshot(group, clocks.get(group.partition, 0), now)
+        group if isinstance(group, Group) else snapshot(group, clocks.get(group.partition, 0), now)
         for group in store.groups.values()
     )
     partitions = tuple(
@@ -203,7 +205,8 @@ def rebuild(
     checkpoint: BufferCheckpoint,
     in_flight: InFlightMode,
 ) -> tuple[Group, ...]:
-    """Fill the empty parts with ``checkpoint``'s state; return the groups to reissue.
+    """Fill the empty parts with ``checkpoint``'s state; return the groups to reissue (under
+    "reissue" without their trajectories, under "resume" with them).
 
     Raises:
         CheckpointError: the checkpoint is inconsistent (a group of an unknown partition, a
@@ -215,31 +218,13 @@ def rebuild(
     )
     for saved in checkpoint.partitions:
         store.restore_generation(store.partition(saved.name), saved.generation)
-    reissue: list[Group] = []
-    reissued: dict[str, list[int]] = {}  # partition -> [groups, trajectories discarded]
-    restarted: dict[str, list[Group]] = {}
-    for seq, group in enumerate(checkpoint.groups):
-        part = store.partitions.get(group.partition)
-        if part is None or group.uid in store.groups:
-            raise CheckpointError(f"the checkpoint is inconsistent at group {describe(group.uid)}")
-        if group.status is not _PENDING and group.status is not _RUNNING:
-            store.restore_terminal(part, group, seq)
-        elif in_flight == "evict":
-            restarted.setdefault(part.name, []).append(group)
-        elif in_flight == "keep":
-            store.restore_in_flight(part, group, seq, keep=True)
-        else:
-            store.restore_in_flight(part, group, seq, keep=False)
-            reissue.append(group.replace(status=_PENDING, trajectories=()))
-            counts = reissued.setdefault(part.name, [0, 0])
-            counts[0] += 1
-            counts[1] += count_trajectories(group)
+    reissue, reissued, restarted = _restore_groups(store, checkpoint.groups, in_flight)
     for saved in checkpoint.partitions:  # cumulative counts are the saved ones, not what re-adding counted
-        counts = reissued.get(saved.name, [0, 0])
+        counts = reissued.get(saved.name, [0, 0, 0])
         store.restore_counters(
             store.partitions[saved.name],
             {key: saved.counters.get(key, 0) for key in COUNTERS},
-            (counts[0], counts[1]),
+            (counts[0], counts[1], counts[2]),
         )
     store.restore_sequence(len(checkpoint.groups), checkpoint.evicted_in_flight, checkpoint.evicted_reasons)
     events = []
@@ -249,6 +234,42 @@ def rebuild(
     if events:
         eviction.emit(events)
     return tuple(reissue)
+
+
+def _restore_groups(
+    store: GroupStore, groups: tuple[Group, ...], in_flight: InFlightMode
+) -> tuple[list[Group], dict[str, list[int]], dict[str, list[Group]]]:
+    """Put ``groups`` back in admission order, in-flight ones as ``in_flight`` says; return the
+    groups to reissue, what reissuing discarded per partition (groups, trajectories, tokens),
+    and the in-flight groups to evict per partition (under "evict").
+
+    Raises:
+        CheckpointError: a group of an unknown partition, or a duplicate uid.
+    """
+    reissue: list[Group] = []
+    reissued: dict[str, list[int]] = {}
+    restarted: dict[str, list[Group]] = {}
+    for seq, group in enumerate(groups):
+        part = store.partitions.get(group.partition)
+        if part is None or group.uid in store.groups:
+            raise CheckpointError(f"the checkpoint is inconsistent at group {describe(group.uid)}")
+        if group.status is not _PENDING and group.status is not _RUNNING:
+            store.restore_terminal(part, group, seq)
+        elif in_flight == "evict":
+            restarted.setdefault(part.name, []).append(group)
+        elif in_flight == "keep":
+            store.restore_in_flight(part, group, seq, prefix=True, running=True)
+        elif in_flight == "resume":  # PENDING, its prefix kept: its producer goes on after it
+            store.restore_in_flight(part, group, seq, prefix=True, running=False)
+            reissue.append(group.replace(status=_PENDING))
+        else:  # generated again from its dispatch step: its partial trajectories are discarded
+            store.restore_in_flight(part, group, seq, prefix=False, running=False)
+            reissue.append(group.replace(status=_PENDING, trajectories=(), start_version=group.dispatch_step))
+            counts = reissued.setdefault(part.name, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += count_trajectories(group)
+            counts[2] += group_tokens(group)
+    return reissue, reissued, restarted
 
 
 def read_restore_arguments(

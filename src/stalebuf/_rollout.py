@@ -9,7 +9,7 @@ generating for a group nobody can train (or that was already ended for it).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -28,10 +28,18 @@ class RolloutBuffer(Protocol):
         self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
     ) -> None: ...
 
-    def mark_running_nowait(self, uid: str) -> None: ...
+    def mark_running_nowait(self, uid: str, *, version: int | None = None) -> None: ...
 
     def put_nowait(
-        self, uid: str, payload: Any = None, *, session_id: int, index: int, tags: Mapping[str, Any] | None
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int,
+        index: int,
+        tags: Mapping[str, Any] | None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str: ...
 
     def watch(self, uid: str, callback: Callable[[], object]) -> GroupWatch: ...
@@ -74,13 +82,19 @@ class RolloutGroup:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
-        """Add one trajectory to the group and return its key (see ``ReplayBuffer.put_nowait``).
+        """Add one trajectory to the group and return its key (see ``ReplayBuffer.put_nowait``,
+        whose ``versions`` and ``tokens`` these are).
 
         Raises:
-            The errors of ``ReplayBuffer.put_nowait`` (GroupEvictedError once it was evicted).
+            GroupEvictedError: the group was evicted in flight; and the other errors of
+                ``ReplayBuffer.put_nowait``.
         """
-        return self._buffer.put_nowait(self.uid, payload, session_id=session_id, index=index, tags=tags)
+        return self._buffer.put_nowait(
+            self.uid, payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
+        )
 
     async def put(
         self,
@@ -89,9 +103,13 @@ class RolloutGroup:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Add one trajectory and return its key; the async twin of :meth:`put_nowait`."""
-        return self.put_nowait(payload, session_id=session_id, index=index, tags=tags)
+        return self.put_nowait(
+            payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
+        )
 
 
 @asynccontextmanager
@@ -102,10 +120,11 @@ async def rollout(
     global_steps: int | None,
     partition: str,
     tags: Mapping[str, Any] | None,
+    version: int | None = None,
 ) -> AsyncIterator[RolloutGroup]:
     """Admit, run and end one group (see ``ReplayBuffer.rollout``)."""
     await buffer.add_prompt(uid, global_steps=global_steps, partition=partition, tags=tags)
-    buffer.mark_running_nowait(uid)
+    buffer.mark_running_nowait(uid, version=version)
     with anyio.CancelScope() as scope:
         group: RolloutGroup | None = None
 

@@ -14,30 +14,28 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from ._partition import PartitionState
+from ._judged_index import JudgedEntry
+from ._partition import BY_DISPATCH, BY_HEAD, BY_TAIL, PartitionState
 from ._validation import describe, describe_typed, is_finite_number
 from .config import SamplerConfig
-from .errors import ConfigError, StalebufError
-from .policy import RuleHooks, StalenessPolicy, SubclassHooks, hook_label, select_label
+from .errors import StalebufError
+from .filters import GroupFilter, zero_variance
+from .policy import RuleHooks, StalenessPolicy, SubclassHooks, asks_defaults, hook_label, select_label
 from .records import Group, Status
 from .staleness import drop_span
 
-__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules", "build_rules"]
+__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules"]
+
+_MISSING = object()
 
 #: :meth:`Rules.quick_verdict`'s answers.
 NEEDS_RULES, NO_BATCH, OLDEST_BATCH = -1, 0, 1
 
 # The default selection takes the first batch_size candidates: its answer needs no check.
 _DEFAULT_SELECT = StalenessPolicy.select
-
-
-def asks_defaults(rules: StalenessPolicy, hooks: tuple[str, ...]) -> bool:
-    """Whether ``rules`` answers every one of ``hooks`` (names of StalenessPolicy methods) with
-    the default code, neither overridden nor replaced on the instance."""
-    kind, own = type(rules), vars(rules)
-    return all(getattr(kind, hook) is getattr(StalenessPolicy, hook) and hook not in own for hook in hooks)
 
 
 class Rules:
@@ -48,30 +46,57 @@ class Rules:
         base: the policy the buffer was given (``ReplayBuffer.policy``).
         policy: what the buffer asks: ``base``, or the subclass's hooks in front of it.
         config: the buffer's config (a checkpoint keeps it; the policy's may differ).
-        threshold, sync_step, drops: the policy's (S is the policy's: the rules and the
-            staleness a batch reports must agree, even for a policy of another config).
+        threshold, sync_step, drops, masks: the policy's (S is the policy's: the rules and
+            the staleness a batch reports must agree, even for a policy of another config).
+        evicts: whether ``sample`` evicts stale ready groups (``drop`` or ``mask``).
+        filters: the group filters run on every group that finishes (non-exempt partitions).
+        judge: which version ready groups are judged by (``_partition.BY_*``): the head under
+            ``drop``, the tail under ``mask``; under ``wait`` none is evicted as stale.
     """
 
     __slots__ = (
+        "_quotas",
         "admits_by_default",
         "base",
+        "borrows",
         "config",
         "drops",
+        "evicts",
+        "filters",
+        "judge",
+        "masks",
+        "mixture_tag",
         "plain",
         "plain_admission",
         "policy",
         "span",
         "sync_step",
+        "tasks",
         "threshold",
     )
 
-    def __init__(self, base: StalenessPolicy, hooks: RuleHooks | None, config: SamplerConfig) -> None:
+    def __init__(
+        self,
+        base: StalenessPolicy,
+        hooks: RuleHooks | None,
+        config: SamplerConfig,
+        filters: tuple[Callable[[Group], object], ...] = (),
+    ) -> None:
         self.base = base
+        # The group filters, in order: the config's filter_groups_metric (verl's DAPO filter)
+        # first, then the buffer's own.
+        metric = config.filter_groups_metric
+        self.filters: tuple[GroupFilter, ...] = (
+            filters if metric is None else (zero_variance(metric), *filters)
+        )
         self.policy = base if hooks is None else SubclassHooks(base, hooks)
         self.config = config
         self.threshold = base.threshold
         self.sync_step = base.sync_step
         self.drops = base.drops
+        self.masks = base.masks
+        self.evicts = base.drops or base.masks
+        self.judge = BY_TAIL if base.masks else BY_HEAD if base.drops else BY_DISPATCH
         # The default is_stale as one comparison: p < g + 1 - span (see staleness.drop_span).
         self.span = drop_span(base.threshold, base.sync_step)
         self.plain = asks_defaults(self.policy, ("is_stale", "must_wait_for", "select"))
@@ -79,6 +104,13 @@ class Rules:
         # The default admits (asked with a subclass's _is_stale, if any): a tag the monotone
         # drop rule closes at the next sample then never opens again.
         self.admits_by_default = asks_defaults(base, ("admits",))
+        # The task mixture: its tasks (sorted), the tag naming a group's task, the policy
+        # ("wait" or "borrow") and each partition's quotas by batch size (asked once each).
+        mixture = config.mixture
+        self.tasks: tuple[str, ...] = () if mixture is None else tuple(mixture)
+        self.mixture_tag = config.mixture_tag
+        self.borrows = config.mixture_policy == "borrow"
+        self._quotas: dict[tuple[str, int], dict[str, int]] = {}
 
     # -- per partition, asked once ------------------------------------------------------
 
@@ -105,6 +137,89 @@ class Rules:
             self.admission_cap(name, exempt),
             deadlines,
         )
+
+    # -- task mixtures ------------------------------------------------------------------
+
+    def task_of(self, tags: Mapping[str, Any]) -> str:
+        """The task a new group with ``tags`` belongs to, under the mixture.
+
+        Raises:
+            ValueError: its tag ``mixture_tag`` is missing or names no task of the mixture.
+        """
+        tag = self.mixture_tag
+        task = tags.get(tag, _MISSING)
+        if task is _MISSING:
+            raise ValueError(
+                f"the group has no tag {tag!r}: under a task mixture every group of a non-exempt "
+                f"partition names its task, one of {', '.join(map(repr, self.tasks))}"
+            )
+        if type(task) is not str or task not in self.tasks:
+            raise ValueError(
+                f"the group's tag {tag!r} is {describe(task)}, not a task of the mixture "
+                f"({', '.join(map(repr, self.tasks))})"
+            )
+        return task
+
+    def cell_settings(self, name: str, task: str, cap: int | None) -> tuple[int | None, int | None, int]:
+        """``(admission cap, threshold, span)`` of ``task``'s cell in partition ``name``, whose
+        own cap is ``cap`` (``q_task(cap)``: its quota of the per-step cap).
+
+        Raises:
+            StalebufError: the policy's ``task_threshold`` or ``task_quotas`` answered nonsense.
+            Exception: whatever those hooks raised.
+        """
+        threshold = self.policy.task_threshold(name, task)
+        if threshold is not None and (type(threshold) is not int or threshold < 1):
+            raise StalebufError(
+                f"{hook_label(self.policy, 'task_threshold')}({describe(name)}, {describe(task)}) must "
+                f"return None or an int >= 1, got {describe_typed(threshold)}"
+            )
+        task_cap = None if cap is None else self.quotas(name, cap)[task]
+        return task_cap, threshold, drop_span(threshold, self.sync_step)
+
+    def quotas(self, name: str, batch_size: int) -> dict[str, int]:
+        """Each task's quota of a batch of ``batch_size`` in partition ``name`` (cached).
+
+        Raises:
+            StalebufError: the policy's ``task_quotas`` did not answer one int >= 0 per task,
+                summing to ``batch_size``.
+            Exception: whatever the hook raised.
+        """
+        cached = self._quotas.get((name, batch_size))
+        if cached is not None:
+            return cached
+        answer = self.policy.task_quotas(name, batch_size)
+        if (
+            not isinstance(answer, Mapping)
+            or set(answer) != set(self.tasks)
+            or not all(type(quota) is int and quota >= 0 for quota in answer.values())
+            or sum(answer.values()) != batch_size
+        ):
+            raise StalebufError(
+                f"{hook_label(self.policy, 'task_quotas')}({describe(name)}, {batch_size}) must return one "
+                f"int >= 0 per task, summing to {batch_size}, got {describe_typed(answer)}"
+            )
+        quotas = self._quotas[name, batch_size] = dict(answer)
+        return quotas
+
+    def check_batch_quotas(self, name: str, batch_size: int, part: PartitionState | None) -> None:
+        """Refuse a batch size that gives a task of partition ``name``'s mixture no group
+        (``part``: the partition, None if unused).
+
+        Raises:
+            ValueError: some task's quota of ``batch_size`` is 0 (it would starve silently).
+            StalebufError, Exception: what :meth:`quotas` (or ``is_exempt``) raises.
+        """
+        mixed = part.cells is not None if part is not None else not self.policy.is_exempt(name)
+        if not mixed:
+            return
+        starved = [task for task, quota in self.quotas(name, batch_size).items() if not quota]
+        if starved:
+            raise ValueError(
+                f"batch_size={batch_size} gives the task(s) {describe(starved)} of partition "
+                f"{describe(name)} a quota of 0 (largest remainder on the mixture's weights): they would "
+                "starve silently; use a larger batch"
+            )
 
     def admission_cap(self, name: str, exempt: bool | None = None) -> int | None:
         """The per-dispatch-step cap ``b`` of partition ``name``, or None (no admission control).
@@ -175,59 +290,75 @@ class Rules:
 
     # -- drop -------------------------------------------------------------------------
 
-    def is_stale(self, global_steps: int, dispatch_step: int, name: str) -> bool:
-        """Whether a terminal group dispatched at ``dispatch_step`` is dropped at ``global_steps``."""
+    def is_stale(self, global_steps: int, dispatch_step: int, part: PartitionState) -> bool:
+        """Whether a terminal group of ``part`` judged by version ``dispatch_step`` (its
+        dispatch step without versions) is dropped at ``global_steps`` (``part.span``: its
+        task's ``T*S``)."""
         if self.plain:
-            return dispatch_step < global_steps + 1 - self.span
-        return self.policy.is_stale(global_steps, dispatch_step, name)
+            return dispatch_step < global_steps + 1 - part.span
+        return self.policy.is_stale(global_steps, dispatch_step, part.name)
 
     def stale_steps(self, part: PartitionState, global_steps: int) -> list[int]:
-        """The dispatch steps, oldest first, whose ready groups the drop rule evicts now."""
-        if not self.drops or part.exempt or not part.ready.count:
+        """The dispatch steps, oldest first, whose ready groups the drop rule evicts now (none
+        while the partition judges some group by another version: see :meth:`stale_judged`)."""
+        if not self.evicts or part.exempt or not part.ready.count or part.judged is not None:
             return []
         if self.plain:
-            return part.ready.steps_before(global_steps + 1 - self.span)
+            return part.ready.steps_before(global_steps + 1 - part.span)
         policy, name = self.policy, part.name
         if not policy.is_stale(global_steps, part.ready.oldest_step(), name):
             return []
         return part.ready.stale_steps(lambda step: policy.is_stale(global_steps, step, name))
 
+    def stale_judged(self, part: PartitionState, global_steps: int) -> list[JudgedEntry]:
+        """The ready groups the rule evicts now, by the version each is judged by (its head
+        under ``drop``, its tail under ``mask``), while the partition keeps a judged index."""
+        judged = part.judged
+        if judged is None or not self.evicts or part.exempt:
+            return []
+        if self.plain:
+            cutoff = global_steps + 1 - part.span
+            return judged.stale(cutoff.__gt__)
+        policy, name = self.policy, part.name
+        return judged.stale(lambda version: policy.is_stale(global_steps, version, name))
+
     def stale_in_flight_steps(self, part: PartitionState, global_steps: int) -> list[int]:
-        """The dispatch steps, oldest first, whose in-flight groups no later sample could
-        return (only with in-flight eviction): the drop rule already holds for them."""
+        """The heads, oldest first, of the in-flight groups no later sample could return (only
+        with in-flight eviction): the drop rule already holds for them."""
         if not part.evict_in_flight:
             return []
-        name = part.name
-        return part.in_flight.stale_steps(lambda step: self.is_stale(global_steps, step, name))
+        return part.in_flight.stale_steps(lambda step: self.is_stale(global_steps, step, part))
 
     def count_fresh(self, part: PartitionState, global_steps: int) -> int:
         """How many ready groups of ``part`` the drop rule keeps at ``global_steps``."""
-        if not self.drops or part.exempt:
+        if not self.evicts or part.exempt:
             return part.ready.count
-        name = part.name
-        return part.ready.count_fresh(lambda step: self.is_stale(global_steps, step, name))
+        if part.judged is not None:
+            return part.ready.count - len(self.stale_judged(part, global_steps))
+        return part.ready.count_fresh(lambda step: self.is_stale(global_steps, step, part))
 
     # -- the wait gate and selection ------------------------------------------------------
 
     def gate_open(self, part: PartitionState, global_steps: int) -> bool:
-        """The wait gate: no in-flight group the sample at ``global_steps`` must wait for."""
-        if self.drops or part.exempt:
+        """The wait gate: no in-flight group (by its head) the sample at ``global_steps`` must
+        wait for."""
+        if self.evicts or part.exempt:
             return True
         oldest = part.in_flight.oldest()
         if oldest is None:
             return True
         if self.plain:  # staleness.blocks_wait: age >= T*S
-            return global_steps - oldest + 1 < self.span
+            return global_steps - oldest + 1 < part.span
         return not self.policy.must_wait_for(global_steps, oldest, part.name)
 
     def quick_verdict(self, part: PartitionState, global_steps: int, batch_size: int) -> int:
         """The common case of an evaluation, answered inline: :data:`NO_BATCH` or
         :data:`OLDEST_BATCH` when the default rules hold and nothing is to be evicted, else
         :data:`NEEDS_RULES` (ask :meth:`stale_steps` and :meth:`choose_batch`)."""
-        if not self.plain or part.failed or part.evict_in_flight:
+        if not self.plain or part.failed or part.evict_in_flight or part.judged is not None:
             return NEEDS_RULES
         ready = part.ready
-        if self.drops and not part.exempt and ready.count and ready.steps[0] < global_steps + 1 - self.span:
+        if self.evicts and not part.exempt and ready.count and ready.steps[0] < global_steps + 1 - part.span:
             return NEEDS_RULES  # the oldest is stale: eviction to do
         if ready.count < batch_size or not self.gate_open(part, global_steps):
             return NO_BATCH
@@ -242,25 +373,25 @@ class Rules:
             Exception: whatever a policy hook raised.
         """
         ready = part.ready
-        if self.plain and not part.failed and not part.evict_in_flight:
+        if self.plain and not part.failed and not part.evict_in_flight and part.judged is None:
             if ready.count >= batch_size and self.gate_open(part, global_steps):
                 return True
             return bool(
                 ready.count
-                and self.drops
+                and self.evicts
                 and not part.exempt
-                and ready.steps[0] < global_steps + 1 - self.span  # the oldest is stale
+                and ready.steps[0] < global_steps + 1 - part.span  # the oldest is stale
             )
         if part.failed or (
-            self.drops
+            self.evicts
             and ready.count
             and not part.exempt
-            and self.is_stale(global_steps, ready.oldest_step(), part.name)
+            and self.is_stale(global_steps, part.oldest_judged(), part)
         ):
             return True
         if part.evict_in_flight:
             oldest = part.in_flight.oldest()
-            if oldest is not None and self.is_stale(global_steps, oldest, part.name):
+            if oldest is not None and self.is_stale(global_steps, oldest, part):
                 return True
         return ready.count >= batch_size and self.gate_open(part, global_steps)
 
@@ -303,18 +434,21 @@ class Rules:
 
     # -- admission --------------------------------------------------------------------
 
-    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, name: str) -> bool:
+    def admits(
+        self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, name: str, span: int
+    ) -> bool:
         """Whether one more group may be admitted at dispatch step ``tag`` (the policy's
-        ``admits``; the default inline: below the cap, and not stale at the next sample).
+        ``admits``; the default inline: below the cap, and not stale at the next sample;
+        ``span``: the ``T*S`` of the group's partition or task).
 
         Raises:
             Exception: whatever a policy hook raised.
         """
         if self.plain_admission:  # not is_stale(last_sampled + 1, tag)
-            return resident_at_tag < cap and tag >= last_sampled + 2 - self.span
+            return resident_at_tag < cap and tag >= last_sampled + 2 - span
         return self.policy.admits(tag, resident_at_tag, last_sampled, cap, name)
 
-    def closed_for_good(self, name: str, tag: int, last_sampled: int) -> bool:
+    def closed_for_good(self, name: str, tag: int, last_sampled: int, span: int) -> bool:
         """Whether no slot at ``tag`` can ever open: the default admission rule refuses a tag
         that is stale at the next sample, and the drop rule is monotone while sample steps only
         grow. (A custom ``admits`` may reopen anything: never closed for good then.)
@@ -322,26 +456,18 @@ class Rules:
         Raises:
             Exception: whatever the policy's ``is_stale`` raised.
         """
-        return self.admits_by_default and self.is_stale(last_sampled + 1, tag, name)
+        if not self.admits_by_default:
+            return False
+        if self.plain_admission:
+            return tag < last_sampled + 2 - span
+        return self.policy.is_stale(last_sampled + 1, tag, name)
 
-    def capacity(self, cap: int | None) -> int | None:
-        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap``."""
-        return None if cap is None else cap * self.threshold * self.sync_step
-
-
-def build_rules(config: object, policy: object, hooks: RuleHooks | None) -> Rules:
-    """Check a buffer's ``config`` and ``policy`` arguments and return its rule book (``hooks``:
-    a subclass that overrides the verl-style hooks, else None).
-
-    Raises:
-        ConfigError: ``policy`` is not a StalenessPolicy or None, or ``config`` not a
-            SamplerConfig or None.
-    """
-    # Types first: a policy of the wrong type must not be asked for its config.
-    if policy is not None and not isinstance(policy, StalenessPolicy):
-        raise ConfigError(f"policy must be a StalenessPolicy or None, got {type(policy).__name__}")
-    if config is None:
-        config = SamplerConfig() if policy is None else policy.config
-    elif not isinstance(config, SamplerConfig):
-        raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
-    return Rules(StalenessPolicy(config) if policy is None else policy, hooks, config)
+    def capacity(self, cap: int | None, threshold: int | None = None) -> int | None:
+        """The bound on resident groups under a per-step cap ``cap``: ``T * S * cap`` (``T``:
+        ``threshold``, a task's, else the policy's; None without a threshold: no tag ever
+        closes, so nothing bounds residency)."""
+        if threshold is None:
+            threshold = self.threshold
+        if cap is None or threshold is None:
+            return None
+        return cap * threshold * self.sync_step

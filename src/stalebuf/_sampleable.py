@@ -4,7 +4,8 @@
 parked until a partition holds at least ``count`` groups a ``sample`` at their ``global_steps``
 could select. Both count the same thing, in one place (:meth:`SampleableWaits.fresh`): the ready
 groups the drop and failure rules keep at that step (as after the drop eviction a ``sample``
-would run, which this never runs); the wait gate and batch sizes do not count.
+would run, which this never runs), over every task's cell under a task mixture (a
+``wait_for_sampleable`` counts them all); the wait gate, batch sizes and quotas do not count.
 
 A parked call is not in the queue of parked samples: it never delays or reorders a ``sample``
 and takes nothing. A producer's change that makes a group sampleable (and a cut at a deadline)
@@ -40,26 +41,18 @@ class SampleableWaits:
         self.rules = rules
         self.waiting: dict[str, list[Waiter]] = {}
 
-    def fresh(self, partition: str, global_steps: int) -> int:
-        """How many groups of ``partition`` a ``sample`` at ``global_steps`` could select now.
+    def fresh(self, partition: str, global_steps: int, task: str | None = None) -> int:
+        """How many groups of ``partition`` (of its ``task`` only, under a mixture, if given) a
+        ``sample`` at ``global_steps`` could select now (its arguments checked by the caller).
 
         Raises:
             Exception: whatever the policy's ``is_stale`` raised.
         """
         part = self.store.partitions.get(partition)
-        return 0 if part is None else self.rules.count_fresh(part, global_steps)
-
-    def count(self, global_steps: object, partition: object) -> int:
-        """``sampleable_count``: check the arguments, then count (see :meth:`fresh`).
-
-        Raises:
-            WrongThreadError: called from another thread than the bound loop's.
-            TypeError, ValueError: ``global_steps`` or ``partition`` is invalid.
-            Exception: whatever the policy's ``is_stale`` raised.
-        """
-        self.store.binding.check_thread()
-        step = check_step(global_steps)
-        return self.fresh(check_partition(partition), step)
+        if part is None:
+            return 0
+        cells = [part] if part.cells is None else part.cells.values() if task is None else [part.cells[task]]
+        return sum(self.rules.count_fresh(cell, global_steps) for cell in cells)
 
     async def wait(self, global_steps: object, count: object, partition: object, timeout: object) -> int:
         """``wait_for_sampleable``: check the arguments as ``sample`` does, then wait until
@@ -123,12 +116,14 @@ class SampleableWaits:
             if not waiters:
                 del self.waiting[part.name]
                 return
-        ready = part.ready.count  # never fewer than what the rules keep: a cheap first test
+        # A plain partition's ready count is never fewer than what the rules keep: a cheap first
+        # test. (A task's cell counts only its task's groups: the count sums every cell.)
+        ready = part.ready.count if part.task is None else None
         for waiter in waiters:
-            if ready < waiter.batch_size:
+            if ready is not None and ready < waiter.batch_size:
                 continue
             try:
-                reached = self.rules.count_fresh(part, waiter.global_steps) >= waiter.batch_size
+                reached = self.fresh(part.name, waiter.global_steps) >= waiter.batch_size
             except Exception:
                 logger.exception("a staleness policy hook raised while counting for wait_for_sampleable")
                 reached = True

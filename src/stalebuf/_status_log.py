@@ -17,6 +17,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from ._partition import PartitionState
 from ._waiting import Waiter
@@ -32,6 +33,13 @@ ESCALATE_AFTER = 3
 Reason = Callable[[str, Waiter], str]
 
 
+class Explains(Protocol):
+    """What tells the status reporter why a parked sample waits (``_explain.Explainer``)."""
+
+    def reason(self, name: str, waiter: Waiter) -> str:
+        """Why ``waiter``, parked on partition ``name``, waits (never raises)."""
+
+
 def next_due(due: float, now: float, interval: float) -> float:
     """Return the first ``due + k * interval`` (k >= 1) after ``now``, in one step.
 
@@ -42,10 +50,10 @@ def next_due(due: float, now: float, interval: float) -> float:
     return due + interval * (math.floor((now - due) / interval) + 1)
 
 
-def log_waiting(part: PartitionState, waiter: Waiter, waited: float, interval: float, reason: str) -> None:
+def log_waiting(part: PartitionState, waiter: Waiter, waited: float, interval: float, reason: Reason) -> None:
     """Log one line saying what ``waiter`` has waited for (``waited`` seconds, its lines due
-    every ``interval``), what its partition holds and why it waits: INFO, or WARNING once it
-    has waited :data:`ESCALATE_AFTER` intervals."""
+    every ``interval``), what its partition holds and why it waits (``reason(name, waiter)``):
+    INFO, or WARNING once it has waited :data:`ESCALATE_AFTER` intervals."""
     # Half an interval of slack: the third line is due at 3 intervals, give or take a rounding.
     level = logging.WARNING if waited >= (ESCALATE_AFTER - 0.5) * interval else logging.INFO
     logger.log(
@@ -63,24 +71,24 @@ def log_waiting(part: PartitionState, waiter: Waiter, waited: float, interval: f
         part.failure,
         part.ready.count,
         part.in_flight.oldest(),
-        reason,
+        reason(part.name, waiter),
     )
 
 
 class StatusLog:
     """The asyncio status timer of one buffer."""
 
-    __slots__ = ("interval", "loop", "partitions", "reason", "timer", "waiting")
+    __slots__ = ("explainer", "interval", "loop", "partitions", "timer", "waiting")
 
     def __init__(
         self,
         interval: float,
         waiting: Mapping[str, deque[Waiter]],
         partitions: Mapping[str, PartitionState],
-        reason: Reason,
+        explainer: Explains,
     ) -> None:
         self.interval = interval
-        self.reason = reason  # why a waiter waits (the consumer's answer; never raises)
+        self.explainer = explainer  # why a waiter waits (never raises)
         # Live views: partitions and queues created later are seen.
         self.waiting = waiting
         self.partitions = partitions
@@ -109,7 +117,7 @@ class StatusLog:
                     continue
                 if waiter.log_due <= now:
                     waited = waiter.log_due - waiter.started
-                    log_waiting(self.partitions[name], waiter, waited, interval, self.reason(name, waiter))
+                    log_waiting(self.partitions[name], waiter, waited, interval, self.explainer.reason)
                     waiter.log_due = next_due(waiter.log_due, now, interval)
                 earliest = min(earliest, waiter.log_due)
         self.timer = None if earliest == math.inf else loop.call_at(earliest, self.tick)

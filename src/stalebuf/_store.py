@@ -8,27 +8,26 @@ changes after, so a refused call leaves the store as it was.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from operator import attrgetter
 from time import monotonic
 from types import MappingProxyType
 from typing import Any
 
+from ._evicted_uids import CUT_REASON, EVICTED_UIDS_REMEMBERED, FILTERED_REASON, EvictedUids
+from ._group_snapshots import CUT_TAG, snapshot, terminal_record
+from ._judged_index import JudgedEntry
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
-from ._partition import PartitionState
+from ._partition import PartitionState, group_tokens
+from ._partition_table import PartitionTable
 from ._rules import Rules
 from ._stored import count_trajectories
 from ._validation import describe
+from ._versions import VersionSpan
 from ._waiting import LoopBinding
-from .errors import (
-    DuplicateTrajectoryError,
-    GroupCutError,
-    GroupEvictedError,
-    InvalidTransitionError,
-    UnknownGroupError,
-)
+from .errors import DuplicateTrajectoryError, InvalidTransitionError, UnknownGroupError
 from .records import (
     DEFAULT_KEY_SESSIONS,
     DEFAULT_KEY_SUFFIXES,
@@ -36,20 +35,12 @@ from .records import (
     Status,
     Trajectory,
     default_keys,
-    new_group,
     new_trajectory,
+    pack_runs,
 )
 
-__all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "GroupStore"]
+__all__ = ["CUT_REASON", "CUT_TAG", "EVICTED_UIDS_REMEMBERED", "FILTERED_REASON", "GroupStore"]
 
-#: The group tag every group cut at its deadline carries (True), finished or failed.
-CUT_TAG = "stalebuf_cut"
-#: How a remembered reason for a cut starts (the deadline in seconds follows).
-CUT_REASON = "cut at its deadline of "
-
-#: How many uids of groups evicted in flight the buffer remembers (most recent first), so that a
-#: producer's late call on one raises GroupEvictedError rather than UnknownGroupError.
-EVICTED_UIDS_REMEMBERED = 65_536
 
 _PENDING, _RUNNING, _FINISHED = Status.PENDING, Status.RUNNING, Status.FINISHED
 _tuple_new = tuple.__new__
@@ -64,45 +55,48 @@ class GroupStore:
     Attributes (read them; change them only through the methods):
         groups: every resident group, in flight (:class:`OpenGroup`) or terminal (a record).
         partitions: every partition used so far.
-        evicted_in_flight: uids of groups the buffer ended in flight, most recent last: None
-            for evicted as stale, else the reason ("restart", or "cut at its deadline of ...").
+        evicted_in_flight: uids of groups the buffer ended in flight, with why
+            (:class:`~stalebuf._evicted_uids.EvictedUids`).
+        table: the partitions' owner (:class:`~stalebuf._partition_table.PartitionTable`).
         next_seq: the admission sequence number of the next group (it orders FIFO ties).
         closed: whether the buffer was closed.
         rules, binding: the buffer's rule book and loop binding (parts the store only reads).
     """
 
-    __slots__ = ("binding", "closed", "evicted_in_flight", "groups", "next_seq", "partitions", "rules")
+    __slots__ = (
+        "binding",
+        "closed",
+        "evicted_in_flight",
+        "groups",
+        "next_seq",
+        "partitions",
+        "rules",
+        "table",
+    )
 
     def __init__(self, rules: Rules, binding: LoopBinding) -> None:
         self.rules = rules
         self.binding = binding  # the loop the buffer is bound to (its own part; read, not written)
         self.groups: dict[str, OpenGroup | Group] = {}
-        self.partitions: dict[str, PartitionState] = {}
-        self.evicted_in_flight: OrderedDict[str, str | None] = OrderedDict()
+        self.table = PartitionTable(rules)
+        self.partitions = self.table.partitions  # read here; the table adds to it
+        self.evicted_in_flight = EvictedUids()
         self.next_seq = 0
         self.closed = False
 
     # -- lookups ------------------------------------------------------------------------
 
     def partition(self, name: str) -> PartitionState:
-        """Return partition ``name``, creating it (asking the rules its settings) if new.
+        """Return partition ``name``, created if new (see :meth:`PartitionTable.partition`)."""
+        return self.table.partition(name)
 
-        Raises:
-            Exception: whatever a policy hook raised (nothing is created then).
-        """
-        part = self.partitions.get(name)
-        if part is None:
-            exempt, evict_failures, evict_in_flight, cap, deadlines = self.rules.settings(name)
-            part = PartitionState(
-                name,
-                exempt=exempt,
-                evict_failures=evict_failures,
-                evict_in_flight=evict_in_flight,
-                cap=cap,
-                deadlines=deadlines,
-            )
-            self.partitions[name] = part
-        return part
+    def cell(self, name: str, tags: Mapping[str, Any]) -> PartitionState:
+        """Where a new group lands (see :meth:`PartitionTable.cell`; raises what it raises)."""
+        return self.table.cell(name, tags)
+
+    def cell_of(self, group: OpenGroup | Group) -> PartitionState:
+        """The partition (or task cell) that holds ``group``."""
+        return self.table.cell_of(group)
 
     def open_group(self, uid: object, action: str) -> OpenGroup:
         """Return the in-flight group ``uid`` or raise the error a write to it deserves.
@@ -110,7 +104,7 @@ class GroupStore:
         Raises:
             TypeError: ``uid`` is not a str.
             GroupCutError: it was cut at its deadline (and not added again since).
-            GroupEvictedError: it was evicted in flight (and not added again since).
+            GroupEvictedError: it was evicted in flight or filtered (and not added again since).
             UnknownGroupError: no such group.
             InvalidTransitionError: it is terminal (a late write).
         """
@@ -119,15 +113,10 @@ class GroupStore:
             return group
         if type(uid) is not str:
             raise TypeError(f"uid must be a str, got {type(uid).__name__}")
-        reason = self.evicted_in_flight.get(uid, "") if self.evicted_in_flight else ""
-        if reason and reason.startswith("cut"):  # the cut group, resident or gone, not a new one
-            raise GroupCutError(f"group {describe(uid)} was {reason} while in flight: stop generating")
+        error = self.evicted_in_flight.error(uid, group is not None)
+        if error is not None:
+            raise error
         if group is None:
-            if reason != "":
-                how = "as stale" if reason is None else "by a restart"
-                raise GroupEvictedError(
-                    f"group {describe(uid)} was evicted {how} while in flight: stop generating"
-                )
             raise UnknownGroupError(
                 f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
             )
@@ -158,15 +147,16 @@ class GroupStore:
         seq = self.next_seq
         self.next_seq = seq + 1
         group = self.groups[uid] = OpenGroup(uid, part.name, step, seq, tags, monotonic())
+        group.task = part.task
         part.admit(group)
         if part.deadlines:
             part.track(group)
-        if self.evicted_in_flight:
-            self.evicted_in_flight.pop(uid, None)  # a new group: forget the old eviction
+        self.evicted_in_flight.forget(uid)  # a new group: forget the old eviction
         return group
 
-    def start(self, uid: object) -> None:
-        """Move the group ``uid`` from PENDING to RUNNING.
+    def start(self, uid: object, version: int | None = None) -> None:
+        """Move the group ``uid`` from PENDING to RUNNING; ``version`` (checked): its new start
+        version (None keeps the one it has).
 
         Raises:
             The errors of :meth:`open_group`; InvalidTransitionError if it is running already.
@@ -177,10 +167,33 @@ class GroupStore:
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
-        self.partitions[group.partition].start()
+        part = self.partitions[group.partition]
+        if part.cells is not None:
+            part = part.cells[group.task]  # type: ignore[index]
+        part.start()
+        if version is not None:
+            self.set_start_version(group, version)
 
-    def put(self, uid: object, payload: Any, session_id: int, index: int, tags: Mapping[str, Any]) -> str:
-        """Add one trajectory to the in-flight group ``uid`` (checked arguments); return its key.
+    def set_start_version(self, group: OpenGroup, version: int) -> None:
+        """Set the in-flight ``group``'s start version (checked); its head may move."""
+        group.start_version = version
+        head = group.head_now()
+        if head != group.head:
+            self.cell_of(group).move(group, head)
+
+    def put(
+        self,
+        uid: object,
+        payload: Any,
+        session_id: int,
+        index: int,
+        tags: Mapping[str, Any],
+        segments: tuple[tuple[int, int], ...] = (),
+        tokens: int = 0,
+    ) -> str:
+        """Add one trajectory to the in-flight group ``uid`` (checked arguments: ``segments``
+        and ``tokens`` as :func:`~stalebuf._versions.trajectory_versions` returns them); return
+        its key.
 
         Raises:
             The errors of :meth:`open_group`; DuplicateTrajectoryError for a key it holds.
@@ -199,11 +212,48 @@ class GroupStore:
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
-        trajectories[key] = _tuple_new(Trajectory, (key, session_id, index, tags, payload))
+        trajectories[key] = _tuple_new(
+            Trajectory,
+            (
+                key,
+                session_id,
+                index,
+                tags,
+                payload,
+                segments,
+                tokens,
+                pack_runs(segments) if segments else b"",
+            ),
+        )
         part = self.partitions[group.partition]
+        if part.cells is not None:  # a task mixture: the group's task's cell
+            part = part.cells[group.task]  # type: ignore[index]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
+        if tokens or group.span is not None:
+            self._count_versions(group, part, ((segments, tokens),))
         return key
+
+    @staticmethod
+    def _count_versions(
+        group: OpenGroup, part: PartitionState, added: Collection[tuple[tuple[tuple[int, int], ...], int]]
+    ) -> None:
+        """Count the versions and tokens of trajectories just put into ``group`` (once one had
+        tokens, every later one: a trajectory without versions counts at the start version);
+        move its head."""
+        span = group.span
+        if span is None:
+            span = group.span = VersionSpan()
+            span.plain = len(group.trajectories) - len(added)  # the ones put without versions
+        tokens = 0
+        for segments, count in added:
+            span.add(segments, count)
+            tokens += count
+        part.tokens += tokens
+        part.admitted_tokens += tokens
+        head = span.head(group.start_version)
+        if head != group.head:
+            part.move(group, head)
 
     def end(
         self,
@@ -211,39 +261,52 @@ class GroupStore:
         status: Status,
         clock: int,
         measured: bool = True,
+        record: Group | None = None,
         seconds: float | None = None,
     ) -> PartitionState:
         """Make the in-flight ``group`` terminal with ``status``; return its partition.
         ``clock`` is the partition's dispatch clock (the record's finish step, not before
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
-        in one call), so a FINISHED one counts towards the median generation time (always the
-        time the buffer measured: deadlines run on its clock); ``seconds``: the record's
-        ``generation_seconds`` as its producer measured it (None: from admission to now)."""
+        in one call), so a FINISHED one counts towards the median generation time (the buffer's
+        own measure); ``record``: its terminal record from :func:`~stalebuf._group_snapshots.
+        terminal_record`, if made already, else one with ``generation_seconds`` ``seconds``."""
         part = self.partitions[group.partition]
-        step = group.dispatch_step
+        if part.cells is not None:
+            part = part.cells[group.task]  # type: ignore[index]
         if part.deadlines and measured and status is _FINISHED:
             part.record_generation(monotonic() - group.admitted_at)
-        record = _tuple_new(  # records.new_group, without the call
-            Group,
-            (
-                group.uid,
-                part.name,
-                step,
-                status,
-                group.tags,
-                tuple(group.trajectories.values()),
-                clock if clock > step else step,
-                monotonic() - group.admitted_at if seconds is None else seconds,
-            ),
-        )
+        if record is None:
+            record = terminal_record(group, status, clock, seconds)
         self.groups[group.uid] = record
         part.terminate(group, record)
         return part
 
+    def filter_out(self, group: OpenGroup, measured: bool = False) -> PartitionState:
+        """Evict the in-flight ``group``, which a filter rejected as it finished; remember
+        why, so its producer's next write raises GroupEvictedError; return its partition.
+        ``measured`` as for :meth:`end` (it finished uncut: its time counts for the median)."""
+        part = self.cell_of(group)
+        if part.deadlines and measured:
+            part.record_generation(monotonic() - group.admitted_at)
+        part.filter_out(group)
+        del self.groups[group.uid]
+        self.remember_evicted(group.uid, FILTERED_REASON)
+        group.ending = "filtered"
+        return part
+
+    def add_filtered(self, part: PartitionState, record: Group) -> None:
+        """Count a group written FINISHED in one call that a filter rejected (never resident)."""
+        part.add_filtered(record)
+        self.remember_evicted(record.uid, FILTERED_REASON)
+
     def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
         """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""
         group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
-        self.partitions[group.partition].add_trajectories(len(rows))
+        part = self.cell_of(group)
+        part.add_trajectories(len(rows))
+        added = [(row[5], row[6]) if len(row) > 5 else ((), 0) for row in rows]
+        if group.span is not None or any(tokens for _, tokens in added):
+            self._count_versions(group, part, added)
 
     def add_finished(
         self,
@@ -253,15 +316,29 @@ class GroupStore:
         clock: int,
         payloads: tuple[Any, ...],
         tags: Mapping[str, Any],
+        start_version: int | None = None,
+        record: Group | None = None,
         seconds: float = 0.0,
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
-        first read), straight to the ready index; return its keys. ``seconds`` is its
-        ``generation_seconds`` (its producer's measure; 0.0: never in flight here, none given)."""
-        record = _tuple_new(  # _lazy_group.new_lazy_group, without the call
-            LazyGroup,
-            (uid, part.name, step, _FINISHED, tags, payloads, clock if clock > step else step, seconds),
-        )
+        first read), straight to the ready index; return its keys. ``record``: the group from
+        ``_group_snapshots.finished_record`` of these arguments, if made already; ``seconds``:
+        its ``generation_seconds`` (the producer's measure; 0.0 when none was given)."""
+        if record is None:
+            record = _tuple_new(  # finished_record, without the call: this runs per group
+                LazyGroup,
+                (
+                    uid,
+                    part.name,
+                    step,
+                    _FINISHED,
+                    tags,
+                    payloads,
+                    clock if clock > step else step,
+                    seconds,
+                    step if start_version is None else start_version,
+                ),
+            )
         seq = self.next_seq
         self.next_seq = seq + 1
         self.groups[uid] = record
@@ -282,9 +359,10 @@ class GroupStore:
         _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
         return groups
 
-    def evict_stale(self, part: PartitionState, steps: list[int]) -> list[Group]:
-        """Remove and return the ready groups of the oldest ``steps`` (the rules chose them)."""
-        groups = part.take_stale(steps)
+    def evict_stale(self, part: PartitionState, steps: list[int], judged: list[JudgedEntry]) -> list[Group]:
+        """Remove and return the ready groups of the oldest ``steps``, or the ``judged`` entries
+        (the rules chose them)."""
+        groups = part.take_stale(steps, judged)
         _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
         return groups
 
@@ -294,28 +372,46 @@ class GroupStore:
         now = monotonic()
         records = []
         for group in part.take_stale_in_flight(steps):
-            records.append(self.snapshot(group, clock, now))
+            records.append(snapshot(group, clock, now))
             del self.groups[group.uid]
             self.remember_evicted(group.uid, None)
             group.notify_watchers("evicted")
         return records
 
-    def cut(self, group: OpenGroup, status: Status, clock: int, deadline: float) -> None:
+    def cut(
+        self, group: OpenGroup, status: Status, clock: int, deadline: float, record: Group | None = None
+    ) -> None:
         """End the in-flight ``group``, past its ``deadline`` (seconds), with ``status`` and the
         tag ``stalebuf_cut``; remember it, so its producer's next write raises GroupCutError, and
-        tell its watchers (a ``rollout()`` body is cancelled)."""
-        part = self.partitions[group.partition]
-        seconds = monotonic() - group.admitted_at
-        count = len(group.trajectories)
+        tell its watchers (a ``rollout()`` body is cancelled). ``record``: its record from
+        :func:`~stalebuf._group_snapshots.cut_record`, if made already."""
+        part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
         group.tags = MappingProxyType({**group.tags, CUT_TAG: True})
-        self.end(group, status, clock, measured=False)
+        self.end(group, status, clock, measured=False, record=record)
+        self._count_cut(part, group.uid, count, monotonic() - seconds, f"{CUT_REASON}{deadline:.6g} s")
+        evicted = status is not _FINISHED and part.evict_failures
+        group.notify_watchers("cut-evicted" if evicted else "cut")
+
+    def cut_filtered(self, group: OpenGroup, deadline: float) -> None:
+        """Cut the in-flight ``group`` as FINISHED, which a filter then rejected: counted cut,
+        evicted as filtered; its producer's next write raises GroupCutError."""
+        part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
+        self.filter_out(group)
+        reason = f"{CUT_REASON}{deadline:.6g} s (then filtered)"
+        self._count_cut(part, group.uid, count, monotonic() - seconds, reason)
+        group.notify_watchers("cut-evicted")
+
+    def _count_cut(self, part: PartitionState, uid: str, count: int, seconds: float, reason: str) -> None:
         part.cut_groups += 1
         part.cut_trajectories += count
         recent = part.recent_cuts
         recent[0], recent[1], recent[2] = recent[0] + 1, recent[1] + count, recent[2] + seconds
-        self.remember_evicted(group.uid, f"{CUT_REASON}{deadline:.6g} s")
-        evicted = status is not _FINISHED and part.evict_failures
-        group.notify_watchers("cut-evicted" if evicted else "cut")
+        self.remember_evicted(uid, reason)
+
+    @staticmethod
+    def count_masked(part: PartitionState, tokens: int) -> None:
+        """Count ``tokens`` sampled tokens of ``part`` that the ``mask`` strategy masked."""
+        part.count_masked(tokens)
 
     @staticmethod
     def take_recent_cuts(part: PartitionState) -> tuple[int, int, float]:
@@ -324,10 +420,7 @@ class GroupStore:
 
     def remember_evicted(self, uid: str, reason: str | None) -> None:
         """Remember that ``uid`` was evicted in flight (``reason`` None: as stale), boundedly."""
-        remembered = self.evicted_in_flight
-        remembered[uid] = reason
-        if len(remembered) > EVICTED_UIDS_REMEMBERED:
-            remembered.popitem(last=False)
+        self.evicted_in_flight.remember(uid, reason)
 
     def close(self) -> None:
         """Mark the store closed and tell every in-flight group's watchers."""
@@ -337,29 +430,18 @@ class GroupStore:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    @staticmethod
-    def snapshot(group: OpenGroup, clock: int, now: float) -> Group:
-        """Return the record of the in-flight ``group`` as it is at ``now`` (its status kept)."""
-        return new_group(
-            group.uid,
-            group.partition,
-            group.dispatch_step,
-            group.status,
-            group.tags,
-            tuple(group.trajectories.values()),
-            max(clock, group.dispatch_step),
-            now - group.admitted_at,
-        )
-
     def restore_terminal(self, part: PartitionState, group: Group, seq: int) -> None:
         """Put back a terminal ``group`` at admission position ``seq`` (a restore)."""
         self.groups[group.uid] = group
         part.add_terminal(group, seq)
 
-    def restore_in_flight(self, part: PartitionState, group: Group, seq: int, keep: bool) -> None:
-        """Put back an in-flight ``group`` at position ``seq``: exactly (``keep``), or as
-        PENDING with no trajectories (to be generated again). Its deadline clock starts now: an
-        outage must not cut a group before its producer could go on with it."""
+    def restore_in_flight(
+        self, part: PartitionState, group: Group, seq: int, *, prefix: bool, running: bool
+    ) -> None:
+        """Put back an in-flight ``group`` at position ``seq``: with its trajectories, versions and
+        start version (``prefix``; else PENDING with none, to be generated again from its
+        dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline clock
+        starts now: an outage must not cut a group before its producer could go on with it."""
         now = monotonic()
         state = OpenGroup(
             group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now
@@ -368,22 +450,27 @@ class GroupStore:
         part.admit(state)
         if part.deadlines:
             part.track(state)
-        if keep:
-            if group.status is _RUNNING:
-                state.status = _RUNNING
-                part.start()
+        if running and group.status is _RUNNING:
+            state.status = _RUNNING
+            part.start()
+        if prefix:
+            self.set_start_version(state, group.start_version)
             state.trajectories = {trajectory.key: trajectory for trajectory in group.trajectories}
             part.add_trajectories(len(group.trajectories))
+            added = [(t.versions, t.tokens) for t in group.trajectories]
+            if any(tokens for _, tokens in added):
+                self._count_versions(state, part, added)
 
     def restore_counters(
-        self, part: PartitionState, counters: Mapping[str, int], reissued: tuple[int, int]
+        self, part: PartitionState, counters: Mapping[str, int], reissued: tuple[int, int, int]
     ) -> None:
         """Set ``part``'s cumulative counters to the saved ones, plus ``reissued`` (groups,
-        trajectories) that a restore reissued."""
+        trajectories, tokens) that a restore reissued (their partial trajectories discarded)."""
         for key, value in counters.items():
             setattr(part, key, value)
         part.reissued_groups += reissued[0]
         part.reissued_trajectories += reissued[1]
+        part.reissued_tokens += reissued[2]
 
     def restore_sequence(
         self, next_seq: int, evicted_in_flight: tuple[str, ...], reasons: tuple[str | None, ...]
@@ -391,10 +478,7 @@ class GroupStore:
         """Set the admission sequence and the remembered in-flight evictions of a restore, with
         their reasons (``()``: all None, as older files hold)."""
         self.next_seq = next_seq
-        if reasons:
-            self.evicted_in_flight = OrderedDict(zip(evicted_in_flight, reasons, strict=True))
-        else:
-            self.evicted_in_flight = OrderedDict.fromkeys(evicted_in_flight)
+        self.evicted_in_flight.restore(evicted_in_flight, reasons)
 
     @staticmethod
     def restore_generation(part: PartitionState, times: tuple[float, ...]) -> None:
@@ -407,5 +491,6 @@ class GroupStore:
         """Count in-flight ``groups`` a restore evicted (never put back) and remember them."""
         part.evicted_restart_groups += len(groups)
         part.evicted_restart_trajectories += sum(map(count_trajectories, groups))
+        part.evicted_tokens += sum(map(group_tokens, groups))
         for group in groups:  # a producer that survived the restart learns why on its next write
             self.remember_evicted(group.uid, "restart")

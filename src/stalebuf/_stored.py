@@ -30,9 +30,11 @@ def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
             tuple(map(change, group._stored)),
             group.finish_step,
             group.generation_seconds,
+            group.start_version,
         )
     trajectories = tuple(
-        new_trajectory(t.key, t.session_id, t.index, t.tags, change(t.payload)) for t in group.trajectories
+        new_trajectory(t.key, t.session_id, t.index, t.tags, change(t.payload), t.versions, t.tokens)
+        for t in group.trajectories
     )
     return group.replace(trajectories=trajectories)
 

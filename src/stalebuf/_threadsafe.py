@@ -43,10 +43,18 @@ class ThreadedBuffer(Protocol):
         self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
     ) -> None: ...
 
-    def mark_running_nowait(self, uid: str) -> None: ...
+    def mark_running_nowait(self, uid: str, *, version: int | None) -> None: ...
 
     def put_nowait(
-        self, uid: str, payload: Any = None, *, session_id: int, index: int, tags: Mapping[str, Any] | None
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int,
+        index: int,
+        tags: Mapping[str, Any] | None,
+        versions: Sequence[tuple[int, int]] | None,
+        tokens: int | None,
     ) -> str: ...
 
     def mark_finished_nowait(self, uid: str) -> None: ...
@@ -65,6 +73,9 @@ class ThreadedBuffer(Protocol):
         session_ids: Sequence[int] | None,
         indices: Sequence[int] | None,
         status: GroupStatus,
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None,
+        tokens: Sequence[int | None] | None,
+        version: int | None,
         generation_seconds: float | None,
     ) -> list[str]: ...
 
@@ -80,6 +91,9 @@ class ThreadedBuffer(Protocol):
         session_ids: Sequence[int] | None,
         indices: Sequence[int] | None,
         status: GroupStatus,
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None,
+        tokens: Sequence[int | None] | None,
+        version: int | None,
         generation_seconds: float | None,
     ) -> list[str]: ...
 
@@ -183,6 +197,9 @@ class ThreadsafeProducer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
         timeout: float | None = None,
     ) -> list[str]:
@@ -207,6 +224,9 @@ class ThreadsafeProducer:
                 session_ids=session_ids,
                 indices=indices,
                 status=status,
+                versions=versions,
+                tokens=tokens,
+                version=version,
                 generation_seconds=generation_seconds,
             ),
             check_timeout(timeout),
@@ -245,9 +265,9 @@ class ThreadsafeProducer:
             self._buffer.add_prompt_nowait, uid, global_steps=global_steps, partition=partition, tags=tags
         )
 
-    def mark_running(self, uid: str) -> None:
+    def mark_running(self, uid: str, *, version: int | None = None) -> None:
         """Run ``mark_running_nowait`` on the loop (same errors)."""
-        self._run(self._buffer.mark_running_nowait, uid)
+        self._run(self._buffer.mark_running_nowait, uid, version=version)
 
     def put(
         self,
@@ -257,9 +277,20 @@ class ThreadsafeProducer:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Run ``put_nowait`` on the loop and return its key (same errors)."""
-        return self._run(self._buffer.put_nowait, uid, payload, session_id=session_id, index=index, tags=tags)
+        return self._run(
+            self._buffer.put_nowait,
+            uid,
+            payload,
+            session_id=session_id,
+            index=index,
+            tags=tags,
+            versions=versions,
+            tokens=tokens,
+        )
 
     def mark_finished(self, uid: str) -> None:
         """Run ``mark_finished_nowait`` on the loop (same errors)."""
@@ -281,6 +312,9 @@ class ThreadsafeProducer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
     ) -> list[str]:
         """Run ``put_group_nowait`` on the loop and return its keys (same errors, BufferFullError
@@ -296,6 +330,9 @@ class ThreadsafeProducer:
             session_ids=session_ids,
             indices=indices,
             status=status,
+            versions=versions,
+            tokens=tokens,
+            version=version,
             generation_seconds=generation_seconds,
         )
 

@@ -51,6 +51,7 @@ __all__ = [
     "head_tail_versions",
     "loss_excluded",
     "pack_runs",
+    "packed_freshness_mask",
     "padded",
     "staleness",
     "token_counts",
@@ -295,6 +296,17 @@ def freshness_mask(
     versions, lengths = _check_runs(run_versions, run_lengths)
     fresh_runs = versions >= _fresh_threshold(target_version, span)
     return np.repeat(fresh_runs, lengths)
+
+
+def packed_freshness_mask(run_versions: Int64s, run_lengths: Int64s, target_version: int, span: int) -> Bools:
+    """:func:`freshness_mask` of runs a batch packed from checked records (int64 arrays of
+    versions ``>= 0`` and lengths ``>= 1``): the same answer without re-checking the arrays.
+
+    Raises:
+        TypeError, ValueError: invalid ``target_version`` or ``span``.
+    """
+    fresh_runs: Bools = run_versions >= _fresh_threshold(target_version, span)
+    return np.repeat(fresh_runs, run_lengths)
 
 
 def fresh_token_counts(

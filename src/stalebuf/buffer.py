@@ -39,10 +39,11 @@ from ._group_writes import GroupStatus, GroupWriter
 from ._open_group import GroupWatch, OpenGroup
 from ._restore import build_restored, capture, read_restore_arguments, rebuild
 from ._rollout import RolloutGroup, rollout
-from ._rules import build_rules
+from ._rules_build import build_rules
 from ._save_order import SaveSequencer
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
+from ._versions import check_start_version, trajectory_versions
 from ._waiting import LoopBinding
 from .checkpoint import NOT_GIVEN, BufferCheckpoint, InFlightMode, RestoreResult
 from .config import SamplerConfig
@@ -54,6 +55,7 @@ from .errors import (
     FutureTagError,
     TagClosedError,
 )
+from .filters import GroupFilter
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
 from .records import EMPTY_TAGS, Batch, Group, Status
@@ -88,11 +90,17 @@ class ReplayBuffer:
             "stalebuf" logger, and again every interval after, saying why it waits (as
             :meth:`explain_wait` does); INFO at first, WARNING from the third line on (once one
             call has waited 3 intervals: 3 minutes at the default 60 s). None disables it.
+        filters: group filters, plain callables ``filter(group) -> bool`` run in order on every
+            group of a non-exempt partition that becomes FINISHED; the first that returns False
+            evicts it at once (reason "filtered"), freeing its admission slot. A filter that
+            raises (or returns None) keeps the group: counted in ``stats()``'s
+            ``filter_errors`` and logged. See :mod:`stalebuf.filters` for built-ins.
 
     Raises:
         ConfigError: ``config`` is not a SamplerConfig or names a ``custom_sampler`` (build
             that with :meth:`from_config`), ``policy`` is not a StalenessPolicy, ``on_evict``
-            is not a plain callable, or ``status_log_interval`` is not None or a number >= 0.001.
+            is not a plain callable, ``status_log_interval`` is not None or a number >= 0.001,
+            or ``filters`` is not a sequence of plain (synchronous) callables.
     """
 
     def __init__(
@@ -102,12 +110,13 @@ class ReplayBuffer:
         policy: StalenessPolicy | None = None,
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = 60.0,
+        filters: Sequence[GroupFilter] = (),
     ) -> None:
         """Check the arguments (see the class docs) and build the parts, empty."""
         if policy is None and type(self) is ReplayBuffer:
             refuse_custom_sampler(config)
         overridden = any(getattr(type(self), hook) is not getattr(ReplayBuffer, hook) for hook in _HOOKS)
-        rules = build_rules(config, policy, self if overridden else None)
+        rules = build_rules(config, policy, self if overridden else None, filters)
         check_on_evict(on_evict)
         interval = checks.check_status_log_interval(status_log_interval)
         binding = LoopBinding()
@@ -124,8 +133,10 @@ class ReplayBuffer:
         *,
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = _UNSET,
+        filters: Sequence[GroupFilter] = (),
     ) -> ReplayBuffer:
-        """Build a buffer from a config or verl-style mapping, honouring ``custom_sampler``.
+        """Build a buffer from a config or verl-style mapping, honouring ``custom_sampler``
+        (``filters`` as for the constructor, passed on when given).
 
         ``custom_sampler`` may name a ``ReplayBuffer`` subclass, built as
         ``Cls(config, **config.sampler_kwargs)`` plus ``on_evict`` and ``status_log_interval``
@@ -140,6 +151,8 @@ class ReplayBuffer:
         options: dict[str, Any] = {} if on_evict is None else {"on_evict": on_evict}
         if status_log_interval is not _UNSET:
             options["status_log_interval"] = status_log_interval
+        if filters != ():
+            options["filters"] = filters
         built: ReplayBuffer = build_from_config(cls, ReplayBuffer, config, options)
         return built
 
@@ -152,6 +165,7 @@ class ReplayBuffer:
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = _UNSET,
         payload_codec: PayloadCodec | None = None,
+        filters: Sequence[GroupFilter] = (),
     ) -> RestoreResult[ReplayBuffer]:
         """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous.
 
@@ -159,9 +173,13 @@ class ReplayBuffer:
         unless it names a custom sampler). Its ``stats()`` equal the checkpointed buffer's
         (waiting callers are not saved), apart from what ``in_flight`` does with groups that
         were PENDING or RUNNING: "reissue" keeps them PENDING at their place in the order, with
-        their trajectories discarded (counted in ``reissued_*``) and lists them in the result's
-        ``reissue``; "keep" keeps them exactly; "evict" evicts them (reason "restart", one
-        event per partition to ``on_evict``, counted in ``evicted_restart_*``).
+        their trajectories discarded (counted in ``reissued_*``) and their start version back
+        at the dispatch step, and lists them in the result's ``reissue``; "resume" keeps them
+        PENDING with their trajectories (versions and tokens) and start version, counts
+        nothing as reissued, and lists them in ``reissue`` with that prefix, for their producers
+        to go on after it (call ``mark_running`` again); "keep" keeps them exactly; "evict"
+        evicts them (reason "restart", one event per partition to ``on_evict``, counted in
+        ``evicted_restart_*``).
         ``status_log_interval`` is passed to the built class only when given (its default is
         the class's own: 60 s for ``ReplayBuffer``), as :meth:`from_config` does.
 
@@ -177,6 +195,8 @@ class ReplayBuffer:
         checkpoint, mode, options = read_restore_arguments(
             source, in_flight, on_evict, status_log_interval, payload_codec
         )
+        if filters != ():  # filters are code, never in a checkpoint: given again on restore
+            options["filters"] = filters
         buffer: ReplayBuffer = build_restored(cls, ReplayBuffer, checkpoint, options)
         reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
         return RestoreResult(buffer, reissue)
@@ -201,7 +221,7 @@ class ReplayBuffer:
         Overlapping saves to one file end with the state of the one called last that succeeded.
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
-        the file holds no pickle at all (see the README's trust model).
+        the file holds no pickle at all (see the trust model on the docs' Durability page).
 
         Raises:
             CheckpointError: a value the format cannot hold (the message names it): a payload
@@ -305,17 +325,21 @@ class ReplayBuffer:
         frozen_tags = EMPTY_TAGS if tags is None else checks.check_tags(tags)
         if uid in store.groups:
             raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
+        if store.rules.tasks and (part is None or part.cells is not None):
+            part = store.cell(partition, frozen_tags)  # its task's cell (ValueError: no task)
         if part is None or part.cap is not None or global_steps is None:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
         self.__writer.add_prompt(uid, global_steps, part or store.partition(partition), frozen_tags)
 
-    def mark_running_nowait(self, uid: str) -> None:
-        """Move group ``uid`` from PENDING to RUNNING.
+    def mark_running_nowait(self, uid: str, *, version: int | None = None) -> None:
+        """Move group ``uid`` from PENDING to RUNNING; ``version``: the policy version its
+        generation started at (its first token; None keeps the start version it has, its
+        dispatch step unless set or restored).
 
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
-            TypeError: ``uid`` is not a str.
+            TypeError, ValueError: ``uid`` is not a str, or ``version`` not an int >= 0.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is not PENDING.
         """
@@ -323,7 +347,7 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
-        store.start(uid)
+        store.start(uid, None if version is None else check_start_version(version))
 
     def put_nowait(
         self,
@@ -333,15 +357,23 @@ class ReplayBuffer:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Add one trajectory to the PENDING or RUNNING group ``uid``; return its key,
         ``f"{uid}_{session_id}_{index}"``.
 
+        ``versions``: run-length ``(version, n_tokens)`` pairs in generation order, the policy
+        version that generated each run of tokens; ``tokens``: its token count when
+        ``versions`` is not given (its tokens then count at the group's start version; both
+        given must agree).
+
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
-            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, or ``tags`` is
-                not a mapping.
+            TypeError, ValueError: ``session_id``/``index`` is not an int >= 0, ``tags`` is
+                not a mapping, ``versions`` not a non-empty sequence of ``(int >= 0, int >= 1)``
+                pairs, ``tokens`` not an int >= 0, or both given and disagreeing.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is terminal (a late write).
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
@@ -354,9 +386,10 @@ class ReplayBuffer:
             checks.check_index(session_id, "session_id")
         if type(index) is not int or not 0 <= index < 1 << 63:
             checks.check_index(index, "index")
-        return store.put(
-            uid, payload, session_id, index, EMPTY_TAGS if tags is None else checks.check_tags(tags)
-        )
+        frozen = EMPTY_TAGS if tags is None else checks.check_tags(tags)
+        if versions is None and tokens is None:
+            return store.put(uid, payload, session_id, index, frozen)
+        return store.put(uid, payload, session_id, index, frozen, *trajectory_versions(versions, tokens))
 
     def mark_finished_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
@@ -394,7 +427,7 @@ class ReplayBuffer:
         group = store.groups.get(uid) if type(uid) is str else None
         if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
             group = store.open_group(uid, action)
-        self.__consumer.notify(store.end(group, status, self.__admission.clocks.get(group.partition, 0)))
+        self.__consumer.finish(group, status, self.__admission.clocks.get(group.partition, 0))
 
     def put_group_nowait(
         self,
@@ -408,6 +441,9 @@ class ReplayBuffer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
@@ -420,6 +456,9 @@ class ReplayBuffer:
         ``tags`` is ignored (group tags are set when a group is added); ``global_steps=None``
         means the group's own step, or the dispatch clock for a new group. ``status`` is
         ``Status.FINISHED`` or ``Status.FAILURE`` or their values ("failed" also works).
+        ``versions[i]`` and ``tokens[i]`` are trajectory ``i``'s, as for :meth:`put_nowait`
+        (None entries allowed); ``version`` is the group's start version, as for
+        :meth:`mark_running_nowait` (without it, a new group starts at its dispatch step).
 
         ``generation_seconds`` is the producer's measure of how long the group took to generate
         (a finite number >= 0): the group's ``generation_seconds`` and what the
@@ -447,11 +486,14 @@ class ReplayBuffer:
         part = store.partitions.get(partition) if type(partition) is str else None
         if (  # the common case gets a path of its own: a new, finished group of default keys
             part is not None
+            and part.cells is None
             and trajectory_tags is None
             and session_ids is None
             and indices is None
             and (type(payloads) is list or type(payloads) is tuple)
             and (status is _FINISHED or (type(status) is str and status == "finished"))
+            and versions is None
+            and tokens is None
             and (global_steps is None or (type(global_steps) is int and 0 <= global_steps < 1 << 63))
             and type(uid) is str
             and uid
@@ -460,7 +502,9 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags, generation_seconds)
+            return self.__writer.put_new_finished(
+                part, uid, payloads, global_steps, tags, version, generation_seconds
+            )
         return self.__writer.put(
             uid,
             payloads,
@@ -471,6 +515,7 @@ class ReplayBuffer:
             session_ids,
             indices,
             status,
+            versioning=(versions, tokens, version),
             generation_seconds=generation_seconds,
         )
 
@@ -501,17 +546,20 @@ class ReplayBuffer:
             pass
         store = self.__store
 
+        frozen_tags = EMPTY_TAGS if tags is None else checks.check_tags(tags)
+        cell = store.cell(partition, frozen_tags)
+
         def admit(tag: int) -> None:
             self.__check_usable()
             if uid in store.groups:
                 raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
-            self.__writer.add_prompt(uid, tag, store.partition(partition), checks.check_tags(tags))
+            self.__writer.add_prompt(uid, tag, cell, frozen_tags)
 
-        await self.__admission.wait_for_slot(store.partition(partition), global_steps, admit)
+        await self.__admission.wait_for_slot(cell, global_steps, admit)
 
-    async def mark_running(self, uid: str) -> None:
+    async def mark_running(self, uid: str, *, version: int | None = None) -> None:
         """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
-        self.mark_running_nowait(uid)
+        self.mark_running_nowait(uid, version=version)
 
     async def put(
         self,
@@ -521,9 +569,13 @@ class ReplayBuffer:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same errors)."""
-        return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
+        return self.put_nowait(
+            uid, payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
+        )
 
     async def mark_finished(self, uid: str) -> None:
         """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait` (same errors)."""
@@ -545,6 +597,9 @@ class ReplayBuffer:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group; like :meth:`put_group_nowait`, but a
@@ -568,6 +623,9 @@ class ReplayBuffer:
                 session_ids=session_ids,
                 indices=indices,
                 status=status,
+                versions=versions,
+                tokens=tokens,
+                version=version,
                 generation_seconds=generation_seconds,
             )
         except (TagClosedError, FutureTagError):
@@ -589,10 +647,12 @@ class ReplayBuffer:
                 indices,
                 status,
                 tag,
+                (versions, tokens, version),
                 generation_seconds,
             )
 
-        return await self.__admission.wait_for_slot(self.__store.partition(partition), global_steps, admit)
+        cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
+        return await self.__admission.wait_for_slot(cell, global_steps, admit)
 
     def rollout(
         self,
@@ -601,6 +661,7 @@ class ReplayBuffer:
         global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
+        version: int | None = None,
     ) -> AbstractAsyncContextManager[RolloutGroup]:
         """Return an ``async with`` block that generates one group: the recommended producer.
 
@@ -609,11 +670,15 @@ class ReplayBuffer:
         is FINISHED; when it raises, FAILED, and the error propagates. If the group is evicted
         while the body runs (in-flight eviction, or ``close()``), the body is cancelled, the
         block exits without raising and ``group.evicted`` is True. Works under asyncio and trio.
+        ``version`` is the group's start version, given to :meth:`mark_running`.
 
         Raises:
-            The errors of :meth:`add_prompt` (on entering).
+            The errors of :meth:`add_prompt` (on entering), and of :meth:`mark_running` for a
+                bad ``version`` (checked before waiting).
         """
-        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags)
+        if version is not None:
+            version = check_start_version(version)
+        return rollout(self, uid, global_steps=global_steps, partition=partition, tags=tags, version=version)
 
     def watch(self, uid: str, callback: Callable[[], object]) -> GroupWatch:
         """Watch the in-flight group ``uid``: ``callback()`` runs once if that group is evicted
@@ -623,7 +688,7 @@ class ReplayBuffer:
         For integrations that run producers elsewhere (``rollout()`` and ``stalebuf.ray`` use it).
 
         Raises:
-            The errors a write to ``uid`` raises (UnknownGroupError, InvalidTransitionError...).
+            UnknownGroupError, InvalidTransitionError: as a write to ``uid`` raises them.
             WrongThreadError, BufferClosedError: as for the producer calls.
         """
         self.__check_usable()
@@ -638,7 +703,10 @@ class ReplayBuffer:
             TypeError: ``watch`` is not a GroupWatch.
             WrongThreadError: called from another thread than the bound loop's.
         """
-        return self.__writer.end_watched(watch, finished)
+        if not isinstance(watch, GroupWatch):
+            raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
+        self.__store.binding.check_thread()
+        return self.__writer.end_watched(watch.group, finished)
 
     def put_back(self, group: Group) -> bool:
         """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status,
@@ -653,6 +721,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             The errors of :meth:`put_group_nowait` for values it would refuse.
         """
+        self.__store.binding.check_thread()
         return self.__writer.put_back(group)
 
     # -- admission --------------------------------------------------------------------
@@ -667,37 +736,69 @@ class ReplayBuffer:
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str.
         """
-        return self.__admission.clock(partition)
+        checks.check_partition(partition)
+        return self.__admission.clocks.get(partition, 0)
 
-    def capacity(self, partition: str = "train") -> int | None:
+    def capacity(self, partition: str = "train", task: str | None = None) -> int | None:
         """Return the bound on ``partition``'s resident groups under admission control,
-        ``T * S * admission_batch_size``; None without admission or for an exempt partition.
+        ``T * S * admission_batch_size`` (under a task mixture: of ``task``, ``T_task * S *
+        q_task(b)``, or summed over the tasks); None without admission or for an exempt partition.
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
+            TypeError, ValueError: ``partition`` is not a non-empty str, or ``task`` not a task
+                of the partition's mixture.
             WrongThreadError: called from another thread than the bound loop's.
         """
-        return self.__admission.capacity_of(partition)
+        self.__store.binding.check_thread()
+        self.__check_task(partition, task)
+        return self.__admission.capacity(self.__store.partitions.get(partition), partition, task)
 
-    def free_slots(self, partition: str = "train") -> int | None:
+    def free_slots(self, partition: str = "train", task: str | None = None) -> int | None:
         """Return how many groups ``add_prompt`` would admit now at the clock's step without
-        waiting; None without admission control or for an exempt partition.
+        waiting (of ``task`` under a mixture, or summed over its tasks); None without admission
+        control or for an exempt partition.
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
+            TypeError, ValueError: ``partition`` is not a non-empty str, or ``task`` not a task
+                of the partition's mixture.
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``admits`` raised.
         """
-        return self.__admission.free_slots_of(partition)
+        self.__store.binding.check_thread()
+        self.__check_task(partition, task)
+        return self.__admission.free_slots(self.__store.partitions.get(partition), partition, task)
 
-    def full(self, partition: str = "train") -> bool:
-        """Return whether ``free_slots(partition) == 0`` (never True without admission control).
+    def full(self, partition: str = "train", task: str | None = None) -> bool:
+        """Return whether no group could be admitted now: ``free_slots(partition, task) == 0``,
+        or under a mixture with ``task=None``, whether every task is full (never True without
+        admission control).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str.
-            WrongThreadError: called from another thread than the bound loop's.
+            The errors of :meth:`free_slots`.
         """
-        return self.free_slots(partition) == 0
+        if task is None and self.__store.rules.tasks:
+            self.__check_task(partition, None)
+            if not self.__store.rules.policy.is_exempt(partition):
+                return all(self.free_slots(partition, one) == 0 for one in self.__store.rules.tasks)
+        return self.free_slots(partition, task) == 0
+
+    def __check_task(self, partition: str, task: object) -> None:
+        """Check ``partition`` and a ``task`` argument (None, or a task of its mixture).
+
+        Raises:
+            TypeError, ValueError: as said (an exempt partition has no tasks).
+        """
+        checks.check_partition(partition)
+        if task is None:
+            return
+        rules = self.__store.rules
+        if type(task) is not str:
+            raise TypeError(f"task must be a str or None, got {type(task).__name__}")
+        if task not in rules.tasks or rules.policy.is_exempt(partition):
+            raise ValueError(
+                f"task {checks.describe(task)} is not a task of partition {checks.describe(partition)}'s "
+                f"mixture (tasks: {', '.join(map(repr, rules.tasks)) or 'none, no mixture'})"
+            )
 
     # -- consumer ---------------------------------------------------------------------
 
@@ -745,7 +846,7 @@ class ReplayBuffer:
         waiting, so ``timeout=0`` means "check once, don't wait".
 
         Returns:
-            The batch and its metrics (see the README for the metric names).
+            The batch and its metrics (the docs' Trainers page lists every metric name).
 
         Raises:
             TypeError, ValueError: ``global_steps`` is not an int >= 0, ``batch_size`` not an
@@ -791,21 +892,27 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
+        if store.rules.tasks:
+            store.rules.check_batch_quotas(partition, batch_size, part)  # type: ignore[arg-type]
         return part
 
-    def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
-        """Return how many groups ``sample`` could select from right now; changes nothing.
+    def sampleable_count(self, global_steps: int, partition: str = "train", task: str | None = None) -> int:
+        """Return how many groups ``sample`` could select from right now (of ``task`` only,
+        under a mixture); changes nothing.
 
         Counts ready groups after the drop and failure rules at ``global_steps``; ignores the
-        wait gate and the batch size.
+        wait gate, the batch size and the quotas.
 
         Raises:
-            TypeError, ValueError: ``global_steps`` is not an int >= 0 or ``partition`` is not
-                a non-empty str.
+            TypeError, ValueError: ``global_steps`` is not an int >= 0, ``partition`` is not
+                a non-empty str, or ``task`` not a task of its mixture.
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever the policy's ``is_stale`` raised.
         """
-        return self.__consumer.sampleable.count(global_steps, partition)
+        self.__store.binding.check_thread()
+        checks.check_step(global_steps)
+        self.__check_task(partition, task)
+        return self.__consumer.sampleable.fresh(partition, global_steps, task)
 
     async def wait_for_sampleable(
         self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
@@ -815,11 +922,12 @@ class ReplayBuffer:
 
         "Sampleable" is what :meth:`sampleable_count` counts (verl's ``get_sampleable_count``):
         ready groups the drop and failure rules keep at ``global_steps``, as after the drop
-        eviction a ``sample`` would run (this evicts nothing). The wait gate and the batch size
-        do not count, so under ``max_off_policy_strategy="wait"`` a ``sample`` of ``count``
-        groups may still wait for older groups in flight. Event-driven (it wakes when a group
-        becomes sampleable, never polls) and cancellable; ``timeout=0`` checks once. A ``sample``
-        may take the groups before the woken call runs: it then waits on.
+        eviction a ``sample`` would run (this evicts nothing); under a task mixture, every
+        task's. The wait gate, the batch size and the quotas do not count, so under
+        ``max_off_policy_strategy="wait"`` a ``sample`` of ``count`` groups may still wait for
+        older groups in flight. Event-driven (it wakes when a group becomes sampleable, never
+        polls) and cancellable; ``timeout=0`` checks once. A ``sample`` may take the groups
+        before the woken call runs: it then waits on.
 
         Raises:
             TypeError, ValueError: ``global_steps`` is not an int >= 0, ``count`` not an int
@@ -845,7 +953,7 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             Exception: whatever a policy hook raised.
         """
-        return self.__consumer.explain(partition)
+        return self.__consumer.explainer.explain(partition)
 
     def observe_samples(self, observer: SampleObserver) -> Callable[[], None]:
         """Call ``observer(batch, metrics)`` with every batch a ``sample`` (or ``sample_nowait``)
@@ -858,6 +966,9 @@ class ReplayBuffer:
             TypeError: ``observer`` is not callable.
             WrongThreadError: called from another thread than the bound loop's.
         """
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {checks.describe_typed(observer)}")
+        self.__store.binding.check_thread()
         return self.__consumer.subscribe(observer)
 
     def stats(self) -> BufferStats:
@@ -866,6 +977,7 @@ class ReplayBuffer:
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
         """
+        self.__store.binding.check_thread()
         return self.__consumer.stats()
 
     # -- closing ----------------------------------------------------------------------

@@ -20,6 +20,7 @@ __all__ = [
     "COUNTERS",
     "FORMAT_VERSION",
     "IN_FLIGHT_MODES",
+    "TOKEN_COUNTERS",
     "BufferCheckpoint",
     "InFlightMode",
     "PartitionCheckpoint",
@@ -29,8 +30,20 @@ __all__ = [
 #: The version of the checkpoint format (the value and the file); a newer one is refused, an
 #: older one read. 2: a group ``put_group`` stored with default keys pickles its payloads, not
 #: its trajectory records (which a version-1 reader could not unpickle); 1: every group pickled
-#: its records.
+#: its records. Versions, token counts and start versions did not change it: a file holds them
+#: only where they are not the defaults (no segments, 0 tokens, the dispatch step), so a
+#: version-2 reader of before them reads a file without them exactly and refuses one with them
+#: (an unknown counter, a longer row, a record built with more fields): it never misreads one.
 FORMAT_VERSION = 2
+#: The cumulative token counters of a partition (see ``PartitionStats``): files written before
+#: versions existed have none, and a file holds only those that are not 0.
+TOKEN_COUNTERS: tuple[str, ...] = (
+    "admitted_tokens",
+    "sampled_tokens",
+    "masked_tokens",
+    "evicted_tokens",
+    "reissued_tokens",
+)
 #: The cumulative per-partition counters a checkpoint carries (the resident counts are derived
 #: from the groups themselves, so they cannot disagree with them).
 COUNTERS: tuple[str, ...] = (
@@ -49,10 +62,11 @@ COUNTERS: tuple[str, ...] = (
     "reissued_trajectories",
     "cut_groups",
     "cut_trajectories",
+    *TOKEN_COUNTERS,
 )
-InFlightMode = Literal["reissue", "keep", "evict"]
+InFlightMode = Literal["reissue", "keep", "evict", "resume"]
 #: The ``in_flight`` modes of ``restore``.
-IN_FLIGHT_MODES = ("reissue", "keep", "evict")
+IN_FLIGHT_MODES = ("reissue", "keep", "evict", "resume")
 _Buffer = TypeVar("_Buffer")
 
 
@@ -149,8 +163,12 @@ class RestoreResult(Generic[_Buffer]):
     Attributes:
         buffer: the restored buffer.
         reissue: under ``in_flight="reissue"``, the groups that were in flight at the
-            checkpoint (uid, partition, dispatch step, tags; no trajectories), in admission order: they
-            are in the buffer as PENDING, to be generated again under the same uid.
+            checkpoint (uid, partition, dispatch step, tags; no trajectories; start version the
+            dispatch step), in admission order: they are in the buffer as PENDING, to be
+            generated again under the same uid. Under ``in_flight="resume"``, the same groups
+            with their ``trajectories`` (the partial prefix, versions and tokens included) and
+            ``start_version``: they are in the buffer as PENDING with that prefix, and their
+            producers go on generating after it. Empty under "keep" and "evict".
     """
 
     buffer: _Buffer

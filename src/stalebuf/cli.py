@@ -1,5 +1,6 @@
 """The ``stalebuf`` command line: ``stalebuf simulate`` compares drop and wait, with and
-without admission control.
+without admission control, and with ``--in-flight-updates`` drop, wait and mask under in-flight
+weight updates.
 
 This module only parses. The options of ``simulate`` are derived from the fields of
 :class:`~stalebuf.simulate.SimulationConfig` (name, default and type), and every value is
@@ -20,7 +21,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import IO, Any, Literal, NoReturn, get_args, get_origin, get_type_hints
+from typing import IO, Any, Literal, NoReturn, cast, get_args, get_origin, get_type_hints
 
 import attrs
 
@@ -37,12 +38,15 @@ from .simulate import (
 )
 from .simulate._bounds import (
     MAX_BATCH_SIZE,
-    MAX_FILE_BYTES,
+    MAX_CHUNK_TOKENS,
     MAX_GROUP_SIZE,
     MAX_STEP_TRAJECTORIES,
+    MAX_TOKENS_PER_SECOND,
+    MAX_TRAJECTORY_TOKENS,
     MAX_WORKERS,
 )
-from .simulate._config import Strategy
+from .simulate._config import PLAIN_STRATEGIES, Strategy
+from .simulate._help import DESCRIPTION, MODEL_HELP
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
 
@@ -51,11 +55,18 @@ __all__ = ["main"]
 _DEFAULTS = SimulationConfig()
 #: ``--admission`` choices and the ``SimulationConfig.admission`` value each stands for.
 _ADMISSION: dict[str, bool] = {"off": False, "on": True}
+#: ``--strategy`` choices beyond the strategies themselves: "both" is drop and wait, "all" every
+#: strategy the mode runs (mask too with ``--in-flight-updates``).
+_STRATEGY_SETS = ("both", "all")
+#: The options that mean something only with ``--in-flight-updates``: given without it, they are
+#: refused rather than ignored.
+_IN_FLIGHT_OPTIONS = ("tokens_per_second", "chunk_tokens")
 
 #: The ``simulate`` option of each SimulationConfig field, in ``--help`` order, as its
 #: ``(metavar, help)``: the flag is the field's name with dashes, and its default and type are the
-#: field's. A new field needs one line here. ``strategy`` and ``admission`` have no entry:
-#: ``--strategy drop|wait|both`` and ``--admission off|on|both`` choose which configs run.
+#: field's. A new field needs one line here. ``strategy``, ``admission`` and
+#: ``in_flight_updates`` have no entry: ``--strategy``, ``--admission`` and the
+#: ``--in-flight-updates`` flag choose which configs run.
 _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "threshold": ("T", "max_off_policy_threshold"),
     "parameter_sync_step": ("S", "parameter_sync_step"),
@@ -88,6 +99,17 @@ _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "failure_rate": ("P", "probability that a group's generation fails"),
     "failure_strategy": (None, "evict failed groups (and dispatch replacements) or train on them"),
     "seed": ("N", "random seed"),
+    "tokens_per_second": (
+        "TPS",
+        "with --in-flight-updates: decoding speed of one trajectory; a group's longest trajectory has "
+        f"generation-time * TPS tokens (at most {MAX_TRAJECTORY_TOKENS}), "
+        f"TPS at most {MAX_TOKENS_PER_SECOND:g}",
+    ),
+    "chunk_tokens": (
+        "N",
+        "with --in-flight-updates: tokens a worker decodes between two looks at the weights version, "
+        f"at most {MAX_CHUNK_TOKENS}",
+    ),
 }
 
 
@@ -124,48 +146,6 @@ def _latency_option(text: str) -> Latency:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_MODEL = f"""\
-the model:
-  Each step the trainer calls sample(g, batch-size) on the real ReplayBuffer
-  (idle time) and trains for train-step-seconds (busy time). Each prompt's
-  generation time (its "length") is drawn from --latency; a worker puts
-  group-size trajectories and marks the group finished, or fails it part-way
-  with probability --failure-rate. Time is virtual (trio's MockClock); a seed
-  reproduces a run.
-
-  Without admission, the trainer keeps batch-size * (1 + dispatch-ahead)
-  prompts dispatched (taken from the dataset, not yet trained or evicted): after
-  each sample it dispatches as many new prompts tagged with step g, and groups
-  the buffer evicts (stale under drop, failed under --failure-strategy evict)
-  are replaced from on_evict. Workers take prompts in dispatch order.
-
-  With admission (the buffer's admission_batch_size = batch-size), each worker
-  loops "async with buffer.rollout(uid)": it waits until the buffer admits a
-  group (at most batch-size groups per dispatch step, T*S*batch-size resident)
-  and generates it. Under drop the buffer also evicts groups that turned stale
-  in flight (evict_stale_in_flight), which cancels their rollout at once.
-
-empirical latencies:
-  --latency empirical:PATH reads one number of seconds per line (blank lines
-  skipped), or a JSON array of numbers if PATH ends in .json.
-  --latency empirical:PATH#COLUMN reads that column of a CSV file with a
-  header row, or that field of a .json file (an array of objects or an object
-  of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
-  must be a number > 0 and at most 1e12. Each prompt's time is drawn from
-  them uniformly, with --seed. PATH must be a regular file (not a FIFO or a
-  device) of at most {MAX_FILE_BYTES // 2**20} MiB. A file that cannot be read is one error line
-  and exit status 2.
-
-reading the report:
-  "long prompts" are the slowest quarter of the first steps * batch-size
-  dispatched prompts: every run dispatches those, with the same lengths for a
-  seed, so "long" is the same in every column, whichever --strategy and
-  --admission run. "vs dispatched" is the share of long prompts among trained
-  groups over their share among those prompts: below 1.00x, the strategy
-  under-trains long, hard prompts.
-"""
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Show defaults and keep the epilog's line breaks."""
 
@@ -180,33 +160,50 @@ def _build_parser() -> _Parser:
     sim = commands.add_parser(
         "simulate",
         help="compare drop and wait, with and without admission, in a simulated async RL pipeline",
-        description=(
-            "Run the real ReplayBuffer inside a simulated asynchronous GRPO pipeline (a trainer\n"
-            "and rollout workers) on a virtual clock, and compare the drop and wait strategies,\n"
-            "with and without admission control: throughput, trainer idle time, wasted rollouts,\n"
-            "staleness and length bias."
-        ),
-        epilog=_MODEL,
+        description=DESCRIPTION,
+        epilog=MODEL_HELP,
         formatter_class=_HelpFormatter,
     )
+    _add_run_choices(sim)
+    types = get_type_hints(SimulationConfig)
+    for name, (metavar, help_text) in _FIELD_OPTIONS.items():
+        default = getattr(_DEFAULTS, name)
+        if name in _IN_FLIGHT_OPTIONS:  # absent unless given, so that one given alone is refused
+            default, help_text = argparse.SUPPRESS, f"{help_text} (default: {default:g})"
+        sim.add_argument(
+            _flag(name), default=default, metavar=metavar, help=help_text, **_parse_as(types[name])
+        )
+    _add_outputs(sim)
+    return parser
+
+
+def _add_run_choices(sim: argparse.ArgumentParser) -> None:
+    """The options that choose which runs ``simulate`` compares."""
     sim.add_argument(
-        "--strategy", choices=(*get_args(Strategy), "both"), default="both", help="strategies to run"
+        "--strategy",
+        choices=(*get_args(Strategy), *_STRATEGY_SETS),
+        default="all",
+        help="strategies to run (mask only with --in-flight-updates): both is drop and wait, all is "
+        "every strategy the mode runs (drop and wait, and mask with --in-flight-updates)",
     )
     sim.add_argument(
         "--admission",
         choices=(*_ADMISSION, "both"),
-        default="both",
-        help="run without (off) or with (on) admission control, or both, for each strategy",
+        default=argparse.SUPPRESS,
+        help="run without (off) or with (on) admission control, or both, for each strategy "
+        "(default: both; on with --in-flight-updates)",
     )
-    types = get_type_hints(SimulationConfig)
-    for name, (metavar, help_text) in _FIELD_OPTIONS.items():
-        sim.add_argument(
-            _flag(name),
-            default=getattr(_DEFAULTS, name),
-            metavar=metavar,
-            help=help_text,
-            **_parse_as(types[name]),
-        )
+    sim.add_argument(
+        "--in-flight-updates",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="new weights reach the rollout workers after every sync point, mid-generation: workers "
+        "record the version of each chunk they decode, and the report counts tokens (see below)",
+    )
+
+
+def _add_outputs(sim: argparse.ArgumentParser) -> None:
+    """The options that choose what ``simulate`` writes besides its report."""
     sim.add_argument(
         "--json", metavar="PATH", default=argparse.SUPPRESS, help="write every number to a JSON file"
     )
@@ -228,7 +225,6 @@ def _build_parser() -> _Parser:
             "which the sim extra installs)"
         ),
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,17 +298,39 @@ def _check_output_path(option: str, path: str) -> None:
         raise _UsageError(f"stalebuf simulate: error: argument {option}: directory {parent!r} does not exist")
 
 
+def _strategies(choice: str, in_flight: bool) -> tuple[Strategy, ...]:
+    """The strategies ``--strategy choice`` runs; mask is refused without in-flight updates."""
+    if choice == "all":
+        return get_args(Strategy) if in_flight else PLAIN_STRATEGIES
+    if choice == "both":
+        return PLAIN_STRATEGIES
+    if choice == "mask" and not in_flight:
+        raise _UsageError(
+            "stalebuf simulate: error: argument --strategy: mask needs --in-flight-updates (without "
+            "them every token of a group is at its dispatch step, and mask would be drop without "
+            "in-flight eviction)"
+        )
+    return (cast(Strategy, choice),)
+
+
 def _configs(args: argparse.Namespace) -> list[SimulationConfig]:
     """Build the config of each run, strategy by strategy, without admission first; a value the
-    config rejects is a usage error."""
-    values = {name: getattr(args, name) for name in _FIELD_OPTIONS}
-    strategies = get_args(Strategy) if args.strategy == "both" else (args.strategy,)
-    admissions = tuple(_ADMISSION.values()) if args.admission == "both" else (_ADMISSION[args.admission],)
+    config rejects is a usage error, and so is an in-flight option without --in-flight-updates."""
+    in_flight: bool = getattr(args, "in_flight_updates", False)
+    values = {name: getattr(args, name) for name in _FIELD_OPTIONS if hasattr(args, name)}
+    for name in _IN_FLIGHT_OPTIONS:
+        if name in values and not in_flight:
+            raise _UsageError(
+                f"stalebuf simulate: error: argument {_flag(name)}: only with --in-flight-updates"
+            )
+    strategies = _strategies(args.strategy, in_flight)
+    admission = getattr(args, "admission", "on" if in_flight else "both")
+    admissions = tuple(_ADMISSION.values()) if admission == "both" else (_ADMISSION[admission],)
     try:
         return [
-            SimulationConfig(strategy=strategy, admission=admission, **values)
+            SimulationConfig(strategy=strategy, admission=choice, in_flight_updates=in_flight, **values)
             for strategy in strategies
-            for admission in admissions
+            for choice in admissions
         ]
     except ConfigError as exc:
         raise _UsageError(f"stalebuf simulate: error: {_option_at_fault(values)}{exc}") from None

@@ -1,4 +1,9 @@
-"""Per-``sample`` metrics, with verl-compatible names (and a few of our own)."""
+"""Per-``sample`` metrics, with verl-compatible names (and a few of our own).
+
+Two namings (``SamplerConfig.metric_names``): "default", this library's keys, and "verl-0.9",
+where the eviction counts take the names verl main reports since verl #7082. The second is one
+table, :data:`VERL_09_NAMES`, applied to the default keys once per partition, not per sample.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,37 @@ from ._stored import stored_trajectories
 from .records import Group
 from .staleness import age as staleness_age
 
-__all__ = ["SampleMetrics", "metric_prefix"]
+__all__ = ["NAMINGS", "VERL_09_NAMES", "SampleMetrics", "metric_name", "metric_prefix"]
+
+#: verl main's name (``trainer/ppo/v1/replay_buffer.py``) for each default key that has one, both
+#: after the partition's prefix ("training/", "validation/"). verl counts evicted *groups* under
+#: ``evicted_samples`` and takes the evicted staleness over groups; so does the "verl-0.9" naming.
+VERL_09_NAMES: dict[str, str] = {
+    "off_policy/dropped_groups": "off_policy/evicted_samples",
+    "off_policy/dropped_samples_staleness/mean": "off_policy/evicted_samples_staleness/mean",
+    "off_policy/dropped_samples_staleness/max": "off_policy/evicted_samples_staleness/max",
+    "off_policy/dropped_samples_staleness/min": "off_policy/evicted_samples_staleness/min",
+    "rollout_failure/evicted_groups": "rollout_failure/evicted_samples",
+    # (Groups a filter evicted are filter_groups/evicted_samples in both namings: verl's name.)
+}
+#: Each ``SamplerConfig.metric_names`` value: the renaming it applies to the default keys.
+NAMINGS: dict[str, dict[str, str]] = {"default": {}, "verl-0.9": VERL_09_NAMES}
 
 
 def metric_prefix(partition: str) -> str:
     """Return "training" for the "train" partition and "validation" for any other."""
     return "training" if partition == "train" else "validation"
+
+
+def metric_name(key: str, naming: str) -> str:
+    """Return what ``naming`` calls the default metric ``key`` (``"{prefix}/..."``).
+
+    Raises:
+        KeyError: ``naming`` is not one of :data:`NAMINGS`.
+    """
+    prefix, _, rest = key.partition("/")
+    renamed = NAMINGS[naming].get(rest)
+    return key if renamed is None else f"{prefix}/{renamed}"
 
 
 class _Keys(NamedTuple):
@@ -38,40 +68,51 @@ class _Keys(NamedTuple):
     wait: str
     free_slots: str
     producer_wait: str
+    # The dropped staleness over groups (verl's) instead of over trajectories.
+    dropped_over_groups: bool
 
 
-_KEYS: dict[str, _Keys] = {}
-#: The keys by partition name: one dict lookup per sample instead of two calls.
-_PARTITION_KEYS: dict[str, _Keys] = {}
+_KEYS: dict[tuple[str, str], _Keys] = {}
+#: The keys by naming, then partition name: two dict lookups per sample instead of calls.
+_PARTITION_KEYS: dict[str, dict[str, _Keys]] = {naming: {} for naming in NAMINGS}
 _dispatch_step_of = attrgetter("dispatch_step")
 _finish_step_of = attrgetter("finish_step")
 _generation_seconds_of = attrgetter("generation_seconds")
 
 
-def _keys(prefix: str) -> _Keys:
-    keys = _KEYS.get(prefix)
-    if keys is None:  # built once per prefix: f-strings on every sample add up
-        off = f"{prefix}/off_policy"
-        keys = _KEYS[prefix] = _Keys(
-            dropped_samples=f"{off}/dropped_samples",
-            dropped_groups=f"{off}/dropped_groups",
-            dropped_mean=f"{off}/dropped_samples_staleness/mean",
-            dropped_max=f"{off}/dropped_samples_staleness/max",
-            dropped_min=f"{off}/dropped_samples_staleness/min",
-            dropped_seconds=f"{off}/dropped_generation_seconds/mean",
-            evicted_in_flight=f"{off}/evicted_in_flight_groups",
-            failed_groups=f"{prefix}/rollout_failure/evicted_groups",
-            sampled_mean=f"{off}/sampled_staleness/mean",
-            sampled_max=f"{off}/sampled_staleness/max",
-            sampled_min=f"{off}/sampled_staleness/min",
-            generation_steps=f"{off}/sampled_generation_steps/mean",
-            queue_steps=f"{off}/sampled_queue_steps/mean",
-            generation_seconds=f"{off}/sampled_generation_seconds/mean",
-            wait=f"{off}/wait_seconds",
-            free_slots=f"{prefix}/admission/free_slots",
-            producer_wait=f"{prefix}/admission/producer_wait_seconds",
-        )
+def _keys(prefix: str, naming: str) -> _Keys:
+    keys = _KEYS.get((prefix, naming))
+    if keys is None:  # built once per prefix and naming: f-strings on every sample add up
+        default = _default_keys(prefix)
+        renamed = {
+            field: metric_name(key, naming) for field, key in default._asdict().items() if type(key) is str
+        }
+        keys = _KEYS[prefix, naming] = default._replace(**renamed, dropped_over_groups=naming != "default")
     return keys
+
+
+def _default_keys(prefix: str) -> _Keys:
+    off = f"{prefix}/off_policy"
+    return _Keys(
+        dropped_samples=f"{off}/dropped_samples",
+        dropped_groups=f"{off}/dropped_groups",
+        dropped_mean=f"{off}/dropped_samples_staleness/mean",
+        dropped_max=f"{off}/dropped_samples_staleness/max",
+        dropped_min=f"{off}/dropped_samples_staleness/min",
+        dropped_seconds=f"{off}/dropped_generation_seconds/mean",
+        evicted_in_flight=f"{off}/evicted_in_flight_groups",
+        failed_groups=f"{prefix}/rollout_failure/evicted_groups",
+        sampled_mean=f"{off}/sampled_staleness/mean",
+        sampled_max=f"{off}/sampled_staleness/max",
+        sampled_min=f"{off}/sampled_staleness/min",
+        generation_steps=f"{off}/sampled_generation_steps/mean",
+        queue_steps=f"{off}/sampled_queue_steps/mean",
+        generation_seconds=f"{off}/sampled_generation_seconds/mean",
+        wait=f"{off}/wait_seconds",
+        free_slots=f"{prefix}/admission/free_slots",
+        producer_wait=f"{prefix}/admission/producer_wait_seconds",
+        dropped_over_groups=False,
+    )
 
 
 class SampleMetrics:
@@ -131,12 +172,19 @@ class SampleMetrics:
         sync_step: int,
         wait_seconds: float,
         admission: tuple[float, float] | None = None,
+        naming: str = "default",
     ) -> dict[str, float]:
         """Return the metrics dict for a call that returned ``sampled`` at ``global_steps``;
-        ``admission`` is ``(free_slots, producer_wait_seconds)`` on a partition with admission."""
-        keys = _PARTITION_KEYS.get(partition)
+        ``admission`` is ``(free_slots, producer_wait_seconds)`` on a partition with admission;
+        ``naming`` is the config's ``metric_names``.
+
+        Raises:
+            KeyError: ``naming`` is not one of :data:`NAMINGS`.
+        """
+        by_partition = _PARTITION_KEYS[naming]
+        keys = by_partition.get(partition)
         if keys is None:
-            keys = _PARTITION_KEYS[partition] = _keys(metric_prefix(partition))
+            keys = by_partition[partition] = _keys(metric_prefix(partition), naming)
         # Builtins over a list beat numpy's per-call overhead at batch sizes up to thousands.
         n = len(sampled)
         if self.oldest_first:
@@ -170,10 +218,10 @@ class SampleMetrics:
         if self.dropped_groups:
             metrics[keys.dropped_samples] = float(self.dropped_samples)
             metrics[keys.dropped_groups] = float(self.dropped_groups)
-            if self.dropped_samples:
+            if self.dropped_samples and not keys.dropped_over_groups:
                 total, count = self.sample_age_sum, self.dropped_samples
                 high, low = self.sample_age_max, self.sample_age_min
-            else:  # only empty groups were dropped: report their staleness instead
+            else:  # verl's naming, or only empty groups were dropped: over the groups
                 total, count = self.group_age_sum, self.dropped_groups
                 high, low = self.group_age_max, self.group_age_min
             metrics[keys.dropped_mean] = total / count / sync_step

@@ -29,19 +29,25 @@ from itertools import islice
 from typing import Protocol
 
 from . import staleness
+from ._quotas import normalised, quotas
 from .config import SamplerConfig
 from .errors import ConfigError
 from .records import Group, Status
 
-__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "hook_label", "select_label"]
+__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "asks_defaults", "hook_label", "select_label"]
 
 
 class StalenessPolicy:
     """The default rules, read from a :class:`~stalebuf.SamplerConfig`.
 
-    - drop (``max_off_policy_strategy="drop"``): a terminal group is evicted when its
-      staleness exceeds the threshold, ``s > T``;
-    - wait: a ``sample`` may not return while an in-flight group has ``s >= T``;
+    - drop (``max_off_policy_strategy="drop"``): a terminal group is evicted when the
+      staleness of its **head** (its oldest token's version; its dispatch step without
+      versions) exceeds the threshold, ``s > T``;
+    - wait: a ``sample`` may not return while an in-flight group's head has ``s >= T``;
+    - mask: a terminal group is evicted only when its **tail** (its newest token's version) is
+      stale: not one of its tokens could be trained; the others are returned with their stale
+      tokens masked (a token of version ``v`` sampled at ``g`` is fresh iff ``g - v + 1 <=
+      T*S``), and a trajectory all of whose tokens are stale is kept out of the loss;
     - failed groups are sampleable (``failure_strategy="sample"``) or evicted ("evict");
     - exempt partitions (``exempt_partitions``) have no eviction and no wait gate;
     - group deadlines (``group_deadline_seconds``/``group_deadline_factor``) cut a straggler,
@@ -64,6 +70,7 @@ class StalenessPolicy:
         self.threshold = config.max_off_policy_threshold
         self.sync_step = config.parameter_sync_step
         self.drops = config.max_off_policy_strategy == "drop"
+        self.masks = config.max_off_policy_strategy == "mask"
 
     def is_exempt(self, partition: str) -> bool:
         """Whether ``partition`` is exempt: nothing in it is evicted and no wait gate applies.
@@ -125,17 +132,37 @@ class StalenessPolicy:
         quorum = self.config.group_quorum
         return Status.FINISHED if quorum is not None and trajectories >= quorum else Status.FAILURE
 
+    def task_threshold(self, partition: str, task: str) -> int | None:
+        """The threshold T of the groups of ``task`` in (non-exempt) ``partition`` under a task
+        mixture. Default: ``task_thresholds[task]``, else ``max_off_policy_threshold``. Asked
+        once per task, when its partition is first used."""
+        return self.config.task_thresholds.get(task, self.threshold)
+
+    def task_quotas(self, partition: str, batch_size: int) -> dict[str, int]:
+        """How many of ``batch_size`` groups each task of the mixture contributes to a batch of
+        (non-exempt) ``partition``, and how many each admits per dispatch step under admission
+        control (``batch_size`` = ``admission_batch_size``). Default: the largest-remainder
+        method on the normalised weights, in exact rational arithmetic, equal remainders to the
+        task whose name sorts first; the quotas sum to ``batch_size``. Must not depend on
+        anything but its arguments (a partition's quotas are cached per batch size)."""
+        mixture = self.config.mixture
+        if mixture is None:
+            return {}
+        return quotas(normalised(mixture), batch_size)
+
     def is_stale(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
-        """Whether a terminal group dispatched at ``dispatch_step`` is dropped by a sample at
-        ``global_steps`` (asked under "drop", and by the default ``admits``; never for exempt
-        partitions). Must be monotone in both steps (see the module docs). Default:
-        ``s > threshold``."""
+        """Whether a terminal group judged by version ``dispatch_step`` is evicted by a sample
+        at ``global_steps`` (asked under "drop" about a group's head, under "mask" about its
+        tail, and by the default ``admits`` about a dispatch step; never for exempt
+        partitions). Without versions every group is judged by its dispatch step. Must be
+        monotone in both steps (see the module docs). Default: ``s > threshold``."""
         return staleness.exceeds_drop(global_steps, dispatch_step, self.threshold, self.sync_step)
 
     def must_wait_for(self, global_steps: int, dispatch_step: int, partition: str) -> bool:
-        """Whether an in-flight group dispatched at ``dispatch_step`` must finish before a
-        sample at ``global_steps`` may return (asked only under "wait", never for exempt
-        partitions, and only about the oldest in-flight group). Must be monotone. Default:
+        """Whether an in-flight group whose head is ``dispatch_step`` (its oldest token's
+        version, or its start version; its dispatch step without versions) must finish before
+        a sample at ``global_steps`` may return (asked only under "wait", never for exempt
+        partitions, and only about the oldest head in flight). Must be monotone. Default:
         ``s >= threshold``."""
         return staleness.blocks_wait(global_steps, dispatch_step, self.threshold, self.sync_step)
 
@@ -173,11 +200,12 @@ class SubclassHooks(StalenessPolicy):
 
     def __init__(self, base: StalenessPolicy, owner: RuleHooks) -> None:
         # Not StalenessPolicy.__init__: ``base`` may be a subclass with state of its own.
-        self.config, self.threshold, self.sync_step, self.drops = (
+        self.config, self.threshold, self.sync_step, self.drops, self.masks = (
             base.config,
             base.threshold,
             base.sync_step,
             base.drops,
+            base.masks,
         )
         self.base = base
         self.owner = owner
@@ -200,6 +228,12 @@ class SubclassHooks(StalenessPolicy):
     def cut_status(self, partition: str, trajectories: int) -> Status:
         return self.base.cut_status(partition, trajectories)
 
+    def task_threshold(self, partition: str, task: str) -> int | None:
+        return self.base.task_threshold(partition, task)
+
+    def task_quotas(self, partition: str, batch_size: int) -> dict[str, int]:
+        return self.base.task_quotas(partition, batch_size)
+
     def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
         if type(self.base).admits is not StalenessPolicy.admits:
             return self.base.admits(tag, resident_at_tag, last_sampled, cap, partition)
@@ -216,6 +250,13 @@ class SubclassHooks(StalenessPolicy):
         self, candidates: Iterator[Group], batch_size: int, global_steps: int, partition: str
     ) -> Sequence[Group]:
         return self.owner._select(candidates, batch_size, global_steps, partition)
+
+
+def asks_defaults(rules: StalenessPolicy, hooks: tuple[str, ...]) -> bool:
+    """Whether ``rules`` answers every one of ``hooks`` (names of StalenessPolicy methods) with
+    the default code, neither overridden nor replaced on the instance."""
+    kind, own = type(rules), vars(rules)
+    return all(getattr(kind, hook) is getattr(StalenessPolicy, hook) and hook not in own for hook in hooks)
 
 
 def hook_label(rules: StalenessPolicy, hook: str) -> str:

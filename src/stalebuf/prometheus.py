@@ -20,7 +20,10 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
   ``stalebuf_sampled_groups_total``, ``stalebuf_sampled_trajectories_total``,
   ``stalebuf_reissued_groups_total``, ``stalebuf_reissued_trajectories_total``,
   ``stalebuf_evicted_in_flight_groups_total``, ``stalebuf_cut_groups_total``,
-  ``stalebuf_cut_trajectories_total`` (all ``{partition}``) and
+  ``stalebuf_cut_trajectories_total``, the token counters ``stalebuf_admitted_tokens_total``,
+  ``stalebuf_sampled_tokens_total``, ``stalebuf_masked_tokens_total``,
+  ``stalebuf_evicted_tokens_total``, ``stalebuf_reissued_tokens_total`` (all ``{partition}``;
+  gauge ``stalebuf_resident_tokens{partition}``) and
   ``stalebuf_evicted_groups_total{partition,reason}``,
   ``stalebuf_evicted_trajectories_total{partition,reason}`` (reason: stale, failure, restart).
 - histograms ``stalebuf_sampled_staleness_versions{partition}`` (the staleness of each sampled
@@ -97,10 +100,17 @@ _COUNTERS = (
      "reissued_trajectories"),
     ("cut_groups", "In-flight groups cut at their deadline (then finished or failed).", "cut_groups"),
     ("cut_trajectories", "Trajectories of groups cut at their deadline.", "cut_trajectories"),
+    ("admitted_tokens", "Tokens put (versions or tokens given to put).", "admitted_tokens"),
+    ("sampled_tokens", "Tokens of the trajectories sample returned.", "sampled_tokens"),
+    ("masked_tokens", "Sampled tokens the mask strategy kept out of the loss (stale).", "masked_tokens"),
+    ("evicted_tokens", "Tokens of evicted groups (any reason).", "evicted_tokens"),
+    ("reissued_tokens", "Tokens of partial trajectories restore(in_flight='reissue') discarded.",
+     "reissued_tokens"),
 )  # fmt: skip
 # (metric name, help, PartitionStats field) of the gauges labelled by partition alone.
 _GAUGES = (
     ("resident_trajectories", "Trajectories held by resident groups.", "trajectories"),
+    ("resident_tokens", "Tokens held by resident groups, in flight or not.", "tokens"),
     ("waiting_samplers", "sample calls blocked now.", "waiting_samplers"),
     ("waiting_producers", "Producer calls blocked on admission now.", "waiting_producers"),
 )

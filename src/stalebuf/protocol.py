@@ -71,8 +71,11 @@ class RolloutHandle(Protocol):
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
-        """Add one trajectory to the group; return its key."""
+        """Add one trajectory to the group (with the versions that generated its tokens, or
+        its token count); return its key."""
 
 
 class AsyncReplayBuffer(Protocol):
@@ -99,8 +102,9 @@ class AsyncReplayBuffer(Protocol):
         """Admit a new PENDING group (waiting for admission), tagged ``global_steps`` or, for
         None, with the dispatch clock when it is admitted."""
 
-    async def mark_running(self, uid: str) -> None:
-        """Move a group from PENDING to RUNNING."""
+    async def mark_running(self, uid: str, *, version: int | None = None) -> None:
+        """Move a group from PENDING to RUNNING; ``version``: the policy version its generation
+        started at (None keeps the start version it has)."""
 
     async def put(
         self,
@@ -110,8 +114,11 @@ class AsyncReplayBuffer(Protocol):
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
-        """Add one trajectory to an in-flight group; return its key ``uid_session_index``."""
+        """Add one trajectory to an in-flight group (with the run-length ``(version, n_tokens)``
+        pairs that generated it, or its token count); return its key ``uid_session_index``."""
 
     async def mark_finished(self, uid: str) -> None:
         """Mark a group FINISHED: it becomes sampleable."""
@@ -131,9 +138,13 @@ class AsyncReplayBuffer(Protocol):
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
     ) -> list[str]:
-        """Add (if absent), fill and finish or fail a whole group, all or nothing; return its keys."""
+        """Add (if absent), fill and finish or fail a whole group, all or nothing (per-trajectory
+        ``versions`` and ``tokens``, the group's start ``version``); return its keys."""
 
     async def sample(
         self,
@@ -158,6 +169,7 @@ class AsyncReplayBuffer(Protocol):
         global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
+        version: int | None = None,
     ) -> AbstractAsyncContextManager[RolloutHandle]:
         """Return an ``async with`` block that admits, runs and ends one group (the body is
         cancelled if the group is evicted in flight or the buffer closes)."""

@@ -20,6 +20,7 @@ from ._group_records import (
     default_records,
     new_group,
     new_trajectory,
+    pack_runs,
     tags_for_pickle,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "new_batch",
     "new_group",
     "new_trajectory",
+    "pack_runs",
     "tags_for_pickle",
 ]
 

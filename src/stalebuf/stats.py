@@ -6,7 +6,31 @@ from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["BufferStats", "PartitionStats", "WaitExplanation"]
+__all__ = ["BufferStats", "PartitionStats", "TaskStats", "WaitExplanation"]
+
+
+@attrs.frozen(kw_only=True)
+class TaskStats:
+    """One task of a partition under a task mixture (``PartitionStats.tasks[task]``).
+
+    Attributes:
+        resident: its resident groups, in any status.
+        sampled: cumulative, its groups ``sample`` returned.
+        balance: under ``mixture_policy="borrow"``, the groups it is owed (> 0: it was short and
+            lent to; < 0: it gave more than its quota); 0 under "wait".
+        shortage: how many groups it lacks now for its quota of the partition's latest
+            ``sample`` batch size (0 before any sample).
+    """
+
+    resident: int = 0
+    sampled: int = 0
+    balance: int = 0
+    shortage: int = 0
+
+
+def _task_copy(value: Mapping[str, TaskStats]) -> dict[str, TaskStats]:
+    # A plain dict (a fresh copy per snapshot): attrs.asdict(stats) then gives JSON-ready values.
+    return dict(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -37,10 +61,27 @@ class PartitionStats:
             where it goes from there (sampled, evicted as failed...).
         capacity: the bound on resident groups under admission control, ``T*S*b``; None without
             admission or for an exempt partition (in ``total``: the sum of the bounded partitions).
+        tokens: tokens held by resident groups, in flight or not (``put(..., tokens=)`` or the
+            lengths of ``versions``).
+        admitted_tokens: cumulative, tokens put.
+        sampled_tokens: cumulative, tokens of the trajectories ``sample`` returned.
+        masked_tokens: cumulative, sampled tokens the ``mask`` strategy kept out of the loss
+            (stale ones; a subset of ``sampled_tokens``).
+        evicted_tokens: cumulative, tokens of evicted groups (any reason).
+        reissued_tokens: cumulative, tokens of the partial trajectories
+            ``restore(..., in_flight="reissue")`` discarded.
+        evicted_filtered_groups, evicted_filtered_trajectories: cumulative, evicted at once by a
+            group filter when they became FINISHED (``ReplayBuffer(filters=...)``).
+        filter_errors: cumulative, how often a filter raised or returned None (the group was
+            kept: filters fail open).
+        tasks: under a task mixture, one :class:`TaskStats` per task (empty otherwise, and in
+            ``BufferStats.total``).
 
     Conservation, for groups:
-    ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart``;
-    for trajectories the same plus ``reissued_trajectories``.
+    ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart +
+    evicted_filtered``;
+    for trajectories the same plus ``reissued_trajectories``; for tokens
+    ``admitted_tokens == tokens + sampled_tokens + evicted_tokens + reissued_tokens``.
     """
 
     pending: int = 0
@@ -66,6 +107,16 @@ class PartitionStats:
     cut_groups: int = 0
     cut_trajectories: int = 0
     capacity: int | None = None
+    tokens: int = 0
+    admitted_tokens: int = 0
+    sampled_tokens: int = 0
+    masked_tokens: int = 0
+    evicted_tokens: int = 0
+    reissued_tokens: int = 0
+    evicted_filtered_groups: int = 0
+    evicted_filtered_trajectories: int = 0
+    filter_errors: int = 0
+    tasks: Mapping[str, TaskStats] = attrs.field(factory=dict, converter=_task_copy)
 
     @property
     def groups(self) -> int:
@@ -84,7 +135,7 @@ class PartitionStats:
         values = {
             name: getattr(self, name) + getattr(other, name)
             for name in attrs.fields_dict(PartitionStats)
-            if name != "capacity"
+            if name not in ("capacity", "tasks")
         }
         bounded = [c for c in (self.capacity, other.capacity) if c is not None]
         return PartitionStats(**values, capacity=sum(bounded) if bounded else None)

@@ -460,8 +460,8 @@ def _restored(
         What ``ReplayBuffer.restore`` raises (CheckpointError, ConfigError, OSError, ...).
     """
     checkpoint = read_checkpoint(request.path, request.payload_codec)
-    if request.store:  # (in-flight groups keep their trajectories only under "keep")
-        checkpoint = stored_checkpoint(checkpoint, keep_in_flight=request.in_flight == "keep")
+    if request.store:  # (in-flight groups keep their trajectories only under "keep" and "resume")
+        checkpoint = stored_checkpoint(checkpoint, keep_in_flight=request.in_flight in ("keep", "resume"))
     result = ReplayBuffer.restore(checkpoint, in_flight=request.in_flight, on_evict=on_evict, **options)
     return result.buffer, result.reissue
 

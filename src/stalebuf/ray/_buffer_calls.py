@@ -15,16 +15,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, cast
 
 from .._checkpoint_file import PayloadCodec
 from .._status_log import logger
-from .._validation import materialise
+from .._validation import check_generation_seconds, materialise
+from .._versions import check_group_versions, check_start_version
 from ..buffer import GroupStatus
 from ..records import Batch
 from ..stats import BufferStats, WaitExplanation
 from ._connection import ActorConnection
-from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, Put, PutGroup
+from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, PutGroup, put_op
 from ._rollout import RemoteRolloutGroup, rollout
 
 __all__ = ["BufferCalls"]
@@ -43,6 +44,21 @@ def _add_prompt_op(
     return AddPrompt(token, uid, global_steps, partition, _plain_tags(tags))
 
 
+def _group_versions(
+    count: int, versions: object, tokens: object
+) -> tuple[list[tuple[tuple[int, int], ...] | None] | None, list[int] | None]:
+    """``put_group``'s per-trajectory versions and tokens, checked and copied as the local buffer
+    takes them (None, None when neither was given).
+
+    Raises:
+        TypeError, ValueError: as the local ``put_group`` refuses them.
+    """
+    rows = check_group_versions(count, versions, tokens)
+    if rows is None:
+        return None, None
+    return [segments or None for segments, _ in rows], [total for _, total in rows]
+
+
 def _put_group_op(
     token: str | None,
     uid: str,
@@ -54,14 +70,18 @@ def _put_group_op(
     session_ids: Sequence[int] | None,
     indices: Sequence[int] | None,
     status: GroupStatus,
-    generation_seconds: float | None,
+    versioning: tuple[Any, Any, int | None] = (None, None, None),
+    generation_seconds: float | None = None,
 ) -> PutGroup:
-    """The ``put_group`` operation (with a token a new group may wait for admission).
+    """The ``put_group`` operation (with a token a new group may wait for admission);
+    ``versioning`` is its ``(versions, tokens, version)``.
 
     Raises:
         TypeError: ``payloads`` is not a collection of per-trajectory items, or a per-trajectory
             collection cannot be iterated.
         ValueError: a per-trajectory collection's ``len()`` disagrees with what it yields.
+        TypeError, ValueError: ``versions``, ``tokens``, ``version`` or ``generation_seconds``
+            as the local ``put_group`` refuses them.
     """
     if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
         raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
@@ -71,6 +91,8 @@ def _put_group_op(
     sessions = None if session_ids is None else list(materialise("session_ids", session_ids))
     positions = None if indices is None else list(materialise("indices", indices))
     per_tags = None if trajectory_tags is None else materialise("trajectory_tags", trajectory_tags)
+    versions, tokens = _group_versions(len(items), versioning[0], versioning[1])
+    version = None if versioning[2] is None else check_start_version(versioning[2])
     return PutGroup(
         token,
         uid,
@@ -82,7 +104,10 @@ def _put_group_op(
         sessions,
         positions,
         status,
-        generation_seconds,
+        versions,
+        tokens,
+        version,
+        check_generation_seconds(generation_seconds),
     )
 
 
@@ -140,13 +165,16 @@ class BufferCalls:
         """
         await self._connection.submit(_add_prompt_op(None, uid, global_steps, partition, tags))
 
-    async def mark_running(self, uid: str) -> None:
-        """Move a group from PENDING to RUNNING, as :meth:`ReplayBuffer.mark_running`.
+    async def mark_running(self, uid: str, *, version: int | None = None) -> None:
+        """Move a group from PENDING to RUNNING, as :meth:`ReplayBuffer.mark_running`;
+        ``version``: the policy version its generation started at.
 
         Raises:
-            The same errors as ReplayBuffer.mark_running; BufferUnavailableError.
+            The same errors as ReplayBuffer.mark_running (a bad ``version`` before the actor is
+            asked); BufferUnavailableError.
         """
-        await self._connection.submit(MarkRunning(uid))
+        checked = None if version is None else check_start_version(version)
+        await self._connection.submit(MarkRunning(uid, checked))
 
     async def put(
         self,
@@ -156,16 +184,21 @@ class BufferCalls:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
-        """Add one trajectory and return its key, as :meth:`ReplayBuffer.put`.
+        """Add one trajectory and return its key, as :meth:`ReplayBuffer.put` (``versions``:
+        the run-length ``(version, n_tokens)`` pairs that generated it; ``tokens``: its count).
 
         The payload is stored as the client's ``payloads`` mode says (by default in the object
         store, owned by this process); the buffer keeps a reference.
 
         Raises:
-            The same errors as ReplayBuffer.put; BufferUnavailableError.
+            The same errors as ReplayBuffer.put (bad ``versions`` or ``tokens`` before the actor
+            is asked); BufferUnavailableError.
         """
-        result: str = await self._connection.submit(Put(uid, payload, session_id, index, _plain_tags(tags)))
+        op = put_op(uid, payload, session_id, index, tags, versions, tokens)
+        result: str = await self._connection.submit(op)
         return result
 
     async def mark_finished(self, uid: str) -> None:
@@ -196,13 +229,15 @@ class BufferCalls:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one round trip; return its
         keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor). A new group waits
-        in the actor for admission like :meth:`add_prompt`. ``generation_seconds``, the producer's
-        measure of the group's generation time, is as for the local buffer (a remote producer
-        should pass it: without it a group written in one call measures 0.0).
+        in the actor for admission like :meth:`add_prompt`. Pass ``generation_seconds`` (as locally):
+        without it a group written in one call measures 0.0.
 
         Raises:
             The same errors as ReplayBuffer.put_group; BufferUnavailableError.
@@ -219,6 +254,7 @@ class BufferCalls:
             session_ids,
             indices,
             status,
+            (versions, tokens, version),
             generation_seconds,
         )
         result: list[str] = await connection.admit(op)
@@ -236,6 +272,9 @@ class BufferCalls:
         session_ids: Sequence[int] | None = None,
         indices: Sequence[int] | None = None,
         status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
         generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group in one round trip, as
@@ -256,6 +295,7 @@ class BufferCalls:
             session_ids,
             indices,
             status,
+            (versions, tokens, version),
             generation_seconds,
         )
         result: list[str] = await self._connection.submit(op)
@@ -268,6 +308,7 @@ class BufferCalls:
         global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
+        version: int | None = None,
     ) -> AbstractAsyncContextManager[RemoteRolloutGroup]:
         """Return an ``async with`` block that generates one group, as :meth:`ReplayBuffer.rollout`.
 
@@ -281,10 +322,14 @@ class BufferCalls:
         fails its group (the actor is told without waiting). Each entered block holds one slot
         of the actor's ``watch`` concurrency group.
 
+        ``version`` is the group's start version, given to ``mark_running`` in the actor.
+
         Raises:
-            The errors of :meth:`add_prompt` (on entering).
+            The errors of :meth:`add_prompt` (on entering), and of :meth:`mark_running` for a
+                bad ``version`` (checked before the actor is asked).
         """
-        return rollout(self._connection, uid, global_steps, partition, _plain_tags(tags))
+        checked = None if version is None else check_start_version(version)
+        return rollout(self._connection, uid, global_steps, partition, _plain_tags(tags), checked)
 
     # -- consumer ---------------------------------------------------------------------
 
@@ -343,19 +388,16 @@ class BufferCalls:
     async def wait_for_sampleable(
         self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
     ) -> int:
-        """Wait until at least ``count`` groups are sampleable at ``global_steps`` and return how
-        many are, as :meth:`ReplayBuffer.wait_for_sampleable` (it takes nothing). The wait is in the
-        actor (in its default concurrency group, as ``sample``'s); cancelling this cancels it there.
-        ``timeout`` is applied in the actor, and also bounds the wait for an actor that has not
-        started yet (by at least 1 s), as for :meth:`sample`.
+        """Wait until at least ``count`` groups are sampleable; return how many, as
+        :meth:`ReplayBuffer.wait_for_sampleable` (it takes nothing). It waits in the actor's default
+        concurrency group, as ``sample`` does; cancelling it cancels it there; ``timeout`` is applied
+        in the actor and bounds the wait for a starting actor as for :meth:`sample`.
 
         Raises:
-            The same errors as ReplayBuffer.wait_for_sampleable (TypeError and ValueError for bad
-            arguments are raised by the client, before it contacts the actor);
+            The errors of ReplayBuffer.wait_for_sampleable (bad arguments raised by the client);
             BufferUnavailableError when the actor is gone or did not start within ``start_timeout``.
         """
-        result: int = await self._connection.wait_for_sampleable(global_steps, count, partition, timeout)
-        return result
+        return await self._connection.wait_for_sampleable(global_steps, count, partition, timeout)
 
     async def explain_wait(self, partition: str = "train") -> WaitExplanation:
         """Return why the ``sample`` calls parked on ``partition`` in the actor wait, as
@@ -363,10 +405,8 @@ class BufferCalls:
 
         Raises:
             TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
-            Exception: whatever a policy hook raised in the actor.
         """
-        result: WaitExplanation = await self._connection.call("flow", "explain_wait", partition)
-        return result
+        return cast(WaitExplanation, await self._connection.call("flow", "explain_wait", partition))
 
     async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
         """Return how many groups ``sample`` could select right now, as

@@ -90,8 +90,9 @@ class RemoteReplayBuffer(BufferCalls):
             constructor, ``custom_sampler`` is ignored here; use :meth:`from_config` for it.
         on_evict: must be None (a callable cannot cross processes); use :meth:`evictions`.
         status_log_interval: as for ReplayBuffer; the lines are logged in the actor's process.
-        name, namespace: a Ray actor name (and namespace) so that other processes can
-            :meth:`connect`; None starts an anonymous actor.
+        name: a Ray actor name, so that other processes can :meth:`connect`; None starts an
+            anonymous actor.
+        namespace: the Ray namespace of ``name``.
         get_if_exists: with a ``name``, attach to a live actor of that name instead of failing
             (the config and options are then ignored).
         actor_options: passed to ``ray.remote(...).options()``: e.g. ``num_cpus`` (default 0),
@@ -245,7 +246,8 @@ class RemoteReplayBuffer(BufferCalls):
         The actor reads ``path`` (on its node; a relative one is made absolute here, against the
         caller's working directory). Unless ``payloads="inline"``, it stores each
         restored group's payloads in the object store (one object per group, owned by the
-        actor), so sampled batches carry PayloadRefs as usual. Under ``in_flight="evict"`` the
+        actor), so sampled batches carry PayloadRefs as usual (and so do the prefixes a
+        ``in_flight="resume"`` restore lists in ``reissue``). Under ``in_flight="evict"`` the
         "restart" evictions are the first events of ``evictions(from_oldest=True)``. The other
         options are as for the class (``status_log_interval`` passed on only when given, as for
         :meth:`from_config`).
@@ -369,7 +371,10 @@ class RemoteRestoreResult:
         buffer: the client of the new actor, which holds the restored buffer.
         reissue: under ``in_flight="reissue"``, the groups that were in flight at the checkpoint
             (uid, partition, dispatch step, tags; no trajectories), oldest first: they are in the
-            buffer as PENDING, to be generated again under the same uid.
+            buffer as PENDING, to be generated again under the same uid. Under ``"resume"``, the
+            same groups with their partial prefix (``trajectories``, versions and tokens, payloads
+            as the sampled ones are) and ``start_version``, PENDING in the buffer with it: their
+            producers go on after it. As for ``ReplayBuffer.restore``.
     """
 
     buffer: RemoteReplayBuffer

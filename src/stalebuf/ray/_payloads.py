@@ -155,7 +155,7 @@ def stored(group: Group) -> Group:
         return group
     return group.replace(
         trajectories=tuple(
-            new_trajectory(t.key, t.session_id, t.index, t.tags, payload)
+            new_trajectory(t.key, t.session_id, t.index, t.tags, payload, t.versions, t.tokens)
             for t, payload in zip(trajectories, payloads, strict=True)
         ),
     )
@@ -207,7 +207,7 @@ async def checkpoint_values(checkpoint: BufferCheckpoint) -> BufferCheckpoint:
 def _substitute(batch: Batch, refs: Sequence[ray.ObjectRef[Any]], values: Sequence[Any]) -> Batch:
     by_ref = dict(zip(refs, values, strict=True))
     groups = tuple(with_values(group, by_ref) for group in batch.groups)
-    return Batch(batch.partition, batch.global_steps, groups, batch.parameter_sync_step)
+    return attrs.evolve(batch, groups=groups)  # every other field (T, S, masks) kept
 
 
 async def resolve(batch: Batch, *, timeout: float | None = None) -> Batch:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, cast
 import attrs
 
 from .._checkpoint_file import PayloadCodec
+from .._versions import check_start_version, trajectory_versions
 from ..buffer import GroupStatus, ReplayBuffer
 from ..checkpoint import InFlightMode
 from ..errors import StalebufError
@@ -50,11 +51,14 @@ __all__ = [
     "decode_op",
     "decode_sample",
     "encode",
+    "put_op",
     "store_payloads",
 ]
 
 #: Bumped whenever a record changes; the client compares it with the actor's on first contact.
-PROTOCOL_VERSION = 5
+#: 5: versions, tokens and start versions (MarkRunning, Put, PutGroup, OpenRollout).
+#: 6: PutGroup's generation_seconds (the producer's measure of the group's generation time).
+PROTOCOL_VERSION = 6
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
@@ -88,29 +92,62 @@ class AddPrompt(NamedTuple):
 
 
 class MarkRunning(NamedTuple):
-    """``mark_running(uid)``."""
+    """``mark_running(uid, version=...)``."""
 
     uid: str
+    version: int | None
 
     def apply(self, buffer: ReplayBuffer) -> None:
         """Run the operation on ``buffer``; raises what ``mark_running_nowait`` raises."""
-        buffer.mark_running_nowait(self.uid)
+        buffer.mark_running_nowait(self.uid, version=self.version)
 
 
 class Put(NamedTuple):
-    """``put(uid, payload, session_id=..., index=..., tags=...)``."""
+    """``put(uid, payload, session_id=..., index=..., tags=..., versions=..., tokens=...)``."""
 
     uid: str
     payload: Any
     session_id: int
     position: int  # put's ``index`` (a NamedTuple field cannot be called index)
     tags: Mapping[str, Any] | None
+    versions: Sequence[tuple[int, int]] | None
+    tokens: int | None
 
     def apply(self, buffer: ReplayBuffer) -> str:
         """Run the operation on ``buffer``; raises what ``put_nowait`` raises."""
         return buffer.put_nowait(
-            self.uid, self.payload, session_id=self.session_id, index=self.position, tags=self.tags
+            self.uid,
+            self.payload,
+            session_id=self.session_id,
+            index=self.position,
+            tags=self.tags,
+            versions=self.versions,
+            tokens=self.tokens,
         )
+
+
+def put_op(
+    uid: str,
+    payload: Any,
+    session_id: int,
+    index: int,
+    tags: Mapping[str, Any] | None,
+    versions: Sequence[tuple[int, int]] | None,
+    tokens: int | None,
+) -> Put:
+    """The :class:`Put` a client sends: tags as a plain dict (a mappingproxy does not pickle;
+    anything else goes as it is, for the actor to refuse with the local error), versions and
+    tokens checked and copied as the local ``put`` takes them (a tuple of int pairs and an int
+    travel, whatever sequence was given).
+
+    Raises:
+        TypeError, ValueError: ``versions`` or ``tokens`` as the local ``put`` refuses them.
+    """
+    plain = dict(tags) if isinstance(tags, Mapping) else tags
+    if versions is not None or tokens is not None:
+        segments, count = trajectory_versions(versions, tokens)
+        versions, tokens = segments or None, count
+    return Put(uid, payload, session_id, index, plain, versions, tokens)
 
 
 class MarkFinished(NamedTuple):
@@ -147,6 +184,9 @@ class PutGroup(NamedTuple):
     session_ids: Sequence[int] | None
     indices: Sequence[int] | None
     status: GroupStatus
+    versions: Sequence[Sequence[tuple[int, int]] | None] | None
+    tokens: Sequence[int | None] | None
+    version: int | None
     generation_seconds: float | None
 
     def apply(self, buffer: ReplayBuffer) -> list[str]:
@@ -162,6 +202,9 @@ class PutGroup(NamedTuple):
             session_ids=self.session_ids,
             indices=self.indices,
             status=self.status,
+            versions=self.versions,
+            tokens=self.tokens,
+            version=self.version,
             generation_seconds=self.generation_seconds,
         )
 
@@ -178,34 +221,43 @@ class PutGroup(NamedTuple):
             session_ids=self.session_ids,
             indices=self.indices,
             status=self.status,
+            versions=self.versions,
+            tokens=self.tokens,
+            version=self.version,
             generation_seconds=self.generation_seconds,
         )
 
 
 class OpenRollout(NamedTuple):
     """Enter a remote ``rollout()``: ``add_prompt`` (waiting for admission under ``token``), then
-    ``mark_running``. The actor then watches the group for its client (see ``_watches``)."""
+    ``mark_running`` (with the start ``version``, checked by the client). The actor then watches
+    the group for its client (see ``_watches``)."""
 
     token: str
     uid: str
     global_steps: int | None
     partition: str
     tags: Mapping[str, Any] | None
+    version: int | None
 
     def apply(self, buffer: ReplayBuffer) -> None:
-        """Run the operation on ``buffer``; raises what ``add_prompt_nowait`` raises."""
+        """Run the operation on ``buffer``; raises what ``add_prompt_nowait`` raises (or what
+        ``mark_running_nowait`` raises for a bad ``version``, before anything is added)."""
+        version = None if self.version is None else check_start_version(self.version)
         buffer.add_prompt_nowait(
             self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
         )
-        buffer.mark_running_nowait(self.uid)  # just added: cannot fail
+        buffer.mark_running_nowait(self.uid, version=version)  # just added: cannot fail
 
     async def apply_waiting(self, buffer: ReplayBuffer) -> None:
-        """Run the operation on ``buffer``, waiting for admission; raises what ``add_prompt`` raises."""
+        """Run the operation on ``buffer``, waiting for admission; raises what ``add_prompt`` raises
+        (or what ``mark_running`` raises for a bad ``version``, before anything waits)."""
+        version = None if self.version is None else check_start_version(self.version)
         await buffer.add_prompt(
             self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
         )
         # Admission returned in the same step of the loop it admitted in: nothing ran between.
-        buffer.mark_running_nowait(self.uid)
+        buffer.mark_running_nowait(self.uid, version=version)
 
 
 class EndRollout(NamedTuple):
@@ -236,7 +288,7 @@ class RestoreRequest:
 
     Attributes:
         path: the checkpoint file, on the actor's node.
-        in_flight: as for ``ReplayBuffer.restore``.
+        in_flight: as for ``ReplayBuffer.restore`` ("reissue", "keep", "evict" or "resume").
         payload_codec: as for ``ReplayBuffer.restore``.
         store: put each restored group's payloads in the object store (False: keep the values,
             the client's ``payloads="inline"`` mode).

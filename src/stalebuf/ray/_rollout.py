@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..errors import BufferClosedError, GroupCutError, GroupEvictedError
-from ._protocol import EndRollout, OpenRollout, Put
+from ._protocol import EndRollout, OpenRollout, put_op
 
 if TYPE_CHECKING:
     from ._connection import ActorConnection
@@ -77,14 +77,18 @@ class RemoteRolloutGroup:
         session_id: int = 0,
         index: int = 0,
         tags: Mapping[str, Any] | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
     ) -> str:
-        """Add one trajectory to the group and return its key (see ``RemoteReplayBuffer.put``).
+        """Add one trajectory to the group and return its key (see ``RemoteReplayBuffer.put``,
+        whose ``versions`` and ``tokens`` these are).
 
         Raises:
-            The errors of ``RemoteReplayBuffer.put`` (GroupEvictedError once it was evicted).
+            GroupEvictedError: the group was evicted in flight; and the other errors of
+                ``RemoteReplayBuffer.put``.
         """
-        plain = dict(tags) if isinstance(tags, Mapping) else tags  # a mappingproxy does not pickle
-        key: str = await self._connection.submit(Put(self.uid, payload, session_id, index, plain))
+        op = put_op(self.uid, payload, session_id, index, tags, versions, tokens)
+        key: str = await self._connection.submit(op)
         return key
 
 
@@ -106,10 +110,12 @@ async def rollout(
     global_steps: int | None,
     partition: str,
     tags: Mapping[str, Any] | None,
+    version: int | None = None,
 ) -> AsyncIterator[RemoteRolloutGroup]:
-    """Admit, run and end one group in the actor (see ``RemoteReplayBuffer.rollout``)."""
+    """Admit, run and end one group in the actor (see ``RemoteReplayBuffer.rollout``); ``version``
+    (checked): its start version."""
     token = connection.new_token()
-    step: int = await connection.admit(OpenRollout(token, uid, global_steps, partition, tags))
+    step: int = await connection.admit(OpenRollout(token, uid, global_steps, partition, tags, version))
     group = RemoteRolloutGroup(connection, uid, partition, step)
     watch = asyncio.ensure_future(connection.call("watch_rollout", token))
     with anyio.CancelScope() as scope:

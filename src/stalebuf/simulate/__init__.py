@@ -18,6 +18,16 @@ prompts are dispatched depends on ``admission``:
   which waits until the buffer admits a group and tags it with the trainer's current step. A
   group evicted while it generates has its body cancelled, which frees the worker at once.
 
+With ``in_flight_updates`` (``stalebuf simulate --in-flight-updates``) the trainer also pushes
+new weights to the workers at every sync point (after every step at ``S = 1``), PipelineRL-style,
+and they take them mid-generation: a worker marks its group running at the version it starts on
+(``mark_running(version=)``; a ``rollout()`` group starts at its admission step, which is the
+version served then at ``S = 1``), decodes its trajectories in chunks, each by the version served
+when it starts, and puts each trajectory with the ``versions`` of its chunks. The result then
+counts tokens (:class:`TokenSummary`): trained, masked and thrown away, their staleness, and the
+groups measuring from the dispatch step would have dropped. Its strategies are drop, wait and
+mask.
+
 It runs on trio's virtual clock (``trio.testing.MockClock(autojump_threshold=0)``), so
 simulated hours take seconds, and every random draw is made in dispatch order (admission
 order, with admission) from one ``random.Random(seed)``, so a seed reproduces a run exactly,
@@ -26,9 +36,12 @@ simulation runs.
 
 The package reads top-down: :mod:`._bounds` (what it accepts, and why), :mod:`._latency`
 (generation-time distributions, parametric, fitted or read from a file by :mod:`._empirical`),
-:mod:`._config` (the validated settings), :mod:`._model` (the
-simulation), :mod:`._result` (what a run returns) and :mod:`._report` (the text report and the
-plot that ``stalebuf simulate`` prints and writes).
+:mod:`._config` (the validated settings), :mod:`._weights` and :mod:`._decoding` (which weights
+the workers serve when, and the versions of what they decode, with in-flight updates),
+:mod:`._model` (the simulation), :mod:`._result` (what a run returns), :mod:`._token_ledger`
+(where the tokens went, with in-flight updates), :mod:`._text` (the pieces of a text report),
+and :mod:`._report` and :mod:`._versions_report` (the text reports and the plot that
+``stalebuf simulate`` prints and writes).
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from ._config import SimulationConfig
 from ._latency import LATENCY_KINDS, Latency
 from ._model import simulate
 from ._report import format_report, write_plot
-from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord
+from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord, TokenSummary
 
 __all__ = [
     "LATENCY_KINDS",
@@ -49,6 +62,7 @@ __all__ = [
     "SimulationResult",
     "StalenessSummary",
     "StepRecord",
+    "TokenSummary",
     "format_report",
     "simulate",
     "write_plot",

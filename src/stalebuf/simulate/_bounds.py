@@ -10,10 +10,13 @@ from __future__ import annotations
 
 __all__ = [
     "MAX_BATCH_SIZE",
+    "MAX_CHUNK_TOKENS",
     "MAX_FILE_BYTES",
     "MAX_GROUP_SIZE",
     "MAX_SECONDS",
     "MAX_STEP_TRAJECTORIES",
+    "MAX_TOKENS_PER_SECOND",
+    "MAX_TRAJECTORY_TOKENS",
     "MAX_WORKERS",
 ]
 
@@ -40,3 +43,15 @@ MAX_GROUP_SIZE = 4_096
 MAX_STEP_TRAJECTORIES = 2**20
 #: The most rollout workers: each is a task of about 10 KB (1 GB for all of them).
 MAX_WORKERS = 100_000
+
+#: With in-flight weight updates, the fastest decoding of one trajectory, in tokens per second
+#: (a thousand times a fast engine's): a run costs the same whatever the speed, since tokens are
+#: counted in runs of one version, never one by one.
+MAX_TOKENS_PER_SECOND = 1e6
+#: The most tokens a trajectory may have (a longer generation is cut there): 2**32 tokens in each
+#: of ``MAX_STEP_TRAJECTORIES`` trajectories keep every token total of a batch, which the buffer
+#: sums in int64, below 2**63.
+MAX_TRAJECTORY_TOKENS = 2**32
+#: The largest chunk, in tokens: a chunk of a whole trajectory (or more) is the engine that never
+#: takes new weights mid-generation.
+MAX_CHUNK_TOKENS = MAX_TRAJECTORY_TOKENS

@@ -15,12 +15,31 @@ import attrs
 from .._validation import a_bool, describe, finite_in, int_at_least, is_finite_number, one_of
 from ..config import SamplerConfig
 from ..errors import ConfigError
-from ._bounds import MAX_BATCH_SIZE, MAX_GROUP_SIZE, MAX_SECONDS, MAX_STEP_TRAJECTORIES, MAX_WORKERS
+from ._bounds import (
+    MAX_BATCH_SIZE,
+    MAX_CHUNK_TOKENS,
+    MAX_GROUP_SIZE,
+    MAX_SECONDS,
+    MAX_STEP_TRAJECTORIES,
+    MAX_TOKENS_PER_SECOND,
+    MAX_WORKERS,
+)
 from ._latency import LATENCY_KINDS, Latency, LatencyKind
 
-__all__ = ["LATENCY_KINDS", "FailureStrategy", "Latency", "LatencyKind", "SimulationConfig", "Strategy"]
+__all__ = [
+    "LATENCY_KINDS",
+    "PLAIN_STRATEGIES",
+    "FailureStrategy",
+    "Latency",
+    "LatencyKind",
+    "SimulationConfig",
+    "Strategy",
+]
 
-Strategy = Literal["drop", "wait"]
+Strategy = Literal["drop", "wait", "mask"]
+#: The strategies a run without in-flight weight updates compares: without versions every token
+#: of a group is at its dispatch step, so "mask" would be "drop" without in-flight eviction.
+PLAIN_STRATEGIES: tuple[Strategy, ...] = ("drop", "wait")
 # The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
 FailureStrategy = Literal["evict", "sample"]
 
@@ -40,12 +59,18 @@ def _as_float(value: object) -> object:
     return float(value) if is_finite_number(value) else value
 
 
+#: The settings of in-flight weight updates: :meth:`SimulationConfig.to_dict` leaves them out
+#: when ``in_flight_updates`` is off.
+_IN_FLIGHT_FIELDS = ("in_flight_updates", "tokens_per_second", "chunk_tokens")
+
+
 @attrs.frozen(kw_only=True)
 class SimulationConfig:
     """One simulated run: the buffer's settings plus the pipeline model around it.
 
     Attributes:
-        strategy: the buffer's ``max_off_policy_strategy``, "drop" or "wait".
+        strategy: the buffer's ``max_off_policy_strategy``, "drop", "wait" or "mask" ("mask"
+            only with ``in_flight_updates``).
         admission: whether the buffer paces the producers (its ``admission_batch_size`` is
             ``batch_size``; under "drop" it also evicts stale groups in flight). With it, each
             worker loops ``async with buffer.rollout(...)`` and ``dispatch_ahead`` is unused;
@@ -68,10 +93,21 @@ class SimulationConfig:
             ``MAX_SECONDS``, 1e12).
         failure_rate: the probability that a group's generation fails, in [0, 1).
         seed: the seed of the run's ``random.Random`` (int >= 0).
+        in_flight_updates: the trainer pushes new weights to the workers at every sync point
+            (after every step at ``S = 1``), and they take them mid-generation: each group is
+            decoded in chunks of ``chunk_tokens``, each chunk by the weights served when it
+            starts, and its trajectories are put with those ``versions`` (see
+            :mod:`stalebuf.simulate._decoding`).
+        tokens_per_second: with ``in_flight_updates``, the decoding speed of one trajectory: the
+            group's longest trajectory has ``round(seconds * tokens_per_second)`` tokens (at
+            most ``MAX_TRAJECTORY_TOKENS``), in ``(0, MAX_TOKENS_PER_SECOND]``.
+        chunk_tokens: with ``in_flight_updates``, the tokens decoded between two looks at the
+            weights version, in ``[1, MAX_CHUNK_TOKENS]``.
 
     Raises:
-        ConfigError: on construction, for any invalid value (the message names the field), or
-            if ``batch_size * group_size`` is over ``MAX_STEP_TRAJECTORIES``.
+        ConfigError: on construction, for any invalid value (the message names the field), if
+            ``batch_size * group_size`` is over ``MAX_STEP_TRAJECTORIES``, or for "mask"
+            without ``in_flight_updates``.
     """
 
     strategy: Strategy = attrs.field(default="drop", validator=one_of("strategy", get_args(Strategy)))
@@ -98,6 +134,13 @@ class SimulationConfig:
         default=0.01, converter=_as_float, validator=finite_in("failure_rate", 0.0, 1.0, open_high=True)
     )
     seed: int = attrs.field(default=0, validator=int_at_least("seed", 0))
+    in_flight_updates: bool = attrs.field(default=False, validator=a_bool("in_flight_updates"))
+    tokens_per_second: float = attrs.field(
+        default=50.0,
+        converter=_as_float,
+        validator=finite_in("tokens_per_second", 0.0, MAX_TOKENS_PER_SECOND, open_low=True),
+    )
+    chunk_tokens: int = attrs.field(default=256, validator=_int_in("chunk_tokens", 1, MAX_CHUNK_TOKENS))
 
     @latency.validator
     def _check_latency(self, _attribute: object, value: object) -> None:
@@ -110,6 +153,12 @@ class SimulationConfig:
             raise ConfigError(
                 f"batch_size * group_size must be at most {MAX_STEP_TRAJECTORIES} trajectories per "
                 f"trainer step, got {self.batch_size} * {self.group_size} = {trajectories}"
+            )
+        if self.strategy == "mask" and not self.in_flight_updates:
+            raise ConfigError(
+                "strategy 'mask' needs in_flight_updates: without versions every token of a group is "
+                "at its dispatch step, so no group has both stale and fresh tokens and mask would be "
+                "drop without in-flight eviction"
             )
 
     @property
@@ -142,8 +191,13 @@ class SimulationConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the settings as JSON-ready values (the latency as its spec string)."""
+        """Return the settings as JSON-ready values (the latency as its spec string); the
+        settings of in-flight updates only when they are on, so that a run without them writes
+        what it wrote before they existed."""
         values = attrs.asdict(self, recurse=False)
+        if not self.in_flight_updates:
+            for name in _IN_FLIGHT_FIELDS:
+                del values[name]
         values["latency"] = str(self.latency)
         values["dispatch_budget"] = self.dispatch_budget
         values["capacity"] = self.capacity

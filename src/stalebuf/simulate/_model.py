@@ -23,7 +23,9 @@ from ..errors import ConfigError, MissingDependencyError
 from ..records import EvictionEvent
 from ..staleness import age as staleness_age
 from ._config import SimulationConfig
+from ._decoding import Decoder
 from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord
+from ._token_ledger import TokenLedger
 
 if TYPE_CHECKING:
     import trio
@@ -37,11 +39,15 @@ class _Prompt:
     """A dispatched prompt; everything random about it is drawn at dispatch."""
 
     __slots__ = (
+        "decoded",
         "dispatch_step",
         "done",
+        "evicted_step",
         "fail_after",
         "failed",
         "fate",
+        "lengths",
+        "put_tokens",
         "seconds",
         "spent",
         "started",
@@ -60,6 +66,12 @@ class _Prompt:
         self.failed = False  # it failed part-way (not: it was evicted in flight before failing)
         self.fate: Literal["trained", "stale", "failure"] | None = None
         self.trained_step = -1
+        self.evicted_step = -1
+        # With in-flight weight updates: its trajectories' token counts (the longest first), the
+        # tokens of each decoded once it stopped (-1 before), and the tokens it put.
+        self.lengths: tuple[int, ...] = ()
+        self.decoded = -1
+        self.put_tokens = 0
 
 
 class _GenerationFailed(Exception):
@@ -93,6 +105,10 @@ class _Run:
         self.waits: list[float] = []  # each admitted prompt's wait for admission
         self.asking: dict[int, float] = {}  # worker -> since when it waits for admission
         self.buffer = ReplayBuffer(config.sampler_config(), on_evict=self.on_evict, status_log_interval=None)
+        # With in-flight weight updates: the chunked decoding and the token counts.
+        self.decoder = Decoder(config) if config.in_flight_updates else None
+        self.ledger = None if self.decoder is None else TokenLedger(config, self.decoder)
+        self.produce = self.generate if self.decoder is None else self.decode
 
     def new_prompt(self, uid: str, step: int) -> _Prompt:
         """Take a new prompt from the dataset as ``uid``, tagged ``step``, and draw its fate."""
@@ -101,6 +117,8 @@ class _Run:
         fails = rng.random() < config.failure_rate
         fraction = rng.random()  # always drawn, so prompt k is the same whatever the failure rate
         prompt = _Prompt(uid, step, seconds, seconds * fraction if fails else None)
+        if self.decoder is not None:
+            prompt.lengths = self.decoder.lengths(seconds)
         self.dispatched.append(prompt)
         self.in_buffer[uid] = prompt
         self.max_resident = max(self.max_resident, len(self.in_buffer))
@@ -115,7 +133,9 @@ class _Run:
     def on_evict(self, event: EvictionEvent) -> None:
         """Record the evicted groups; without admission, dispatch one fresh prompt for each."""
         for group in event.groups:
-            self.in_buffer.pop(group.uid).fate = "stale" if event.reason == "stale" else "failure"
+            prompt = self.in_buffer.pop(group.uid)
+            prompt.fate = "stale" if event.reason == "stale" else "failure"
+            prompt.evicted_step = event.global_steps
             if not self.config.admission:
                 self.dispatch(event.global_steps)
         if event.reason == "stale":
@@ -136,17 +156,45 @@ class _Run:
             put(None, session_id=session)
         return not prompt.failed
 
+    async def decode(self, prompt: _Prompt, put: Callable[..., object]) -> bool:
+        """With in-flight weight updates: decode the group in chunks (see :mod:`._decoding`) and
+        ``put`` each trajectory it finished with the versions of its chunks; return whether it
+        finished (else it failed part-way, after putting those it finished)."""
+        decoder = cast(Decoder, self.decoder)
+        prompt.started = start = self.now()
+        lengths = prompt.lengths
+        if prompt.fail_after is None:
+            await self.sleep(prompt.seconds)
+            decoded = lengths[0]
+        else:
+            await self.sleep(prompt.fail_after)
+            decoded = decoder.position(lengths[0], prompt.fail_after, prompt.seconds)
+            prompt.failed = True
+        prompt.decoded = decoded
+        segments = decoder.segments(start, prompt.seconds, lengths, decoded)
+        for session, (tokens, versions) in enumerate(zip(lengths, segments, strict=True)):
+            if tokens <= decoded:
+                put(None, session_id=session, versions=versions)
+                prompt.put_tokens += tokens
+        return not prompt.failed
+
     def settle(self, prompt: _Prompt) -> None:
         """Record that a worker is done with ``prompt`` (finished, failed or evicted in flight)."""
         prompt.spent = self.now() - cast(float, prompt.started)
         prompt.done = True
+        if prompt.decoded < 0 and self.decoder is not None:  # evicted in flight: cut where it was
+            prompt.decoded = self.decoder.position(prompt.lengths[0], prompt.spent, prompt.seconds)
 
     async def worker(self) -> None:
         """Without admission: generate queued prompts one at a time, forever (until cancelled)."""
         buffer = self.buffer
+        pushes = None if self.decoder is None else self.decoder.pushes
         async for prompt in self.receive:
-            buffer.mark_running_nowait(prompt.uid)
-            if await self.generate(prompt, partial(buffer.put_nowait, prompt.uid)):
+            if pushes is None:
+                buffer.mark_running_nowait(prompt.uid)
+            else:  # it starts on the weights served now
+                buffer.mark_running_nowait(prompt.uid, version=pushes.version_at(self.now()))
+            if await self.produce(prompt, partial(buffer.put_nowait, prompt.uid)):
                 buffer.mark_finished_nowait(prompt.uid)
             else:
                 buffer.mark_failed_nowait(prompt.uid)
@@ -168,7 +216,7 @@ class _Run:
                     # Admitted just now, in this step of the loop: draw the prompt in admission order.
                     self.waits.append(self.now() - self.asking.pop(index))
                     prompt = self.new_prompt(uid, group.global_steps)
-                    if not await self.generate(prompt, group.put_nowait):
+                    if not await self.produce(prompt, group.put_nowait):
                         raise _GenerationFailed  # the block marks the group FAILED
             except _GenerationFailed:
                 pass
@@ -190,6 +238,9 @@ class _Run:
             sample_start = self.now() - origin
             batch, _metrics = await buffer.sample(step, config.batch_size)
             train_start = self.now() - origin
+            if self.ledger is not None:
+                self.ledger.sampled(batch)
+                self.ledger.decoder.trained(step, self.now() + config.train_step_seconds)
             for group in batch:
                 prompt = self.in_buffer.pop(group.uid)
                 prompt.fate = "trained"
@@ -290,31 +341,11 @@ class _Run:
             worker_utilization=min(1.0, busy / (config.workers * simulated)),
             admission_wait_fraction=min(1.0, waited / (config.workers * simulated)),
             max_resident_groups=self.max_resident,
-            staleness=_staleness_summary(ages, sync_step),
+            staleness=StalenessSummary.from_lags(ages, sync_step),
             length_bias=_length_bias(self.common_lengths(), trained_lengths),
             steps=tuple(self.records),
+            tokens=None if self.ledger is None else self.ledger.summary(self.dispatched, end, simulated),
         )
-
-
-def _staleness_summary(ages: Counter[int], sync_step: int) -> StalenessSummary:
-    values = sorted(ages)
-    counts = np.array([ages[a] for a in values], dtype=np.int64)
-    cumulative = np.cumsum(counts)
-    total = int(cumulative[-1])
-
-    def quantile(q: float) -> float:
-        # The smallest observed value with at least q of the groups at or below it.
-        index = int(np.searchsorted(cumulative, q * total, side="left"))
-        return values[min(index, len(values) - 1)] / sync_step
-
-    mean = float(np.dot(values, counts)) / total / sync_step
-    return StalenessSummary(
-        mean=mean,
-        p50=quantile(0.5),
-        p95=quantile(0.95),
-        max=values[-1] / sync_step,
-        histogram=tuple((a / sync_step, ages[a]) for a in values),
-    )
 
 
 def _length_bias(dispatched: list[float], trained: list[float]) -> LengthBias:

@@ -7,118 +7,53 @@ plot is written.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingDependencyError
-from ._config import Latency
-from ._result import SimulationResult
+from ._result import SimulationResult, StalenessSummary
+from ._text import Row, duration, header, percent, seconds, table
+from ._versions_report import format_versions_report
 
 __all__ = ["PLOT_FORMATS", "format_report", "plot_format", "require_matplotlib", "write_plot"]
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes = round(seconds / 60)
-    if minutes < 60:
-        return f"{minutes} min"
-    return f"{minutes // 60}h {minutes % 60:02d}m"
-
-
-def _seconds(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds >= 100 else f"{seconds:.1f} s"
-
-
-def _percent(value: float) -> str:
-    return f"{100 * value:.1f}%"
-
-
-def _count(n: int, noun: str, plural: str | None = None) -> str:
-    """``"1 rollout worker"``, ``"2 rollout workers"``."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
-
-
-def _describe_latency(latency: Latency) -> str:
-    if latency.kind == "fixed":
-        return f"{latency} (always {_seconds(latency.mean)})"
-    spec = str(latency)
-    if latency.kind == "lognormal" and latency.spec is not None:  # lognormal-fit: show what it fitted
-        mu, sigma = latency.params
-        spec = f"{spec}, fitted MU,SIGMA = {mu:.4f},{sigma:.4f}"
-    elif latency.kind == "empirical":
-        spec = f"{spec}, {_count(len(latency.params), 'value')} resampled"
-    return (
-        f"{spec} (median {_seconds(latency.quantile(0.5))}, mean {_seconds(latency.mean)}, "
-        f"p95 {_seconds(latency.quantile(0.95))})"
-    )
-
-
-def _dispatch_lines(results: Sequence[SimulationResult]) -> list[str]:
-    """Describe how prompts are dispatched in the runs without and with admission."""
-    c = results[0].config
-    lines = []
-    if any(not r.config.admission for r in results):
-        lines.append(
-            f"  without admission: {_count(c.dispatch_budget, 'prompt')} kept dispatched "
-            f"(dispatch-ahead {c.dispatch_ahead:g})"
-        )
-    if any(r.config.admission for r in results):
-        lines.append(
-            "  with admission: each worker loops rollout(); "
-            f"at most {_count(c.batch_size, 'group')} per dispatch step, "
-            f"{c.threshold * c.parameter_sync_step * c.batch_size} resident (T*S*B)"
-        )
-    return lines
-
-
 def format_report(results: Sequence[SimulationResult]) -> str:
     """Return the side-by-side text report of runs that share their settings but the strategy
-    and admission.
+    and admission (with in-flight weight updates, the report of :mod:`._versions_report`).
 
     Raises:
-        ValueError: ``results`` is empty.
+        ValueError: ``results`` is empty, or mixes runs with and without in-flight updates.
     """
     if not results:
         raise ValueError("format_report needs at least one result")
-    c = results[0].config
-    header = [
-        f"stalebuf simulate: {_count(c.steps, 'trainer step')} x {_count(c.batch_size, 'group')} x "
-        f"{_count(c.group_size, 'trajectory', 'trajectories')}, {_count(c.workers, 'rollout worker')}",
-        f"  threshold T={c.threshold}, parameter_sync_step S={c.parameter_sync_step}, "
-        f"train step {_seconds(c.train_step_seconds)}, failure rate {_percent(c.failure_rate)} "
-        f"({c.failure_strategy}), seed {c.seed}",
-        f"  generation time per group: {_describe_latency(c.latency)}",
-        *_dispatch_lines(results),
-        "",
-    ]
-    rows: list[tuple[str, Callable[[SimulationResult], str]]] = [
+    in_flight = {r.config.in_flight_updates for r in results}
+    if len(in_flight) > 1:
+        raise ValueError("format_report cannot put runs with and without in-flight updates side by side")
+    if in_flight == {True}:
+        return format_versions_report(results)
+    rows: list[Row] = [
         ("trained groups per simulated hour", lambda r: f"{r.trained_groups_per_hour:.0f}"),
-        ("simulated time", lambda r: _duration(r.simulated_seconds)),
-        ("trainer idle fraction", lambda r: _percent(r.trainer_idle_fraction)),
-        ("mean wait per step", lambda r: _seconds(r.mean_wait_seconds)),
-        ("rollouts dropped as stale (groups)", lambda r: _percent(r.dropped_fraction)),
-        ("  generation time wasted on them", lambda r: _percent(r.wasted_generation_fraction)),
-        ("rollouts failed", lambda r: _percent(r.failed_fraction)),
-        ("rollout worker utilization", lambda r: _percent(r.worker_utilization)),
-        ("  time waiting for admission", lambda r: _percent(r.admission_wait_fraction)),
+        ("simulated time", lambda r: duration(r.simulated_seconds)),
+        ("trainer idle fraction", lambda r: percent(r.trainer_idle_fraction)),
+        ("mean wait per step", lambda r: seconds(r.mean_wait_seconds)),
+        ("rollouts dropped as stale (groups)", lambda r: percent(r.dropped_fraction)),
+        ("  generation time wasted on them", lambda r: percent(r.wasted_generation_fraction)),
+        ("rollouts failed", lambda r: percent(r.failed_fraction)),
+        ("rollout worker utilization", lambda r: percent(r.worker_utilization)),
+        ("  time waiting for admission", lambda r: percent(r.admission_wait_fraction)),
         ("max resident groups", lambda r: f"{r.max_resident_groups}"),
         ("staleness of trained groups: mean", lambda r: f"{r.staleness.mean:.2f}"),
         ("                              p50", lambda r: f"{r.staleness.p50:.2f}"),
         ("                              p95", lambda r: f"{r.staleness.p95:.2f}"),
         ("                              max", lambda r: f"{r.staleness.max:.2f}"),
         (
-            f"long prompts (>= {_seconds(results[0].length_bias.long_seconds)}) in trained",
-            lambda r: _percent(r.length_bias.long_share_trained),
+            f"long prompts (>= {seconds(results[0].length_bias.long_seconds)}) in trained",
+            lambda r: percent(r.length_bias.long_share_trained),
         ),
         ("  vs dispatched (1.00x = no bias)", lambda r: f"{r.length_bias.ratio:.2f}x"),
     ]
-    label_width = max(len(label) for label, _ in rows) + 2
-    column = max(10, *(len(r.config.label) + 2 for r in results))
-    lines = [*header, " " * label_width + "".join(f"{r.config.label:>{column}}" for r in results)]
-    lines += [
-        f"{label:<{label_width}}" + "".join(f"{cell(r):>{column}}" for r in results) for label, cell in rows
-    ]
+    lines = [*header(results), *table(results, rows)]
     if len(results) >= 2:
         lines += ["", *_verdict(results)]
     return "\n".join(lines)
@@ -133,12 +68,12 @@ def _verdict(results: Sequence[SimulationResult]) -> list[str]:
     for r in results:
         if r.config.strategy == "drop":
             costs.append(
-                f"{r.config.label} throws away {_percent(r.wasted_generation_fraction)} of generation time "
+                f"{r.config.label} throws away {percent(r.wasted_generation_fraction)} of generation time "
                 f"and trains long prompts at {r.length_bias.ratio:.2f}x their share"
             )
         else:
             costs.append(
-                f"{r.config.label} idles the trainer {_percent(r.trainer_idle_fraction)} of the time and "
+                f"{r.config.label} idles the trainer {percent(r.trainer_idle_fraction)} of the time and "
                 f"trains groups up to staleness {r.staleness.max:g}"
             )
     if f"{ratio:.2f}" == "1.00":  # a tie: "drop trains 1.00x as many ... as drop" says nothing
@@ -169,8 +104,10 @@ _BLUE, _ORANGE, _GREEN, _SKY, _VERMILLION, _PURPLE = (
     "#D55E00",
     "#CC79A7",
 )
-# One histogram colour per run, in the CLI's order: drop, drop+admission, wait, wait+admission.
-_RUN_COLORS = (_GREEN, _SKY, _PURPLE, _VERMILLION)
+_YELLOW, _BLACK = "#F0E442", "#000000"
+# One histogram colour per run, in the CLI's order: drop, drop+admission, wait, wait+admission
+# (then mask, mask+admission with in-flight updates).
+_RUN_COLORS = (_GREEN, _SKY, _PURPLE, _VERMILLION, _YELLOW, _BLACK)
 # The timeline's two states: a dark and a light colour, apart in lightness as well as hue.
 _BUSY, _IDLE = _BLUE, _ORANGE
 
@@ -206,7 +143,8 @@ def plot_format(path: str) -> str:
 
 def write_plot(results: Sequence[SimulationResult], path: str) -> None:
     """Write an image to ``path``, a PNG or a JPEG by its suffix: a staleness histogram per run
-    and the trainer's busy/idle timeline, in colour-blind-safe colours.
+    (of trained groups; of trained tokens with in-flight updates) and the trainer's busy/idle
+    timeline, in colour-blind-safe colours.
 
     Raises:
         MissingDependencyError: matplotlib is not installed (``pip install 'stalebuf[plot]'``).
@@ -233,24 +171,31 @@ def write_plot(results: Sequence[SimulationResult], path: str) -> None:
 def _histograms(fig: Any, grid: Any, results: Sequence[SimulationResult]) -> None:
     """One staleness histogram per run, on a shared count axis, with the threshold marked."""
     threshold = results[0].config.threshold
-    top = max(n for r in results for _, n in r.staleness.histogram) * 1.15
+    summaries = [_staleness(r) for r in results]
+    top = max((n for summary in summaries for _, n in summary.histogram), default=1) * 1.15
+    tokens = results[0].tokens is not None
     first = None
-    for i, result in enumerate(results):
+    for i, (result, summary) in enumerate(zip(results, summaries, strict=True)):
         ax = fig.add_subplot(grid[0, i], sharey=first)
-        values = [s for s, _ in result.staleness.histogram]
-        counts = [n for _, n in result.staleness.histogram]
+        values = [s for s, _ in summary.histogram]
+        counts = [n for _, n in summary.histogram]
         width = 0.8 / result.config.parameter_sync_step
         ax.bar(values, counts, width=width, color=_RUN_COLORS[i % len(_RUN_COLORS)])
         ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"threshold T={threshold}")
         ax.set_ylim(0, top)
-        ax.set_title(f"{result.config.label}\nmean staleness {result.staleness.mean:.2f}")
-        ax.set_xlabel("staleness (g - p + 1) / S")
+        ax.set_title(f"{result.config.label}\nmean staleness {summary.mean:.2f}")
+        ax.set_xlabel("token staleness (g - v + 1) / S" if tokens else "staleness (g - p + 1) / S")
         if first is None:  # the shared axis is labelled once
             first = ax
-            ax.set_ylabel("trained groups")
+            ax.set_ylabel("trained tokens" if tokens else "trained groups")
             ax.legend(loc="upper left")
         else:
             ax.tick_params(labelleft=False)
+
+
+def _staleness(result: SimulationResult) -> StalenessSummary:
+    """What a run's histogram shows: its trained tokens with in-flight updates, else its groups."""
+    return result.staleness if result.tokens is None else result.tokens.staleness
 
 
 def _timeline(ax: Any, results: Sequence[SimulationResult]) -> None:

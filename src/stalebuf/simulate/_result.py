@@ -6,13 +6,15 @@ Plain frozen records filled in by the model (:mod:`._model`) and read by the rep
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ._config import SimulationConfig
 
-__all__ = ["LengthBias", "SimulationResult", "StalenessSummary", "StepRecord"]
+__all__ = ["LengthBias", "SimulationResult", "StalenessSummary", "StepRecord", "TokenSummary"]
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +31,31 @@ class StalenessSummary:
     p95: float
     max: float
     histogram: tuple[tuple[float, int], ...]
+
+    @classmethod
+    def from_lags(cls, lags: Counter[int], sync_step: int) -> StalenessSummary:
+        """Summarise ``lags``, a count per lag ``g - p + 1`` (or ``g - v + 1``), in ``S`` units;
+        all zero with an empty histogram when nothing was counted."""
+        values = sorted(lag for lag, count in lags.items() if count)
+        if not values:
+            return cls(mean=0.0, p50=0.0, p95=0.0, max=0.0, histogram=())
+        counts = np.array([lags[a] for a in values], dtype=np.int64)
+        cumulative = np.cumsum(counts)
+        total = int(cumulative[-1])
+
+        def quantile(q: float) -> float:
+            # The smallest observed value with at least q of the count at or below it.
+            index = int(np.searchsorted(cumulative, q * total, side="left"))
+            return values[min(index, len(values) - 1)] / sync_step
+
+        mean = float(np.dot(values, counts)) / total / sync_step
+        return cls(
+            mean=mean,
+            p50=quantile(0.5),
+            p95=quantile(0.95),
+            max=values[-1] / sync_step,
+            histogram=tuple((a / sync_step, lags[a]) for a in values),
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +113,69 @@ class StepRecord:
 
 
 @attrs.frozen(kw_only=True)
+class TokenSummary:
+    """Where the generated tokens went, in a run with in-flight weight updates.
+
+    Counts are over the groups *resolved* by the end of the run (trained or evicted): every
+    token decoded for them is trained (in the loss), masked (returned to the trainer, kept out
+    of the loss by the ``mask`` strategy) or thrown away, so ``generated == trained + masked +
+    thrown_away``. A token of version ``v`` sampled (or evicted) at step ``g`` is *fresh* iff
+    its lag ``g - v + 1 <= T*S``.
+
+    Attributes:
+        generated: tokens decoded for resolved groups.
+        trained: tokens in the loss: every token of a returned group under "drop" and "wait",
+            its fresh ones under "mask".
+        trained_stale: stale tokens among ``trained`` (only "wait" trains any: "drop" judges a
+            group by its oldest token, "mask" masks them).
+        masked: tokens returned to the trainer and kept out of the loss ("mask" only).
+        thrown_away: tokens the trainer never got: those of evicted groups (stale or failed),
+            put or decoded in flight, and the unfinished trajectories of failed groups.
+        thrown_away_fresh: the tokens of groups evicted as stale that were fresh at the step
+            that evicted them (0 under "mask", by its guarantee).
+        lost_in_flight: tokens decoded and never put (a group evicted in flight, the unfinished
+            trajectories of a failed one); ``thrown_away - lost_in_flight`` is the buffer's
+            ``evicted_tokens``.
+        trained_trajectories: trajectories returned to the trainer.
+        loss_excluded_trajectories: of those, trajectories whose every token is stale, kept for
+            the group's baseline and out of the loss ("mask" only).
+        trained_per_hour: ``trained`` per simulated hour.
+        staleness: the staleness ``(g - v + 1) / S`` of the trained tokens, its histogram in
+            tokens.
+        p_would_drop_groups: returned groups stale by their dispatch step ``p`` but fresh by
+            their head (their oldest token, or start version): the groups measuring from ``p``
+            would have dropped. None under "mask", which judges groups by their newest token.
+        p_would_drop_fraction: ``p_would_drop_groups`` over the returned groups; None under "mask".
+    """
+
+    generated: int
+    trained: int
+    trained_stale: int
+    masked: int
+    thrown_away: int
+    thrown_away_fresh: int
+    lost_in_flight: int
+    trained_trajectories: int
+    loss_excluded_trajectories: int
+    trained_per_hour: float
+    staleness: StalenessSummary
+    p_would_drop_groups: int | None
+    p_would_drop_fraction: float | None
+
+    def share(self, tokens: int) -> float:
+        """``tokens`` over ``generated`` (0.0 when nothing was generated)."""
+        return tokens / self.generated if self.generated else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return every number as JSON-ready values (the histogram as a list of objects)."""
+        values = attrs.asdict(self, recurse=False)
+        staleness = attrs.asdict(self.staleness)
+        staleness["histogram"] = [{"staleness": s, "tokens": n} for s, n in self.staleness.histogram]
+        values["staleness"] = staleness
+        return values
+
+
+@attrs.frozen(kw_only=True)
 class SimulationResult:
     """The outcome of :func:`simulate`; every number refers to the simulated (virtual) clock.
 
@@ -113,6 +203,7 @@ class SimulationResult:
         staleness: the staleness of the trained groups.
         length_bias: long prompts among trained versus dispatched groups.
         steps: one record per trainer step: the trainer's busy/idle timeline.
+        tokens: with in-flight weight updates, where the generated tokens went; else None.
     """
 
     config: SimulationConfig
@@ -134,13 +225,15 @@ class SimulationResult:
     staleness: StalenessSummary
     length_bias: LengthBias
     steps: tuple[StepRecord, ...]
+    tokens: TokenSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Return every number as JSON-ready values (the steps as parallel lists)."""
+        """Return every number as JSON-ready values (the steps as parallel lists; ``tokens``
+        only with in-flight updates)."""
         values: dict[str, Any] = {
             field.name: getattr(self, field.name)
             for field in attrs.fields(SimulationResult)
-            if field.name not in ("config", "staleness", "length_bias", "steps")
+            if field.name not in ("config", "staleness", "length_bias", "steps", "tokens")
         }
         staleness = attrs.asdict(self.staleness)
         staleness["histogram"] = [{"staleness": s, "groups": n} for s, n in self.staleness.histogram]
@@ -153,4 +246,5 @@ class SimulationResult:
                 field.name: [getattr(record, field.name) for record in self.steps]
                 for field in attrs.fields(StepRecord)
             },
+            **({} if self.tokens is None else {"tokens": self.tokens.to_dict()}),
         }

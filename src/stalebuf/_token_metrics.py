@@ -1,0 +1,42 @@
+"""The per-token metrics of a returned batch (``{prefix}/off_policy/token_staleness/...``).
+
+Computed from the batch's version runs, never per token: O(runs + trajectories).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _token_arrays as arrays
+from ._batch import batch_runs, fresh_span
+from .records import Batch
+
+__all__ = ["token_metrics"]
+
+
+def token_metrics(batch: Batch, prefix: str) -> tuple[dict[str, float], int]:
+    """Return the token metrics of ``batch`` under ``prefix`` ("training", ...) and how many of
+    its tokens the ``mask`` strategy kept out of the loss; no metric when it holds no token."""
+    versions, lengths, offsets, starts = batch_runs(batch.groups)
+    total = int(lengths.sum())
+    if not total:
+        return {}, 0
+    g, sync_step = batch.global_steps, batch.parameter_sync_step
+    lag = arrays.staleness(versions, g, sync_step)  # per run, in S units
+    span = fresh_span(batch)
+    masked = excluded = 0
+    if batch.masks:
+        fresh = arrays.fresh_token_counts(versions, lengths, offsets, g, span)
+        masked = total - int(fresh.sum())
+        excluded = int(arrays.loss_excluded(versions, lengths, offsets, g, span).sum())
+    head, tail = arrays.head_tail_staleness(versions, offsets, starts, g, sync_step)
+    off = f"{prefix}/off_policy"
+    metrics = {
+        f"{off}/token_staleness/mean": float(np.dot(lag, lengths.astype(np.float64)) / total),
+        f"{off}/token_staleness/max": float(lag.max()),
+        f"{off}/masked_tokens": float(masked),
+        f"{off}/loss_excluded_trajectories": float(excluded),
+        f"{off}/head_staleness/mean": float(head.mean()),
+        f"{off}/tail_staleness/mean": float(tail.mean()),
+    }
+    return metrics, masked

@@ -1,0 +1,79 @@
+"""The simulator's own account of itself, as ``stalebuf simulate --help`` prints it: the model
+(:data:`DESCRIPTION`, :data:`MODEL_HELP`), kept beside the code it describes."""
+
+from __future__ import annotations
+
+from ._bounds import MAX_FILE_BYTES
+
+__all__ = ["DESCRIPTION", "MODEL_HELP"]
+
+#: What ``stalebuf simulate`` does, in a few lines.
+DESCRIPTION = (
+    "Run the real ReplayBuffer inside a simulated asynchronous GRPO pipeline (a trainer\n"
+    "and rollout workers) on a virtual clock, and compare the drop and wait strategies,\n"
+    "with and without admission control: throughput, trainer idle time, wasted rollouts,\n"
+    "staleness and length bias. With --in-flight-updates, new weights reach the workers\n"
+    "mid-generation, trajectories carry the version of each chunk, and drop, wait and mask\n"
+    "are compared token by token."
+)
+
+#: The model and how to read the report, after the options (line breaks kept).
+MODEL_HELP = f"""\
+the model:
+  Each step the trainer calls sample(g, batch-size) on the real ReplayBuffer
+  (idle time) and trains for train-step-seconds (busy time). Each prompt's
+  generation time (its "length") is drawn from --latency; a worker puts
+  group-size trajectories and marks the group finished, or fails it part-way
+  with probability --failure-rate. Time is virtual (trio's MockClock); a seed
+  reproduces a run.
+
+  Without admission, the trainer keeps batch-size * (1 + dispatch-ahead)
+  prompts dispatched (taken from the dataset, not yet trained or evicted): after
+  each sample it dispatches as many new prompts tagged with step g, and groups
+  the buffer evicts (stale under drop, failed under --failure-strategy evict)
+  are replaced from on_evict. Workers take prompts in dispatch order.
+
+  With admission (the buffer's admission_batch_size = batch-size), each worker
+  loops "async with buffer.rollout(uid)": it waits until the buffer admits a
+  group (at most batch-size groups per dispatch step, T*S*batch-size resident)
+  and generates it. Under drop the buffer also evicts groups that turned stale
+  in flight (evict_stale_in_flight), which cancels their rollout at once.
+
+empirical latencies:
+  --latency empirical:PATH reads one number of seconds per line (blank lines
+  skipped), or a JSON array of numbers if PATH ends in .json.
+  --latency empirical:PATH#COLUMN reads that column of a CSV file with a
+  header row, or that field of a .json file (an array of objects or an object
+  of arrays) or of a .jsonl/.ndjson file (one object per line). Every value
+  must be a number > 0 and at most 1e12. Each prompt's time is drawn from
+  them uniformly, with --seed. PATH must be a regular file (not a FIFO or a
+  device) of at most {MAX_FILE_BYTES // 2**20} MiB. A file that cannot be read is one error line
+  and exit status 2.
+
+reading the report:
+  "long prompts" are the slowest quarter of the first steps * batch-size
+  dispatched prompts: every run dispatches those, with the same lengths for a
+  seed, so "long" is the same in every column, whichever --strategy and
+  --admission run. "vs dispatched" is the share of long prompts among trained
+  groups over their share among those prompts: below 1.00x, the strategy
+  under-trains long, hard prompts.
+
+in-flight weight updates (--in-flight-updates):
+  After each train step that ends at a sync point (every step at S=1) the
+  trainer pushes the new weights, version g+1, to the workers, which take them
+  mid-generation. A worker marks its group running at the version it starts
+  on and decodes its trajectories in chunks of --chunk-tokens, each chunk by
+  the version served when it starts; the group's longest trajectory has
+  generation-time * --tokens-per-second tokens, the others from a quarter of
+  that to as many, so they finish earlier. Each trajectory is put with the
+  versions of its chunks. The runs are drop, wait and mask, with admission
+  (--strategy and --admission choose others). The report counts tokens: a
+  token of version v sampled at step g has lag g - v + 1 and is fresh iff
+  lag <= T*S. Trained tokens are those in the loss (every returned token under
+  drop and wait, the fresh ones under mask); masked ones are returned and kept
+  out of the loss; thrown-away ones never reach the trainer (evicted groups,
+  unfinished trajectories of failed ones). "trained groups stale by p, fresh
+  by head" are the groups that measuring from the dispatch step p instead of
+  the oldest token would have dropped: none unless groups start on newer
+  weights than p (prompts queued for a worker, without admission).
+"""
