@@ -4,7 +4,9 @@ One Starlette app, served by uvicorn, owns one ReplayBuffer on its event loop:
 
 - ``POST /groups``: an ``async`` handler; ``await buffer.put_group(...)`` on the loop.
 - ``POST /groups_sync``: a plain ``def`` handler, which Starlette runs on its worker threads
-  (where blocking engine code would live); it reaches the buffer through ``buffer.threadsafe()``.
+  (where blocking engine code would live); it reaches the buffer through ``buffer.threadsafe()``
+  and its ``put_group_nowait``, so a full buffer answers 429 rather than holding a worker thread
+  (the handle's ``put_group`` would block it until admitted, like ``queue.Queue.put``).
 - ``GET /stats``: the buffer's stats and the trainer's progress as JSON (``?uids=1`` adds which
   groups were trained, evicted, or are still resident).
 - ``GET /metrics``: Prometheus text, from :mod:`stalebuf.prometheus`.
@@ -242,14 +244,14 @@ def post_group_sync(request: Request) -> Response:
     try:
         # Reading the body is async: run it on the loop, from this worker thread.
         group = GroupRequest.parse(anyio.from_thread.run(request.body), state.partitions)
-        keys = state.producer.put_group(
+        keys = state.producer.put_group_nowait(  # never blocks a worker thread: 429 instead
             group.uid,
             group.payloads,
             global_steps=group.global_steps,
             status=group.status,
             partition=group.partition,
         )
-    except _CLIENT_ERROR_TYPES as exc:  # BufferFullError: the threadsafe handle never waits
+    except _CLIENT_ERROR_TYPES as exc:  # BufferFullError: no slot now (put_group_nowait)
         return _refusal(exc)
     state.ledger.accept(group.uid)
     # dispatch_step reads one int: harmless from this thread, unlike calls that walk the state.

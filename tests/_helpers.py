@@ -57,6 +57,7 @@ __all__ = [
     "resident_keys",
     "resident_uids",
     "sample_now",
+    "sampleable_waiters",
     "settle",
     "snapshot",
     "spent_slots",
@@ -272,7 +273,8 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
         for name, part in _indexes(buf).items()
     }
     admission = (dict(_admission(buf).clocks), list(_store(buf).evicted_in_flight))
-    return buf.stats(), buf.closed, groups, indexes, admission, _store(buf).next_seq
+    parked = sampleable_waiters(buf)
+    return buf.stats(), buf.closed, groups, indexes, admission, _store(buf).next_seq, parked
 
 
 # -- reading the buffer's internals (the only code that does) -----------------------------------
@@ -380,6 +382,12 @@ def patch_deadline_clock(monkeypatch: Any, clock: Callable[[], float]) -> None:
 
     for module in (stalebuf._store, stalebuf._deadlines, stalebuf._consumer):
         monkeypatch.setattr(module, "monotonic", clock)
+
+
+def sampleable_waiters(buf: ReplayBuffer) -> dict[str, int]:
+    """How many ``wait_for_sampleable`` calls are parked, per partition with any. Reads the
+    consumer's ``sampleable`` part."""
+    return {name: len(waiters) for name, waiters in _consumer(buf).sampleable.waiting.items()}
 
 
 def evaluations(buf: ReplayBuffer) -> int:

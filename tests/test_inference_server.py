@@ -191,7 +191,7 @@ def _check_metrics(text: str, stats: dict[str, Any], accepted: int) -> None:
         assert value[("stalebuf_evicted_groups_total", labels)] >= stats["total"][f"evicted_{reason}_groups"]
     assert families["stalebuf_sample_wait_seconds"].type == "histogram"
     assert value[("stalebuf_sample_wait_seconds_count", train)] >= stats["trainer"]["steps"]
-    assert value[("stalebuf_sample_staleness_count", train)] >= stats["trainer"]["steps"]
+    assert value[("stalebuf_sampled_staleness_versions_count", train)] >= stats["trainer"]["steps"]
 
 
 def test_the_example_server_accounts_for_every_group_under_fifty_concurrent_producers(

@@ -1,13 +1,20 @@
-"""SampleMetrics against a plain loop: the aggregation of dropped groups, over several rounds;
-and the metric namings (``SamplerConfig.metric_names``)."""
+"""Per-sample metrics: SampleMetrics against a plain loop (the aggregation of dropped groups, over
+several rounds); the metric namings (``SamplerConfig.metric_names``); and the producer's
+``generation_seconds`` behind ``sampled_generation_seconds/mean``."""
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+from typing import Any
+
+import anyio
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _helpers import add_group, make, sample_now
+from _helpers import LIMIT, add_group, full_snapshot, make, sample_now, start_call
 from stalebuf import Group, Status
 from stalebuf.config import METRIC_NAMINGS
 from stalebuf.metrics import NAMINGS, VERL_09_NAMES, SampleMetrics, metric_name
@@ -89,6 +96,90 @@ def test_add_dropped_agrees_with_a_loop_over_groups(
         fast.add_dropped(groups, g)
         loop.add_dropped(groups, g)
         assert [getattr(fast, name) for name in FIELDS] == [getattr(loop, name) for name in FIELDS]
+
+
+# -- put_group(generation_seconds=): the producer's measure, for the length-bias metric -----------
+
+GENERATION = "training/off_policy/sampled_generation_seconds/mean"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the fast path: a new finished group of default keys
+        {"session_ids": [4, 5]},  # the general path
+        {"status": "failed"},
+        {"global_steps": 0, "tags": {"k": 1}},
+    ],
+)
+def test_put_group_generation_seconds_is_the_group_s_and_the_metric_s(options: dict[str, Any]) -> None:
+    """Defect (issue 26, item 3): every group written in one call measured 0.0 s, so
+    ``sampled_generation_seconds/mean`` was 0.0 on the path HTTP and Ray producers use."""
+    buf = make(failure_strategy="sample")
+    buf.put_group_nowait("a", [1, 2], generation_seconds=2.5, **options)
+    buf.put_group_nowait("b", [1, 2], generation_seconds=Fraction(1, 2), **options)
+    batch, metrics = buf.sample_nowait(0, 2)
+    assert [group.generation_seconds for group in batch] == [2.5, 0.5]
+    assert all(type(group.generation_seconds) is float for group in batch)
+    assert metrics[GENERATION] == 1.5
+
+
+def test_without_generation_seconds_a_one_call_group_measures_zero_and_an_in_flight_one_its_time() -> None:
+    buf = make()
+    buf.put_group_nowait("one-call", [1])
+    buf.add_prompt_nowait("in-flight")
+    buf.put_group_nowait("in-flight", [1])  # measured from its add_prompt
+    buf.add_prompt_nowait("told")
+    buf.put_group_nowait("told", [1], generation_seconds=np.float32(7.0))  # the producer's measure wins
+    batch, _ = buf.sample_nowait(0, 3)
+    one_call, in_flight, told = (group.generation_seconds for group in batch)
+    assert (one_call, told) == (0.0, 7.0)
+    assert in_flight >= 0.0
+
+
+@pytest.mark.anyio
+async def test_generation_seconds_survives_a_wait_for_admission_and_a_put_back() -> None:
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2)
+    with anyio.fail_after(LIMIT):
+        await buf.put_group("first", [1], generation_seconds=1.0)
+        async with anyio.create_task_group() as tg:
+            second = await start_call(tg, lambda: buf.put_group("second", [1], generation_seconds=3.0))
+            assert not second.done  # no slot at step 0: it waits
+            batch, _ = await buf.sample(0, 1)
+        assert second.returned
+        assert buf.put_back(batch.groups[0])
+        batch, metrics = await buf.sample(1, 2)
+    assert {group.uid: group.generation_seconds for group in batch} == {"first": 1.0, "second": 3.0}
+    assert metrics[GENERATION] == 2.0
+
+
+BAD_SECONDS: list[tuple[object, type[Exception]]] = [
+    (-1.0, ValueError),
+    (-1, ValueError),
+    (math.nan, ValueError),
+    (math.inf, ValueError),
+    (10**400, ValueError),
+    (True, TypeError),
+    ("1", TypeError),
+    (object(), TypeError),
+    (1j, TypeError),
+]
+
+
+@pytest.mark.parametrize(("seconds", "error"), BAD_SECONDS)
+@pytest.mark.parametrize("path", ["fast", "general", "in flight"])
+def test_bad_generation_seconds_are_typed_errors_that_change_nothing(
+    seconds: object, error: type[Exception], path: str
+) -> None:
+    buf = make()
+    buf.put_group_nowait("warm", [1])  # the partition exists: the fast path is open
+    if path == "in flight":
+        buf.add_prompt_nowait("a")
+    before = full_snapshot(buf)
+    options: dict[str, Any] = {"session_ids": [3]} if path == "general" else {}
+    with pytest.raises(error, match="generation_seconds"):
+        buf.put_group_nowait("a", [1], generation_seconds=seconds, **options)  # type: ignore[arg-type]
+    assert full_snapshot(buf) == before
 
 
 # -- namings ------------------------------------------------------------------------------------

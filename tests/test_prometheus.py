@@ -19,6 +19,7 @@ that already runs, else it is skipped. Nothing here asserts on timing.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -36,14 +37,15 @@ import pytest
 pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _helpers import LIMIT, make, settle
-from stalebuf import BufferStats, PartitionStats, ReplayBuffer, SamplerConfig
+from stalebuf import BufferStats, PartitionStats, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import BatchNotReadyError, BufferClosedError, BufferUnavailableError, ConfigError
 from stalebuf.metrics import metric_prefix
 from stalebuf.prometheus import DEFAULT_STALENESS_BUCKETS, DEFAULT_WAIT_BUCKETS, register
-from stalebuf.records import new_batch
+from stalebuf.records import EMPTY_TAGS, new_batch, new_group
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 STATUSES = ("pending", "running", "finished", "failure")
@@ -106,9 +108,12 @@ def expected_from(stats: BufferStats) -> Samples:
     return expected
 
 
+HISTOGRAMS = ("stalebuf_sampled_staleness_versions", "stalebuf_sample_wait_seconds")
+
+
 def stats_part(samples: Samples) -> Samples:
     """The samples that do not come from the histograms."""
-    return {key: value for key, value in samples.items() if not key[0].startswith("stalebuf_sample_")}
+    return {key: value for key, value in samples.items() if not key[0].startswith(HISTOGRAMS)}
 
 
 def bucket(samples: Samples, histogram: str, partition: str, le: str) -> float:
@@ -231,7 +236,7 @@ def test_names_types_and_labels_follow_prometheus_conventions() -> None:
     for name in counters:
         assert all(sample.name == f"{name}_total" for sample in families[name].samples)
     histograms = {name for name, family in families.items() if family.type == "histogram"}
-    assert histograms == {"stalebuf_sample_staleness", "stalebuf_sample_wait_seconds"}
+    assert histograms == {"stalebuf_sampled_staleness_versions", "stalebuf_sample_wait_seconds"}
     labels = {name: {key for s in family.samples for key in s.labels} for name, family in families.items()}
     assert labels["stalebuf_resident_groups"] == {"partition", "status"}
     assert labels["stalebuf_evicted_groups"] == {"partition", "reason"}
@@ -273,16 +278,80 @@ async def test_each_sample_call_is_one_observation_in_its_partition_and_bucket()
         tasks.start_soon(late_put)
         _, metrics = await buffer.sample(4, 1)  # staleness 1, after a real wait
     samples = scrape(registry)
-    staleness = [bucket(samples, "sample_staleness", "train", le) for le in ("1.0", "2.0", "4.0", "+Inf")]
+    staleness = [
+        bucket(samples, "sampled_staleness_versions", "train", le) for le in ("1.0", "2.0", "4.0", "+Inf")
+    ]
     assert staleness == [2, 2, 3, 3]
-    assert samples[("stalebuf_sample_staleness_sum", frozenset({("partition", "train")}))] == 5
-    assert [bucket(samples, "sample_staleness", "val", le) for le in ("1.0", "2.0", "+Inf")] == [0, 1, 1]
+    assert samples[("stalebuf_sampled_staleness_versions_sum", frozenset({("partition", "train")}))] == 5
+    assert [bucket(samples, "sampled_staleness_versions", "val", le) for le in ("1.0", "2.0", "+Inf")] == [
+        0,
+        1,
+        1,
+    ]
     assert count(samples, "sample_wait_seconds", "train") == 3
     assert bucket(samples, "sample_wait_seconds", "train", "0.5") + 1 >= 3  # at most the waiting one is slow
     wait_sum = samples[("stalebuf_sample_wait_seconds_sum", frozenset({("partition", "train")}))]
     assert wait_sum == pytest.approx(metrics["training/off_policy/wait_seconds"])
     assert wait_sum > 0
-    assert count(scrape(registry), "sample_staleness", "train") == 3  # a second scrape counts nothing twice
+    assert (
+        count(scrape(registry), "sampled_staleness_versions", "train") == 3
+    )  # a second scrape counts nothing twice
+
+
+def test_the_staleness_histogram_observes_each_group_so_the_worst_one_shows() -> None:
+    """Issue 26 item 6: ``stalebuf_sample_staleness`` observed each call's mean staleness, so a
+    batch of staleness 1, 1, 1 and 9 read as one observation of 3 and the 9 was invisible."""
+    buffer = make(max_off_policy_threshold=100, parameter_sync_step=2)
+    registry = CollectorRegistry()
+    register(buffer, registry, staleness_buckets=[1, 2, 4])
+    buffer.put_group_nowait("old", [1], global_steps=0)
+    for uid in "abc":
+        buffer.put_group_nowait(uid, [1], global_steps=8)
+    _, metrics = buffer.sample_nowait(8, 4)  # ages 9, 1, 1, 1: staleness 4.5, 0.5, 0.5, 0.5 (S = 2)
+    assert metrics["training/off_policy/sampled_staleness/max"] == 4.5
+    samples = scrape(registry)
+    assert [
+        bucket(samples, "sampled_staleness_versions", "train", le) for le in ("1.0", "2.0", "4.0", "+Inf")
+    ] == [
+        3,
+        3,
+        3,
+        4,
+    ]
+    assert count(samples, "sampled_staleness_versions", "train") == 4  # groups, not calls
+    assert samples[("stalebuf_sampled_staleness_versions_sum", frozenset({("partition", "train")}))] == 6
+    assert count(samples, "sample_wait_seconds", "train") == 1  # the wait is per call
+
+
+def test_the_tap_keeps_no_sampled_group_alive() -> None:
+    """The rows hold dispatch steps, never the groups: an unscraped tap must not pin payloads."""
+    buffer = make()
+    registry = CollectorRegistry()
+    register(buffer, registry)
+    payload = [0] * 10
+    buffer.put_group_nowait("a", [payload])
+    held = sys.getrefcount(payload)
+    batch, _ = buffer.sample_nowait(0, 1)
+    del batch
+    gc.collect()
+    assert sys.getrefcount(payload) < held, "the tap keeps the sampled group's payload"
+    assert count(scrape(registry), "sampled_staleness_versions", "train") == 1
+
+
+def test_capacity_is_omitted_without_admission_control_and_units_are_declared() -> None:
+    """Issue 26 item 6: ``stalebuf_capacity_groups`` was an empty family without admission control;
+    the histograms declare their units (OpenMetrics ``# UNIT``)."""
+    plain, gated = CollectorRegistry(), CollectorRegistry()
+    register(make(), plain)
+    buffer = make(admission_batch_size=2)
+    register(buffer, gated)
+    buffer.put_group_nowait("a", [1])
+    assert "capacity_groups" not in generate_latest(plain).decode()
+    capacity = scrape(gated)[("stalebuf_capacity_groups", frozenset({("partition", "train")}))]
+    assert capacity == buffer.capacity() == 16  # T * S * b = 8 * 1 * 2
+    text = openmetrics_latest(gated).decode()
+    assert "# UNIT stalebuf_sampled_staleness_versions versions" in text
+    assert "# UNIT stalebuf_sample_wait_seconds seconds" in text
 
 
 def test_a_sample_that_raises_is_not_observed() -> None:
@@ -292,7 +361,7 @@ def test_a_sample_that_raises_is_not_observed() -> None:
     with pytest.raises(BatchNotReadyError):
         buffer.sample_nowait(0, 1)
     names = {name for name, _ in scrape(registry)}
-    assert not {name for name in names if name.startswith("stalebuf_sample_")}
+    assert not {name for name in names if name.startswith(HISTOGRAMS)}
 
 
 def test_unscraped_samples_are_binned_on_the_way_and_no_metrics_dict_is_kept_for_long() -> None:
@@ -307,7 +376,7 @@ def test_unscraped_samples_are_binned_on_the_way_and_no_metrics_dict_is_kept_for
     for _ in range(calls):
         buffer.sample_nowait(0, 1)
     assert sys.getrefcount(first) == held - 1, "the tap still holds the first call's metrics"
-    assert count(scrape(registry), "sample_staleness", "train") == calls + 1
+    assert count(scrape(registry), "sampled_staleness_versions", "train") == calls + 1
 
 
 # -- reading stats from other threads ---------------------------------------------------------
@@ -400,7 +469,10 @@ class FakeRemote:
             f"{prefix}/off_policy/sampled_staleness/mean": 2.0,
             f"{prefix}/off_policy/wait_seconds": 0.25,
         }
-        return new_batch(partition, global_steps, (), 1), metrics
+        group = new_group(
+            "g", partition, global_steps - 1, Status.FINISHED, EMPTY_TAGS, (), global_steps, 0.0
+        )
+        return new_batch(partition, global_steps, (group,), 1), metrics  # its staleness: 2
 
 
 async def some_stats() -> BufferStats:
@@ -429,7 +501,7 @@ def test_a_remote_buffer_is_read_through_its_async_stats_and_its_samples_are_obs
     asyncio.run(remote.sample(3, 1))
     samples = in_thread(lambda: scrape(registry))
     assert stats_part(samples) == expected_from(asyncio.run(some_stats()))
-    assert bucket(samples, "sample_staleness", "train", "2.0") == 1
+    assert bucket(samples, "sampled_staleness_versions", "train", "2.0") == 1
     assert bucket(samples, "sample_wait_seconds", "train", "0.1") == 0
     assert bucket(samples, "sample_wait_seconds", "train", "0.5") == 1
 
@@ -487,7 +559,7 @@ def test_a_partition_name_utf8_cannot_encode_is_exported_escaped_and_the_scrape_
         assert finished(samples, "train") == 1
         assert finished(samples, "\\udcff") == 2  # backslashreplace: the 6 characters \udcff
         assert finished(samples, "a\\ud800b") == 3
-        assert count(samples, "sample_staleness", "\\udcff") == 1
+        assert count(samples, "sampled_staleness_versions", "\\udcff") == 1
 
 
 def test_a_local_buffer_refuses_the_name_so_it_never_reaches_a_scrape() -> None:
@@ -559,7 +631,7 @@ def test_a_real_remote_buffer_is_exported_and_a_killed_actor_gives_up_0(ray_runn
 
     alive, stats, dead = asyncio.run(main())
     assert stats_part(alive) == expected_from(stats)
-    assert count(alive, "sample_staleness", "train") == 1
+    assert count(alive, "sampled_staleness_versions", "train") == 1
     assert dead[("stalebuf_up", frozenset())] == 0
 
 
@@ -576,7 +648,10 @@ def test_unregister_removes_the_collector_and_stops_observing() -> None:
     assert "sample_nowait" not in vars(buffer)
     buffer.put_group_nowait("g", [1], global_steps=0)
     buffer.sample_nowait(0, 1)
-    assert scrape(registry)[("stalebuf_sample_staleness_count", frozenset({("partition", "train")}))] == 1
+    assert (
+        scrape(registry)[("stalebuf_sampled_staleness_versions_count", frozenset({("partition", "train")}))]
+        == 1
+    )
     collector.unregister()
     collector.unregister()  # idempotent
     assert scrape(registry) == {}
@@ -594,11 +669,14 @@ def test_two_collectors_on_one_buffer_both_observe_and_unwind_in_any_order() -> 
     buffer.sample_nowait(0, 1)
     samples = scrape(registry)
     for namespace in ("a", "b"):
-        assert samples[(f"{namespace}_sample_staleness_count", frozenset({("partition", "train")}))] == 1
+        assert (
+            samples[(f"{namespace}_sampled_staleness_versions_count", frozenset({("partition", "train")}))]
+            == 1
+        )
     first.unregister()  # the first one out: the second still observes
     buffer.put_group_nowait("h", [1], global_steps=0)
     buffer.sample_nowait(0, 1)
-    assert scrape(registry)[("b_sample_staleness_count", frozenset({("partition", "train")}))] == 2
+    assert scrape(registry)[("b_sampled_staleness_versions_count", frozenset({("partition", "train")}))] == 2
     second.unregister()
     assert scrape(registry) == {}
 

@@ -33,7 +33,7 @@ import ray.cloudpickle
 
 from _helpers import LyingLen
 from scenarios import SCENARIOS, Harness, LocalHarness, Scenario, expect
-from stalebuf import Batch, BufferStats, EvictionEvent, ReplayBuffer, SamplerConfig, Status
+from stalebuf import Batch, BufferStats, EvictionEvent, ReplayBuffer, SamplerConfig, Status, WaitExplanation
 from stalebuf.errors import (
     BufferClosedError,
     BufferFullError,
@@ -840,6 +840,76 @@ async def test_nowait_producers_raise_buffer_full_error_and_flow_queries_are_cor
         buffer.kill()
 
 
+@pytest.mark.asyncio
+async def test_wait_for_sampleable_explain_wait_and_generation_seconds_in_the_actor(
+    remote: RemoteReplayBuffer,
+) -> None:
+    """Issue 26: the remote ``wait_for_sampleable`` wakes on the producer call that reaches the
+    count and takes nothing, times out and ends on close as the local one; ``explain_wait`` and
+    ``put_group(generation_seconds=)`` reach the actor with the local buffer's answers and errors."""
+    buffer = remote
+    with anyio.fail_after(STEP_TIMEOUT):
+        for bad, error in (
+            ({"count": 0}, ValueError),
+            ({"count": True}, TypeError),
+            ({"partition": ""}, ValueError),
+        ):
+            arguments: dict[str, Any] = {"count": 1, "partition": "train", **bad}
+            await expect(
+                error, buffer.wait_for_sampleable(0, arguments["count"], partition=arguments["partition"])
+            )
+        waiting = asyncio.ensure_future(buffer.wait_for_sampleable(0, 2))
+        await buffer.put_group("a", [1], generation_seconds=2.0)
+        await buffer.stats()  # a round trip after the write: the wait saw it and waits on
+        assert not waiting.done()
+        await buffer.put_group_nowait("b", [1], generation_seconds=1.0)
+        assert await waiting == 2
+        assert await buffer.sampleable_count(0) == 2  # it took nothing
+        await expect(TimeoutError, buffer.wait_for_sampleable(0, 3, timeout=0.05))
+        await expect(TimeoutError, buffer.wait_for_sampleable(0, 3, timeout=0))
+        before = await buffer.stats()
+        await expect(ValueError, buffer.put_group("c", [1], generation_seconds=-1.0))
+        await expect(TypeError, buffer.put_group_nowait("c", [1], generation_seconds="1"))  # type: ignore[arg-type]
+        assert await buffer.stats() == before  # nothing added
+        parked = asyncio.ensure_future(buffer.sample(0, 3))
+        await _wait_parked(buffer, 1)
+        explanation = await buffer.explain_wait()
+        assert isinstance(explanation, WaitExplanation)
+        assert (explanation.waiting_samplers, explanation.sampleable, explanation.short_by) == (1, 2, 1)
+        assert "the batch is short by 1 group(s)" in explanation.reason
+        assert (await buffer.explain_wait("val")).reason == "no sample waits on partition 'val'"
+        await expect(ValueError, buffer.explain_wait(""))
+        await buffer.put_group("c", [1])
+        batch, metrics = await parked
+        assert [group.generation_seconds for group in batch] == [2.0, 1.0, 0.0]
+        assert metrics["training/off_policy/sampled_generation_seconds/mean"] == 1.0
+        closing = asyncio.ensure_future(buffer.wait_for_sampleable(0, 1))
+        await asyncio.sleep(0.2)  # (it reached the actor, or it raises there on arrival)
+        await buffer.aclose()
+        await expect(BufferClosedError, closing)
+        await expect(BufferClosedError, buffer.wait_for_sampleable(0, 1))
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_remote_wait_for_sampleable_frees_its_actor_slot() -> None:
+    """Cancelling the client's wait cancels the actor's (``ray.cancel``): with two default-group
+    slots, two cancelled waits would otherwise hold both and queue every ``sample`` behind them."""
+    buffer = RemoteReplayBuffer(actor_options={"max_concurrency": 2}, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.stats()  # the actor is up
+            waits = [asyncio.ensure_future(buffer.wait_for_sampleable(0, 5)) for _ in range(2)]
+            await asyncio.sleep(0.5)  # (they reach the actor; a cancel before that works too)
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            await buffer.put_group("a", [1])
+            batch, _ = await buffer.sample(0, 1)  # needs a default-group slot
+            assert batch.uids == ["a"]
+    finally:
+        buffer.kill()
+
+
 @ray.remote(num_cpus=0)
 def rollout_producer(buffer: RemoteReplayBuffer, uid: str) -> dict[str, Any]:
     """A producer process: one rollout whose body writes once, then generates for a minute."""
@@ -1499,9 +1569,22 @@ def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
         Put("a", None, 0, 0, None, ((2, 3), (3, 1)), 4),
         MarkFinished("a"),
         MarkFailed("a"),
-        PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed", None, None, None),
+        PutGroup("t", "b", [1], 0, "train", None, None, [2], None, "failed", None, None, None, 1.5),
         PutGroup(
-            "t", "b", [1, 2], 0, "train", None, None, None, None, "finished", [((1, 2),), None], [2, 5], 1
+            "t",
+            "b",
+            [1, 2],
+            0,
+            "train",
+            None,
+            None,
+            None,
+            None,
+            "finished",
+            [((1, 2),), None],
+            [2, 5],
+            1,
+            None,
         ),
         OpenRollout("t2", "c", None, "train", {"k": 2}, None),
         OpenRollout("t3", "c", None, "train", None, 7),

@@ -24,11 +24,12 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from _helpers import LIMIT, add_group, assert_conserved, full_snapshot, make, settle
+from _helpers import LIMIT, add_group, assert_conserved, full_snapshot, make, settle, start_call
 from stalebuf import ReplayBuffer, SamplerConfig, Status, ThreadsafeProducer
 from stalebuf.errors import (
     BatchNotReadyError,
     BufferClosedError,
+    BufferFullError,
     DuplicateGroupError,
     DuplicateTrajectoryError,
     InvalidTransitionError,
@@ -103,6 +104,10 @@ FOREIGN_CALLS: dict[str, Callable[[ReplayBuffer, str], object]] = {
     ),
     "sample-timeout-0": lambda buf, backend: anyio.run(lambda: buf.sample(0, 1, timeout=0), backend=backend),
     "sample": lambda buf, backend: anyio.run(lambda: buf.sample(0, 1, timeout=LIMIT), backend=backend),
+    "wait_for_sampleable": lambda buf, backend: anyio.run(
+        lambda: buf.wait_for_sampleable(0, 5, timeout=LIMIT), backend=backend
+    ),
+    "explain_wait": lambda buf, backend: buf.explain_wait(),
     "aclose": lambda buf, backend: anyio.run(buf.aclose, backend=backend),
 }
 
@@ -388,18 +393,228 @@ async def test_flow_control_queries_from_another_thread_raise_wrong_thread_error
     assert isinstance(outcome, WrongThreadError), outcome
 
 
+# -- the handle's waiting calls: as queue.Queue.put, they block until admitted ----------------------
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the loop run until ``condition()`` holds (a thread's call reached the loop); bounded by
+    the caller's ``fail_after``."""
+    while not condition():  # noqa: ASYNC110 - what it waits for happens on another thread
+        await anyio.sleep(0.001)
+
+
+def waiting_producers(buf: ReplayBuffer) -> int:
+    return buf.stats().total.waiting_producers
+
+
+def full_buffer() -> ReplayBuffer:
+    """Admission with one slot per step, taken: a new group at step 0 must wait."""
+    buf = make(admission_batch_size=1, max_off_policy_threshold=2)
+    buf.put_group_nowait("first", [1])
+    return buf
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("method", ["put_group", "add_prompt"])
+async def test_the_handle_blocks_until_admitted_then_returns(method: str) -> None:
+    """Defect (issue 26, item 4): ``threadsafe().put_group`` never waited for admission (it ran
+    ``put_group_nowait``) while ``buffer.put_group`` did; a thread producer now blocks as
+    ``queue.Queue.put`` does, FIFO with the loop's own producers."""
+    with anyio.fail_after(LIMIT):
+        buf = full_buffer()
+        handle = buf.threadsafe()
+        call = {
+            "put_group": lambda: handle.put_group("second", [1], generation_seconds=2.0),
+            "add_prompt": lambda: handle.add_prompt("second"),
+        }[method]
+        async with anyio.create_task_group() as tg:
+            loop_producer = await start_call(tg, lambda: buf.put_group("loop", [1]))  # queued first
+            outcome: list[Any] = []
+
+            async def thread_call() -> None:
+                outcome.append(await from_thread(call))
+
+            tg.start_soon(thread_call)
+            await until(lambda: waiting_producers(buf) == 2)
+            assert not outcome
+            assert "second" not in buf
+            await buf.sample(0, 1)  # frees step 0's slot ... and moves nothing else
+            await buf.sample(1, 1)  # the loop's producer got it at step 1; this frees step 1
+            await until(lambda: bool(outcome))
+        assert loop_producer.returned
+        assert not isinstance(outcome[0], BaseException), outcome[0]
+        assert "second" in buf
+        assert waiting_producers(buf) == 0
+        if method == "put_group":
+            assert outcome[0] == ["second_0_0"]
+            assert buf.sample_nowait(2, 1)[0].groups[0].generation_seconds == 2.0
+        assert_conserved(buf)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("timeout", [0, 0.01])
+@pytest.mark.parametrize("method", ["put_group", "add_prompt"])
+async def test_the_handle_times_out_with_nothing_added(method: str, timeout: float) -> None:
+    with anyio.fail_after(LIMIT):
+        buf = full_buffer()
+        handle = buf.threadsafe()
+        before = full_snapshot(buf)
+        call = {
+            "put_group": lambda: handle.put_group("late", [1], timeout=timeout),
+            "add_prompt": lambda: handle.add_prompt("late", timeout=timeout),
+        }[method]
+        outcome = await from_thread(call)
+        assert type(outcome) is TimeoutError, outcome
+        assert full_snapshot(buf) == before
+        await buf.sample(0, 1)  # a free slot now: the same call with a timeout succeeds at once
+        assert not isinstance(await from_thread(call), BaseException)
+        assert "late" in buf
+
+
+@pytest.mark.anyio
+async def test_the_handle_s_nowait_twins_raise_buffer_full_error() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = full_buffer()
+        handle = buf.threadsafe()
+        before = full_snapshot(buf)
+        for call in (
+            lambda: handle.put_group_nowait("late", [1]),
+            lambda: handle.add_prompt_nowait("late"),
+        ):
+            outcome = await from_thread(call)
+            assert type(outcome) is BufferFullError, outcome
+            assert full_snapshot(buf) == before
+        assert await from_thread(lambda: handle.put_group_nowait("x", [1], partition="val")) == ["x_0_0"]
+
+
+@pytest.mark.anyio
+async def test_close_wakes_a_blocked_thread_with_buffer_closed_error() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = full_buffer()
+        handle = buf.threadsafe()
+        outcome: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def thread_call() -> None:
+                outcome.append(await from_thread(lambda: handle.put_group("late", [1])))
+
+            tg.start_soon(thread_call)
+            await until(lambda: waiting_producers(buf) == 1)
+            buf.close()
+        assert [type(item) for item in outcome] == [BufferClosedError]
+        assert "late" not in buf
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_thread_blocked_when_its_loop_ends_gets_buffer_closed_error(backend: str) -> None:
+    """The loop that would admit the thread's group ends (the thread cannot cancel its own call):
+    the call is cancelled with the loop, and the thread learns it, rather than hanging."""
+    buf = full_buffer()
+    outcome: list[Any] = []
+    worker: threading.Thread | None = None
+
+    async def main() -> None:
+        nonlocal worker
+        handle = buf.threadsafe()
+        worker = threading.Thread(
+            target=lambda: outcome.append(outcome_of(lambda: handle.put_group("late", [1])))
+        )
+        worker.start()
+        with anyio.fail_after(LIMIT):
+            await until(lambda: waiting_producers(buf) == 1)
+        # main returns with the call still waiting: the loop cancels it as it ends
+
+    anyio.run(main, backend=backend)
+    assert worker is not None
+    worker.join(LIMIT)
+    assert not worker.is_alive(), "the thread hangs on a call its ended loop will never complete"
+    assert [type(item) for item in outcome] == [BufferClosedError]
+    assert "late" not in buf
+
+
+@pytest.mark.anyio
+async def test_the_handle_waits_for_sampleable_groups() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = make()
+        handle = buf.threadsafe()
+        outcome: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def thread_call() -> None:
+                outcome.append(await from_thread(lambda: handle.wait_for_sampleable(0, 2)))
+
+            tg.start_soon(thread_call)
+            await anyio.sleep(0.01)  # (whether or not it parked yet, it counts when it runs)
+            buf.put_group_nowait("a", [1])
+            assert not outcome
+            buf.put_group_nowait("b", [1])
+            await until(lambda: bool(outcome))
+        assert outcome == [2]
+        assert buf.sampleable_count(0) == 2  # it took nothing
+        assert type(await from_thread(lambda: handle.wait_for_sampleable(0, 3, timeout=0.01))) is TimeoutError
+        assert type(await from_thread(lambda: handle.wait_for_sampleable(0, 0))) is ValueError
+
+
+@pytest.mark.anyio
+async def test_on_the_loop_s_own_thread_the_waiting_calls_refuse_and_the_others_run() -> None:
+    buf = make()
+    handle = buf.threadsafe()
+    before = full_snapshot(buf)
+    for call in (
+        lambda: handle.put_group("a", [1]),
+        lambda: handle.add_prompt("a"),
+        lambda: handle.wait_for_sampleable(0, 1),
+    ):
+        with pytest.raises(WrongThreadError, match="await the buffer's method"):
+            call()
+    assert full_snapshot(buf) == before
+    assert handle.put_group_nowait("a", [1], generation_seconds=1.5) == ["a_0_0"]
+    handle.add_prompt_nowait("b")
+    assert buf.stats().total.groups == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("timeout", [-1, "1", float("nan"), True])
+async def test_a_bad_timeout_is_a_value_error_and_nothing_runs(timeout: Any) -> None:
+    with anyio.fail_after(LIMIT):
+        buf = make()
+        handle = buf.threadsafe()
+        for call in (
+            lambda: handle.put_group("a", [1], timeout=timeout),
+            lambda: handle.add_prompt("a", timeout=timeout),
+        ):
+            outcome = await from_thread(call)
+            assert type(outcome) is ValueError, outcome
+        assert "a" not in buf
+
+
 # -- versions and tokens through the handle (issue 22) ---------------------------------------------
 
 
-def test_the_handle_takes_every_parameter_its_nowait_twin_takes() -> None:
-    """The handle runs the ``*_nowait`` method of the same name: each of its methods has that
-    method's parameters (names, kinds and defaults), so a parameter added to the buffer (as
-    issue 22's ``versions``, ``tokens`` and ``version`` were) is not lost on other threads."""
+def test_the_handle_takes_every_parameter_its_buffer_twin_takes() -> None:
+    """Each handle method runs the buffer method it mirrors: it has that method's parameters
+    (names, kinds and defaults), so a parameter added to the buffer (as issue 22's ``versions``,
+    ``tokens`` and ``version`` were, and issue 26's ``generation_seconds``) is not lost on other
+    threads. The waiting ones (``add_prompt``, ``put_group``) mirror the async methods and add
+    ``timeout`` last; the others mirror the ``*_nowait`` methods (the async ``mark_running``,
+    ``put``... never wait either) and ``wait_for_sampleable`` the buffer's own."""
     buf = ReplayBuffer()
-    for name in ("add_prompt", "mark_running", "put", "mark_finished", "mark_failed", "put_group"):
+    twins = {
+        "add_prompt": ("add_prompt", ["timeout"]),
+        "put_group": ("put_group", ["timeout"]),
+        "add_prompt_nowait": ("add_prompt_nowait", []),
+        "put_group_nowait": ("put_group_nowait", []),
+        "mark_running": ("mark_running_nowait", []),
+        "put": ("put_nowait", []),
+        "mark_finished": ("mark_finished_nowait", []),
+        "mark_failed": ("mark_failed_nowait", []),
+        "wait_for_sampleable": ("wait_for_sampleable", []),
+    }
+    for name, (twin_name, extra) in twins.items():
         handle = inspect.signature(getattr(ThreadsafeProducer, name)).parameters
-        twin = inspect.signature(getattr(buf, f"{name}_nowait")).parameters
+        twin = inspect.signature(getattr(buf, twin_name)).parameters
         shape = [(p.name, p.kind, p.default) for p in twin.values()]
+        shape += [(extra_name, inspect.Parameter.KEYWORD_ONLY, None) for extra_name in extra]
         assert [(p.name, p.kind, p.default) for p in handle.values() if p.name != "self"] == shape, name
 
 

@@ -37,7 +37,7 @@ from .errors import (
 from .policy import StalenessPolicy
 from .protocol import AsyncReplayBuffer
 from .records import Batch, EvictionEvent, Group, Status, Trajectory
-from .stats import BufferStats, PartitionStats
+from .stats import BufferStats, PartitionStats, WaitExplanation
 
 __all__ = [
     "AsyncReplayBuffer",
@@ -74,5 +74,6 @@ __all__ = [
     "ThreadsafeProducer",
     "Trajectory",
     "UnknownGroupError",
+    "WaitExplanation",
     "WrongThreadError",
 ]

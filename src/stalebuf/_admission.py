@@ -76,11 +76,14 @@ class Admission:
     Attributes (read them; change them only through the methods):
         clocks: each partition's dispatch clock, the largest step a sample was called with.
         sampled: each partition's largest step a sample returned a batch at.
+        refused: per partition, the producer calls refused for good (TagClosedError,
+            FutureTagError) since its last batch and the tag the latest asked for
+            (``explain_wait`` reports them).
         queues: the waiting producers, by ``PartitionState.key`` (a partition's name, or
             ``(name, task)`` for a task of a mixture: one FIFO per task).
     """
 
-    __slots__ = ("binding", "clocks", "queues", "rules", "sampled", "store")
+    __slots__ = ("binding", "clocks", "queues", "refused", "rules", "sampled", "store")
 
     def __init__(self, store: GroupStore, rules: Rules, binding: LoopBinding) -> None:
         self.store = store
@@ -88,6 +91,7 @@ class Admission:
         self.binding = binding
         self.clocks: dict[str, int] = {}
         self.sampled: dict[str, int] = {}
+        self.refused: dict[str, tuple[int, int]] = {}
         self.queues: dict[str | tuple[str, str], ProducerQueue] = {}
 
     def queue(self, key: str | tuple[str, str]) -> ProducerQueue:
@@ -100,6 +104,17 @@ class Admission:
     def last_sampled(self, name: str) -> int:
         """The largest step a sample on ``name`` returned a batch at (-1 before any)."""
         return self.sampled.get(name, -1)
+
+    def refusals(self, name: str) -> tuple[int, int | None]:
+        """How many producer calls on ``name`` were refused for good since its last batch, and
+        the tag the latest of them asked for."""
+        count, tag = self.refused.get(name, (0, None))
+        return count, tag
+
+    def _refused(self, name: str, tag: int, error: BufferFullError) -> BufferFullError:
+        """Count ``error``, about to be raised to a producer that asked for ``tag``; return it."""
+        self.refused[name] = (self.refused.get(name, (0, tag))[0] + 1, tag)
+        return error
 
     def waiting(self, name: str, task: str | None = None) -> int:
         """How many producers wait for a slot in partition ``name`` (of ``task`` only, if given)."""
@@ -122,6 +137,8 @@ class Admission:
         """Record that a sample at ``global_steps`` returned a batch (its slots are free)."""
         if global_steps > self.sampled.get(name, -1):
             self.sampled[name] = global_steps
+        if self.refused:
+            self.refused.pop(name, None)  # "since the last batch"
         queue = self.queues.get(name)
         if queue.producers if queue is not None else self.rules.tasks:  # a mixture's are its tasks'
             self.wake(name)
@@ -156,20 +173,22 @@ class Admission:
             last_sampled = self.sampled.get(name, -1)
             queue, span = self.queues.get(part.key), part.span
         if tag > clock:
-            raise FutureTagError(
+            ahead = FutureTagError(
                 f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
                 f"{clock} (the largest global_steps a sample was called with): under admission control "
                 "a group is tagged at most the clock; dispatch at the clock (global_steps=None)"
             )
+            raise ahead if head else self._refused(name, tag, ahead)
         if not head and queue is not None and queue.producers:
             queue.drop_abandoned()
             if queue.producers:
                 if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
-                    raise _closed_error(name, tag, last_sampled)  # waiting would not help it
+                    raise self._refused(name, tag, _closed_error(name, tag, last_sampled))
                 raise BufferFullError(f"producers are waiting for admission to partition {describe(name)}")
         if not self.rules.admits(tag, resident, last_sampled, cap, name, span):
             if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
-                raise _closed_error(name, tag, last_sampled)
+                closed = _closed_error(name, tag, last_sampled)
+                raise closed if head else self._refused(name, tag, closed)
             raise BufferFullError(
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"
@@ -258,17 +277,20 @@ class Admission:
                 return None
             try:
                 tag = self.tag_for(name, part, requested, head=True)
-            except BufferFullError:
-                if requested is not None and rules.closed_for_good(
+            except BufferFullError as exc:
+                if requested is None or not rules.closed_for_good(
                     name, requested, self.last_sampled(name), span
                 ):
-                    raise  # a sample closed its tag while it waited: it would wait forever
-                return None
+                    return None
+                self._refused(name, requested, exc)  # a sample closed its tag while it waited
+                raise
             return _Admitted(admit(tag))
 
         last = self.last_sampled(name)
         if requested is not None and rules.closed_for_good(name, requested, last, span):
-            raise _closed_error(name, requested, last)  # waiting would be forever
+            raise self._refused(
+                name, requested, _closed_error(name, requested, last)
+            )  # waiting would be forever
         queue.waits.park(waiter, waiter.now())
         queue.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
         try:

@@ -1,10 +1,10 @@
 """The consumer: what ``sample`` does. Evict by the rules until nothing more goes, select, or park.
 
 :class:`Consumer` owns the parked ``sample`` calls (one arrival-ordered queue per partition),
-the status reporter, ``on_evict`` and the sample observers. Each evaluation asks the rules
-first (``_rules.py``) and changes the store after, so a hook that raises leaves the buffer as
-it was. A parked call re-checks everything when woken; when it leaves the head of its
-partition's queue, for any reason, it passes the wake-up on (as CPython's asyncio queues do).
+the status reporter, ``on_evict``, the sample observers and, apart, ``wait_for_sampleable``'s.
+Each evaluation asks the rules first (``_rules.py``) and changes the store after, so a hook that
+raises leaves the buffer as it was. A parked call re-checks everything when woken; when it leaves
+the head of its partition's queue, for any reason, it passes the wake-up on (as asyncio does).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import anyio
 from ._admission import Admission
 from ._deadlines import Deadlines
 from ._eviction import Eviction
+from ._explain import Explainer
 from ._filtering import Filtering
 from ._group_snapshots import terminal_record
 from ._mixture import Mixing
@@ -27,10 +28,11 @@ from ._partition import PartitionState
 from ._partition_stats import buffer_stats
 from ._rules import NEEDS_RULES, NO_BATCH, Rules
 from ._sample_report import SampleReport
+from ._sampleable import SampleableWaits
 from ._status_log import StatusLog, log_waiting, logger, next_due
 from ._store import GroupStore
 from ._validation import describe
-from ._waiting import LoopBinding, Waiter, park, park_with_deadline
+from ._waiting import LoopBinding, Waiter, drop_abandoned, park, park_with_deadline
 from .errors import BufferClosedError
 from .metrics import SampleMetrics
 from .records import Batch, EvictionEvent, Group, Status
@@ -55,6 +57,8 @@ class Consumer:
 
     Attributes (read them; change them only through the methods):
         waiting: the parked ``sample`` calls of each partition, in arrival order.
+        sampleable: ``sampleable_count`` and the parked ``wait_for_sampleable`` calls.
+        explainer: ``explain_wait`` and the reason a status line gives.
         evaluations: how often a sample evaluated a partition (tests and benchmarks read it
             to prove an idle wait does no work).
     """
@@ -65,12 +69,14 @@ class Consumer:
         "deadlines",
         "evaluations",
         "eviction",
+        "explainer",
         "filtering",
         "filters",
         "mixing",
         "observers",
         "report",
         "rules",
+        "sampleable",
         "status_interval",
         "status_log",
         "store",
@@ -91,6 +97,8 @@ class Consumer:
         self.rules = rules
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
+        self.sampleable = SampleableWaits(store, rules)
+        self.explainer = Explainer(store, admission, rules, self.sampleable, self)
         self.filtering = Filtering(rules.filters, self.eviction)
         self.filters = bool(rules.filters)  # whether any group is ever filtered (read per group)
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
@@ -104,9 +112,11 @@ class Consumer:
 
     # -- groups ending -------------------------------------------------------------------
 
-    def finish(self, group: OpenGroup, status: Status, clock: int, measured: bool = True) -> None:
-        """End the in-flight ``group`` with ``status`` (``store.end``'s arguments): one that
-        finishes is filtered first, and evicted at once if a filter rejects it; then wake.
+    def finish(
+        self, group: OpenGroup, status: Status, clock: int, measured: bool = True, timed: float | None = None
+    ) -> None:
+        """End the in-flight ``group`` with ``status`` (``store.end``'s arguments, ``timed`` its
+        ``seconds``): one that finishes is filtered first, and evicted at once if a filter rejects it.
 
         Raises:
             Exception: what ``on_evict`` raised reporting a filtered group (it is evicted all
@@ -114,13 +124,13 @@ class Consumer:
         """
         store = self.store
         if status is not _FINISHED or not self.filters:  # the common case, without a call
-            self.notify(store.end(group, status, clock, measured))
+            self.notify(store.end(group, status, clock, measured, None, timed))
             return
         part = store.cell_of(group)
         if part.exempt:
-            self.notify(store.end(group, status, clock, measured))
+            self.notify(store.end(group, status, clock, measured, None, timed))
             return
-        record = terminal_record(group, status, clock)
+        record = terminal_record(group, status, clock, timed)
         keep = self.filtering.keeps(part, record)
         if store.groups.get(group.uid) is not group:  # a filter ended the group itself
             return
@@ -151,12 +161,14 @@ class Consumer:
         not turn the completed call into an error, so the error is logged and the waiter
         woken, to raise it from its own ``sample``.
         """
+        if self.sampleable.waiting:  # first: its calls count before the woken sample takes
+            self.sampleable.notify(part)
         waiters = self.waiting.get(part.name)
         if not waiters or self.store.closed:
             return
         head = waiters[0]
         if head.abandoned():  # its loop was closed under it: the next live waiter is the head
-            _drop_abandoned(waiters)
+            drop_abandoned(waiters)
             if not waiters:
                 return
             head = waiters[0]
@@ -196,22 +208,23 @@ class Consumer:
         waiters = self.waiting.get(name)
         if not waiters:
             return False
-        _drop_abandoned(waiters)
+        drop_abandoned(waiters)
         return bool(waiters)
 
     def close(self) -> None:
-        """Wake every parked sample (each raises BufferClosedError from its own call)."""
+        """Wake every parked call (each raises BufferClosedError from its own ``sample``)."""
         for waiters in self.waiting.values():
-            _drop_abandoned(waiters, everywhere=True)
+            drop_abandoned(waiters, everywhere=True)
             for waiter in waiters:
                 waiter.wake()
+        self.sampleable.close()
 
     def count_waiting(self, name: str) -> int:
         """How many live ``sample`` calls wait on partition ``name``."""
         waiters = self.waiting.get(name)
         if not waiters:
             return 0
-        _drop_abandoned(waiters, everywhere=True)
+        drop_abandoned(waiters, everywhere=True)
         return len(waiters)
 
     def stats(self) -> BufferStats:
@@ -268,8 +281,8 @@ class Consumer:
             Exception: whatever a policy hook or ``on_evict`` raised, the buffer consistent.
         """
         self.evaluations += 1
-        if part.deadlines:
-            self.deadlines.cut_overdue(part)
+        if part.deadlines and self.deadlines.cut_overdue(part) and self.sampleable.waiting:
+            self.sampleable.notify(part)  # cut groups are terminal: sampleable, maybe
         if part.cells is not None:
             return self._evaluate_mixture(part, global_steps, batch_size, metrics)
         verdict = self.rules.quick_verdict(part, global_steps, batch_size)
@@ -362,12 +375,12 @@ class Consumer:
         binding = self.binding
         binding.bind()
         waiter = binding.new_waiter(global_steps, batch_size)
-        started = waiter.now()
+        waiter.started = started = waiter.now()  # (explain_wait reads how long it waited)
         interval = self.status_interval
         timer_logs = interval is not None and binding.on_asyncio
         if timer_logs:
             if self.status_log is None:
-                self.status_log = StatusLog(interval, self.waiting, self.store.partitions)  # type: ignore[arg-type]
+                self.status_log = StatusLog(interval, self.waiting, self.store.partitions, self.explainer)  # type: ignore[arg-type]
             self.status_log.watch(waiter, started)
         waiters = self.waiting.get(part.name)
         if waiters is None:
@@ -412,7 +425,7 @@ class Consumer:
 
         def log_line(now: float) -> tuple[float, bool]:
             nonlocal next_log
-            log_waiting(part, waiter, next_log - started)
+            log_waiting(part, waiter, next_log - started, interval, self.explainer.reason)  # type: ignore[arg-type]
             next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
             return next_log, False
 
@@ -474,22 +487,9 @@ class Consumer:
                 )
             waiter.rearm_if_cancelled()  # the scope's cancellation may have cancelled the signal
             if now >= next_log:
-                log_waiting(part, waiter, next_log - started)
+                log_waiting(part, waiter, next_log - started, interval, self.explainer.reason)  # type: ignore[arg-type]
                 next_log = next_due(next_log, now, interval)  # type: ignore[arg-type]
             if now >= wake_at:  # a straggler's deadline: cut it and evaluate (as the head)
                 taken = attempt()
                 if taken is not None:
                     return taken
-
-
-def _drop_abandoned(waiters: deque[Waiter], everywhere: bool = False) -> None:
-    """Forget waiters whose event loop was closed under them: they will never run. Only the
-    head is checked (O(1) on the hot paths) unless ``everywhere``."""
-    if everywhere:
-        if any(waiter.abandoned() for waiter in waiters):
-            live = [waiter for waiter in waiters if not waiter.abandoned()]
-            waiters.clear()
-            waiters.extend(live)
-        return
-    while waiters and waiters[0].abandoned():
-        waiters.popleft()

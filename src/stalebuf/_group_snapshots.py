@@ -24,9 +24,10 @@ _tuple_new = tuple.__new__
 _FINISHED = Status.FINISHED
 
 
-def terminal_record(group: OpenGroup, status: Status, clock: int) -> Group:
+def terminal_record(group: OpenGroup, status: Status, clock: int, seconds: float | None = None) -> Group:
     """The record the in-flight ``group`` becomes if ended now with ``status`` (``clock``: its
-    partition's dispatch clock, the record's finish step unless before its dispatch step)."""
+    partition's dispatch clock, the record's finish step unless before its dispatch step;
+    ``seconds``: its generation time as its producer measured it, None: since its admission)."""
     step = group.dispatch_step
     return _tuple_new(  # records.new_group, without the call
         Group,
@@ -38,7 +39,7 @@ def terminal_record(group: OpenGroup, status: Status, clock: int) -> Group:
             group.tags,
             tuple(group.trajectories.values()),
             clock if clock > step else step,
-            monotonic() - group.admitted_at,
+            monotonic() - group.admitted_at if seconds is None else seconds,
             group.start_version,
         ),
     )
@@ -58,11 +59,13 @@ def finished_record(
     payloads: tuple[Any, ...],
     tags: Mapping[str, Any],
     start_version: int | None = None,
+    seconds: float = 0.0,
 ) -> Group:
-    """The lazily stored FINISHED group a ``put_group`` of a new group of default keys adds."""
+    """The lazily stored FINISHED group a ``put_group`` of a new group of default keys adds
+    (``seconds``: its ``generation_seconds``, the producer's measure)."""
     finish, start = clock if clock > step else step, step if start_version is None else start_version
     return _tuple_new(  # _lazy_group.new_lazy_group, without the call
-        LazyGroup, (uid, partition, step, _FINISHED, tags, payloads, finish, 0.0, start)
+        LazyGroup, (uid, partition, step, _FINISHED, tags, payloads, finish, seconds, start)
     )
 
 

@@ -18,7 +18,15 @@ from ._group_snapshots import finished_record
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._store import GroupStore
-from ._validation import check_group_payloads, check_partition, check_step, check_tags, check_uid, describe
+from ._validation import (
+    check_generation_seconds,
+    check_group_payloads,
+    check_partition,
+    check_step,
+    check_tags,
+    check_uid,
+    describe,
+)
 from ._versions import check_group_versions, check_start_version
 from .errors import DuplicateGroupError, DuplicateTrajectoryError
 from .records import EMPTY_TAGS, Group, Status, default_keys
@@ -72,17 +80,20 @@ class GroupWriter:
         global_steps: int | None,
         tags: Mapping[str, Any] | None,
         version: int | None = None,
+        generation_seconds: object = None,
     ) -> list[str]:
         """``put_group_nowait`` of a new FINISHED group with default keys, its arguments checked
-        (``version``: its start version, unchecked). What can raise runs before any change.
+        (``version``: its start version, and ``generation_seconds``, unchecked). What can raise
+        runs before any change.
 
         Raises:
-            TypeError, ValueError: ``tags`` or ``version`` is invalid.
+            TypeError, ValueError: ``tags``, ``version`` or ``generation_seconds`` is invalid.
             BufferFullError: admission control has no slot for it now.
         """
         frozen_tags = EMPTY_TAGS if tags is None else check_tags(tags)
         if version is not None:
             version = check_start_version(version)
+        seconds = 0.0 if generation_seconds is None else check_generation_seconds(generation_seconds) or 0.0
         clock = self.admission.clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
         if part.cap is not None:
@@ -91,7 +102,7 @@ class GroupWriter:
         consumer, store = self.consumer, self.store
         record = None
         if consumer.filters and not part.exempt:
-            record = finished_record(part.name, uid, step, clock, stored, frozen_tags, version)
+            record = finished_record(part.name, uid, step, clock, stored, frozen_tags, version, seconds)
             keep = consumer.judge(part, record)
             if uid in store.groups:  # a filter added the uid itself
                 raise DuplicateGroupError(f"a group with uid {describe(uid)} is already in the buffer")
@@ -99,8 +110,8 @@ class GroupWriter:
                 store.add_filtered(part, record)
                 consumer.filtered(part, (record,))
                 return default_keys(uid, len(stored))
-        keys = store.add_finished(part, uid, step, clock, stored, frozen_tags, version, record)
-        if consumer.waiting.get(part.name):  # notify's own first test, without the call: per group
+        keys = store.add_finished(part, uid, step, clock, stored, frozen_tags, version, record, seconds)
+        if consumer.waiting.get(part.name) or consumer.sampleable.waiting:  # notify's first tests, inline
             consumer.notify(part)
         return keys
 
@@ -117,11 +128,14 @@ class GroupWriter:
         status: object,
         granted: int | None = None,
         versioning: tuple[object, object, object] = (None, None, None),
+        generation_seconds: object = None,
     ) -> list[str]:
         """``put_group_nowait`` after the open/thread check: check everything, then change.
 
         ``granted`` is the admission slot a waiting producer was given (its dispatch step);
-        ``versioning`` the ``(versions, tokens, version)`` arguments.
+        ``versioning`` the ``(versions, tokens, version)`` arguments; ``generation_seconds`` the
+        producer's measure (None: the time since its admission here, 0.0 for a group this call
+        adds, as on the fast path).
 
         Raises:
             The errors of ``ReplayBuffer.put_group_nowait``.
@@ -132,6 +146,7 @@ class GroupWriter:
         check_partition(partition)
         group_tags = check_tags(tags)
         terminal = _terminal_status(status)
+        seconds = check_generation_seconds(generation_seconds)
         keys, checked = check_group_payloads(uid, payloads, trajectory_tags, session_ids, indices)
         rows: tuple[tuple[Any, ...], ...] = checked
         versions, tokens, version = versioning
@@ -158,12 +173,16 @@ class GroupWriter:
         if start is not None:
             store.set_start_version(group, start)
         store.fill(group, rows)
-        self.consumer.finish(group, terminal, self.admission.clocks.get(partition, 0), measured)
+        if seconds is None and not measured:  # added by this very call: nothing was generating here
+            seconds = 0.0
+        self.consumer.finish(
+            group, terminal, self.admission.clocks.get(partition, 0), measured, timed=seconds
+        )
         return keys
 
     def put_back(self, group: Group) -> bool:
-        """Put a sampled ``group`` back as it was, without a new admission; return False,
-        changing nothing, if its uid is in use or the buffer is closed.
+        """Put a sampled ``group`` back as it was (its generation time too), without a new
+        admission; return False, changing nothing, if its uid is in use or the buffer is closed.
 
         Raises:
             TypeError: ``group`` is not a Group record.
@@ -190,6 +209,7 @@ class GroupWriter:
                 [t.tokens for t in trajectories],
                 group.start_version,
             ),
+            generation_seconds=group.generation_seconds,
         )
         return True
 

@@ -1,11 +1,14 @@
 """The sample tap behind :mod:`stalebuf.prometheus`'s histograms: cheap on ``sample``, folded on scrape.
 
 A ``prometheus_client.Histogram.observe`` takes a lock and walks its buckets in Python, about a
-microsecond; two of them per ``sample`` would cost more than the budget of the whole tap. So
-the tap only appends each call's metrics dict to its partition's list (atomic, so the scrape
-thread may drain it concurrently) and the values are binned with numpy when a scrape comes, or
-every ``FOLD_AT`` samples so that an unscraped process holds at most that many dicts per
-partition.
+microsecond; one per sampled group, plus one per call, would cost more than the budget of the
+whole tap. So the tap only appends one row per call to its partition's list (atomic, so the
+scrape thread may drain it concurrently): the call's metrics dict, its step and sync step, and
+the dispatch steps of its groups (never the groups: their payloads must not outlive the batch).
+The rows are binned with numpy when a scrape comes, or every ``FOLD_AT`` samples so that an
+unscraped process holds at most that many rows per partition. The staleness histogram observes
+each sampled group, ``(g - p + 1) / S``, so its largest bucket shows the worst one; the wait
+histogram observes each call.
 
 The tap subscribes through the buffer's ``observe_samples``: nothing is replaced on the
 instance (only a buffer of another library, which has no ``observe_samples``, gets its
@@ -17,7 +20,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import wraps
-from operator import itemgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -25,7 +29,7 @@ import numpy.typing as npt
 
 from .metrics import metric_prefix
 
-__all__ = ["FOLD_AT", "HistogramSnapshot", "SampleHistograms", "tap_samples"]
+__all__ = ["FOLD_AT", "HistogramSnapshot", "Row", "SampleHistograms", "row_of", "tap_samples"]
 
 #: Samples after which the tap bins what it holds itself, without waiting for a scrape.
 FOLD_AT = 512
@@ -34,6 +38,17 @@ _MISSING: Any = object()
 
 #: ``(cumulative counts per bound, then +Inf)``, sum: one partition's histogram at a scrape.
 HistogramSnapshot = tuple[list[int], float]
+
+#: What the tap keeps of one ``sample`` call: its metrics, ``global_steps``, sync step and the
+#: dispatch step of each group it returned.
+Row = tuple[Mapping[str, float], int, int, tuple[int, ...]]
+
+_dispatch_step_of = attrgetter("dispatch_step")
+
+
+def row_of(batch: Any, metrics: Mapping[str, float]) -> Row:
+    """The row the tap keeps for a call that returned ``batch`` and ``metrics``."""
+    return metrics, batch.global_steps, batch.parameter_sync_step, tuple(map(_dispatch_step_of, batch.groups))
 
 
 class _Bins:
@@ -57,21 +72,21 @@ class _Bins:
 
 
 class SampleHistograms:
-    """Histograms of sampled staleness and of ``wait_seconds``, per partition.
+    """Histograms of each sampled group's staleness and of each call's ``wait_seconds``, per partition.
 
     Args:
         staleness_bounds, wait_bounds: the upper bounds of the buckets (+Inf is implied).
     """
 
     def __init__(self, staleness_bounds: Sequence[float], wait_bounds: Sequence[float]) -> None:
-        #: The metrics dicts not binned yet, per partition. Only the tap appends to a list;
+        #: The rows not binned yet, per partition. Only the tap appends to a list;
         #: :meth:`fold` removes from them and :meth:`rows_for` adds lists, under the lock.
-        self.pending: dict[str, list[Mapping[str, float]]] = {}
+        self.pending: dict[str, list[Row]] = {}
         self._staleness_bounds = np.asarray(staleness_bounds, dtype=np.float64)
         self._wait_bounds = np.asarray(wait_bounds, dtype=np.float64)
         self._staleness: dict[str, _Bins] = {}
         self._wait: dict[str, _Bins] = {}
-        self._keys: dict[str, tuple[Callable[[Any], float], Callable[[Any], float]]] = {}
+        self._wait_keys: dict[str, Callable[[Mapping[str, float]], float]] = {}
         self._lock = threading.Lock()
 
     def fold(self, blocking: bool = True) -> None:
@@ -90,17 +105,13 @@ class SampleHistograms:
         finally:
             self._lock.release()
 
-    def rows_for(self, partition: str) -> list[Mapping[str, float]]:
+    def rows_for(self, partition: str) -> list[Row]:
         """Return the pending list of ``partition``, adding it the first time."""
         with self._lock:
             rows = self.pending.get(partition)
             if rows is None:
                 rows = self.pending[partition] = []
-                prefix = metric_prefix(partition)
-                self._keys[partition] = (
-                    itemgetter(f"{prefix}/off_policy/sampled_staleness/mean"),
-                    itemgetter(f"{prefix}/off_policy/wait_seconds"),
-                )
+                self._wait_keys[partition] = itemgetter(f"{metric_prefix(partition)}/off_policy/wait_seconds")
                 self._staleness[partition] = _Bins(self._staleness_bounds)
                 self._wait[partition] = _Bins(self._wait_bounds)
             return rows
@@ -114,18 +125,22 @@ class SampleHistograms:
                 for partition, bins in sorted(self._staleness.items())
             }
 
-    def _bin(self, partition: str, rows: list[Mapping[str, float]]) -> None:
-        staleness_of, wait_of = self._keys[partition]
+    def _bin(self, partition: str, rows: list[Row]) -> None:
+        wait_of = self._wait_keys[partition]
         n = len(rows)
-        self._staleness[partition].add(np.fromiter(map(staleness_of, rows), np.float64, n))
-        self._wait[partition].add(np.fromiter(map(wait_of, rows), np.float64, n))
+        self._wait[partition].add(np.fromiter((wait_of(row[0]) for row in rows), np.float64, n))
+        sizes = np.fromiter((len(row[3]) for row in rows), np.int64, n)
+        steps = np.repeat(np.fromiter((row[1] for row in rows), np.float64, n), sizes)
+        sync = np.repeat(np.fromiter((row[2] for row in rows), np.float64, n), sizes)
+        dispatched = np.fromiter(chain.from_iterable(row[3] for row in rows), np.float64, int(sizes.sum()))
+        self._staleness[partition].add((steps + 1 - dispatched) / sync)
 
 
 def tap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], None]:
     """Subscribe ``histograms`` to every batch ``buffer`` returns (its ``observe_samples``);
     return the function that unsubscribes.
 
-    The observer only appends the metrics dict to its partition's list (the scrape bins it).
+    The observer only appends the call's row to its partition's list (the scrape bins it).
     A buffer without ``observe_samples`` (another implementation of the protocol) has its
     ``sample`` wrapped on the instance instead.
     """
@@ -141,7 +156,7 @@ def tap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], None]
         rows = pending.get(partition)
         if rows is None:
             rows = rows_for(partition)
-        rows.append(metrics)
+        rows.append(row_of(batch, metrics))
         if len(rows) >= FOLD_AT:
             fold(False)
 
@@ -174,7 +189,7 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
         rows = pending.get(partition)
         if rows is None:
             rows = rows_for(partition)
-        rows.append(result[1])
+        rows.append(row_of(*result))
         if len(rows) >= FOLD_AT:
             fold(False)
         return result
@@ -190,7 +205,7 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
             rows = pending.get(partition)
             if rows is None:
                 rows = rows_for(partition)
-            rows.append(result[1])
+            rows.append(row_of(*result))
             if len(rows) >= FOLD_AT:
                 fold(False)
             return result

@@ -261,12 +261,14 @@ class GroupStore:
         clock: int,
         measured: bool = True,
         record: Group | None = None,
+        seconds: float | None = None,
     ) -> PartitionState:
         """Make the in-flight ``group`` terminal with ``status``; return its partition.
         ``clock`` is the partition's dispatch clock (the record's finish step, not before
         its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
-        in one call), so a FINISHED one counts towards the median generation time; ``record``:
-        its terminal record from :func:`~stalebuf._group_snapshots.terminal_record`, if made already."""
+        in one call), so a FINISHED one counts towards the median generation time (the buffer's
+        own measure); ``record``: its terminal record from :func:`~stalebuf._group_snapshots.
+        terminal_record`, if made already, else one with ``generation_seconds`` ``seconds``."""
         part = self.partitions[group.partition]
         if part.cells is not None:
             part = part.cells[group.task]  # type: ignore[index]
@@ -284,7 +286,7 @@ class GroupStore:
                     group.tags,
                     tuple(group.trajectories.values()),
                     clock if clock > step else step,
-                    monotonic() - group.admitted_at,
+                    monotonic() - group.admitted_at if seconds is None else seconds,
                     group.start_version,
                 ),
             )
@@ -329,10 +331,12 @@ class GroupStore:
         tags: Mapping[str, Any],
         start_version: int | None = None,
         record: Group | None = None,
+        seconds: float = 0.0,
     ) -> list[str]:
         """Add a new FINISHED group of default keys, stored lazily (its records are built when
         first read), straight to the ready index; return its keys. ``record``: the group from
-        ``_group_snapshots.finished_record`` of these arguments, if made already."""
+        ``_group_snapshots.finished_record`` of these arguments, if made already; ``seconds``:
+        its ``generation_seconds`` (the producer's measure; 0.0 when none was given)."""
         if record is None:
             record = _tuple_new(  # finished_record, without the call: this runs per group
                 LazyGroup,
@@ -344,7 +348,7 @@ class GroupStore:
                     tags,
                     payloads,
                     clock if clock > step else step,
-                    0.0,
+                    seconds,
                     step if start_version is None else start_version,
                 ),
             )

@@ -4,20 +4,25 @@ Inference servers run engines and sync request handlers in worker threads. A buf
 thread-safe (its state and its waiters belong to one event loop), so a call from another
 thread is handed to the loop (``call_soon_threadsafe`` on asyncio, the trio token's
 ``run_sync_soon`` on trio) and the thread blocks until it ran. The call then wakes a waiting
-``sample`` exactly as a call on the loop would: at once.
+``sample`` exactly as a call on the loop would: at once. A call that may wait (for admission, or
+for sampleable groups) runs in a task of its own on the loop (a trio system task on trio) under
+the thread's ``timeout``, so the loop decides the timeout: a TimeoutError means nothing changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+import anyio
 import anyio.lowlevel
 
 from ._group_writes import GroupStatus
+from ._validation import check_timeout
 from ._waiting import LoopBinding
 from .errors import BufferClosedError, WrongThreadError
 
@@ -26,10 +31,15 @@ __all__ = ["ThreadsafeProducer"]
 _T = TypeVar("_T")
 
 
-class NowaitProducer(Protocol):
-    """The ``*_nowait`` producer methods a handle runs on the loop (``ReplayBuffer`` has them)."""
+class ThreadedBuffer(Protocol):
+    """The buffer methods a handle runs on the loop (``ReplayBuffer`` has them): the
+    ``*_nowait`` producer methods, and the waiting ones its blocking methods await."""
 
     def add_prompt_nowait(
+        self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
+    ) -> None: ...
+
+    async def add_prompt(
         self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
     ) -> None: ...
 
@@ -66,37 +76,71 @@ class NowaitProducer(Protocol):
         versions: Sequence[Sequence[tuple[int, int]] | None] | None,
         tokens: Sequence[int | None] | None,
         version: int | None,
+        generation_seconds: float | None,
     ) -> list[str]: ...
+
+    async def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None,
+        partition: str,
+        tags: Mapping[str, Any] | None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
+        session_ids: Sequence[int] | None,
+        indices: Sequence[int] | None,
+        status: GroupStatus,
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None,
+        tokens: Sequence[int | None] | None,
+        version: int | None,
+        generation_seconds: float | None,
+    ) -> list[str]: ...
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str, timeout: float | None
+    ) -> int: ...
 
 
 # How often a thread blocked on a call checks that the loop still runs (only while blocked,
-# and only matters if the loop stops before running the call).
+# and only matters if the loop stops before running the call, or closes while it waits).
 _LIVENESS_SECONDS = 0.25
 
 
 class ThreadsafeProducer:
     """The producer methods of one buffer, callable from any thread (see ``ReplayBuffer.threadsafe``).
 
-    Each method runs the ``*_nowait`` method of the same name on the buffer's event loop and
-    blocks the calling thread until it ran, returning its result or raising its error. Called
-    on the loop's own thread, it runs the method directly.
+    Each method runs the buffer method of the same name on its event loop and blocks the
+    calling thread until it returned, returning its result or raising its error, as
+    ``queue.Queue`` does: ``add_prompt`` and ``put_group`` wait for admission (``timeout=``
+    bounds the wait; TimeoutError then, with nothing added), their ``*_nowait`` twins raise
+    BufferFullError instead, and ``wait_for_sampleable`` waits as the buffer's does. The other
+    methods never wait. Called on the loop's own thread, the methods that never wait run the
+    buffer's method directly; the waiting ones raise WrongThreadError (they would block the very
+    loop that must admit them: await the buffer's own method there).
     """
 
-    __slots__ = ("_buffer", "_loop_running", "_loop_thread", "_submit")
+    __slots__ = ("_buffer", "_loop_closed", "_loop_running", "_loop_thread", "_spawn", "_submit")
 
     def __init__(
-        self, buffer: NowaitProducer, native_token: object, loop_running: Callable[[], bool]
+        self, buffer: ThreadedBuffer, native_token: object, loop_running: Callable[[], bool]
     ) -> None:
         self._buffer = buffer
         self._loop_thread = threading.get_ident()
         self._loop_running = loop_running
         if isinstance(native_token, asyncio.AbstractEventLoop):
             self._submit: Callable[[Callable[[], object]], object] = native_token.call_soon_threadsafe
+            self._spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], None] = _asyncio_spawner(
+                native_token
+            )
+            self._loop_closed: Callable[[], bool] = native_token.is_closed  # a stopped loop may go on
         else:  # trio's TrioToken
             self._submit = native_token.run_sync_soon  # type: ignore[attr-defined]
+            self._spawn = _trio_spawn
+            self._loop_closed = lambda: not loop_running()  # a finished run never goes on
 
     @classmethod
-    def bound_to(cls, buffer: NowaitProducer, binding: LoopBinding) -> ThreadsafeProducer:
+    def bound_to(cls, buffer: ThreadedBuffer, binding: LoopBinding) -> ThreadsafeProducer:
         """Bind ``buffer`` (its loop ``binding``) to the running loop and return its handle.
 
         Raises:
@@ -115,6 +159,8 @@ class ThreadsafeProducer:
         binding.bind()
         return cls(buffer, token.native_token, binding.loop_running)
 
+    # -- calls that may wait ----------------------------------------------------------------
+
     def add_prompt(
         self,
         uid: str,
@@ -122,9 +168,99 @@ class ThreadsafeProducer:
         global_steps: int | None = None,
         partition: str = "train",
         tags: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> None:
-        """Run ``add_prompt_nowait`` on the loop (same errors, plus BufferClosedError if the
-        loop stopped)."""
+        """Run ``add_prompt`` on the loop: under admission control, block until a slot is free
+        (FIFO with the loop's own producers), at most ``timeout`` seconds (None: no bound).
+
+        Raises:
+            The errors of ``ReplayBuffer.add_prompt``, plus BufferClosedError if the loop stopped.
+            TimeoutError: no slot within ``timeout`` seconds; nothing was added.
+            ValueError: ``timeout`` is not None or a number >= 0 (nothing is run).
+            WrongThreadError: called on the loop's own thread.
+        """
+        buffer = self._buffer
+        self._wait(
+            lambda: buffer.add_prompt(uid, global_steps=global_steps, partition=partition, tags=tags),
+            check_timeout(timeout),
+        )
+
+    def put_group(
+        self,
+        uid: str,
+        payloads: Collection[Any],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+        trajectory_tags: Sequence[Mapping[str, Any] | None] | None = None,
+        session_ids: Sequence[int] | None = None,
+        indices: Sequence[int] | None = None,
+        status: GroupStatus = "finished",
+        versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        tokens: Sequence[int | None] | None = None,
+        version: int | None = None,
+        generation_seconds: float | None = None,
+        timeout: float | None = None,
+    ) -> list[str]:
+        """Run ``put_group`` on the loop and return its keys: a new group blocks until admitted
+        (at most ``timeout`` seconds; None: no bound), as ``queue.Queue.put`` does.
+
+        Raises:
+            The errors of ``ReplayBuffer.put_group``, plus BufferClosedError if the loop stopped.
+            TimeoutError: no slot within ``timeout`` seconds; nothing was added.
+            ValueError: ``timeout`` is not None or a number >= 0 (nothing is run).
+            WrongThreadError: called on the loop's own thread.
+        """
+        buffer = self._buffer
+        return self._wait(
+            lambda: buffer.put_group(
+                uid,
+                payloads,
+                global_steps=global_steps,
+                partition=partition,
+                tags=tags,
+                trajectory_tags=trajectory_tags,
+                session_ids=session_ids,
+                indices=indices,
+                status=status,
+                versions=versions,
+                tokens=tokens,
+                version=version,
+                generation_seconds=generation_seconds,
+            ),
+            check_timeout(timeout),
+        )
+
+    def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
+    ) -> int:
+        """Run ``wait_for_sampleable`` on the loop: block until at least ``count`` groups are
+        sampleable at ``global_steps``; return how many are.
+
+        Raises:
+            The errors of ``ReplayBuffer.wait_for_sampleable`` (TimeoutError after ``timeout``
+            seconds), plus BufferClosedError if the loop stopped.
+            WrongThreadError: called on the loop's own thread.
+        """
+        buffer = self._buffer
+        return self._wait(
+            lambda: buffer.wait_for_sampleable(global_steps, count, partition=partition, timeout=timeout),
+            None,
+        )
+
+    # -- calls that never wait ----------------------------------------------------------------
+
+    def add_prompt_nowait(
+        self,
+        uid: str,
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        tags: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Run ``add_prompt_nowait`` on the loop (same errors, BufferFullError included, plus
+        BufferClosedError if the loop stopped)."""
         self._run(
             self._buffer.add_prompt_nowait, uid, global_steps=global_steps, partition=partition, tags=tags
         )
@@ -164,7 +300,7 @@ class ThreadsafeProducer:
         """Run ``mark_failed_nowait`` on the loop (same errors)."""
         self._run(self._buffer.mark_failed_nowait, uid)
 
-    def put_group(
+    def put_group_nowait(
         self,
         uid: str,
         payloads: Collection[Any],
@@ -179,8 +315,10 @@ class ThreadsafeProducer:
         versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
         tokens: Sequence[int | None] | None = None,
         version: int | None = None,
+        generation_seconds: float | None = None,
     ) -> list[str]:
-        """Run ``put_group_nowait`` on the loop and return its keys (same errors)."""
+        """Run ``put_group_nowait`` on the loop and return its keys (same errors, BufferFullError
+        included, plus BufferClosedError if the loop stopped)."""
         return self._run(
             self._buffer.put_group_nowait,
             uid,
@@ -195,18 +333,63 @@ class ThreadsafeProducer:
             versions=versions,
             tokens=tokens,
             version=version,
+            generation_seconds=generation_seconds,
         )
 
+    # -- running on the loop ------------------------------------------------------------------
+
     def _run(self, method: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run ``method(*args, **kwargs)`` on the loop and return its result."""
         if threading.get_ident() == self._loop_thread:
             return method(*args, **kwargs)
+
+        def run(future: concurrent.futures.Future[_T]) -> None:
+            future.set_result(method(*args, **kwargs))
+
+        return self._hand_over(run)
+
+    def _wait(self, call: Callable[[], Awaitable[_T]], timeout: float | None) -> _T:
+        """Await ``call()`` in a task of its own on the loop, for at most ``timeout`` seconds
+        (None: no bound), and return its result.
+
+        Raises:
+            WrongThreadError: called on the loop's own thread.
+            TimeoutError: ``timeout`` passed first (the call was cancelled: it changed nothing).
+        """
+        if threading.get_ident() == self._loop_thread:
+            raise WrongThreadError(
+                "a threadsafe() handle's waiting calls block their thread; on the event loop's own "
+                "thread that would block the loop that must serve them: await the buffer's method"
+            )
+
+        async def bounded() -> _T:
+            with anyio.move_on_after(timeout) as scope:
+                return await call()
+            assert scope.cancelled_caught  # (the call returned or raised otherwise)
+            raise TimeoutError(f"the call did not complete within {timeout} s; it changed nothing")
+
+        def start(future: concurrent.futures.Future[_T]) -> None:
+            self._spawn(lambda: _deliver(bounded, future))
+
+        return self._hand_over(start, started=True)
+
+    def _hand_over(
+        self, run: Callable[[concurrent.futures.Future[_T]], None], *, started: bool = False
+    ) -> _T:
+        """Have the loop call ``run(future)``, which must (then, or later with ``started``)
+        complete ``future``; block until it did and return its result.
+
+        Raises:
+            What ``run`` put in the future; BufferClosedError if the loop stopped before running
+            it, or (``started``) closed while the call it started was still waiting.
+        """
         future: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
         def call() -> None:
             if not future.set_running_or_notify_cancel():
                 return  # the thread gave up (its loop stopped): do nothing
             try:
-                future.set_result(method(*args, **kwargs))
+                run(future)
             except BaseException as exc:  # the caller's error, raised in the caller's thread
                 future.set_exception(exc)
 
@@ -214,11 +397,49 @@ class ThreadsafeProducer:
             self._submit(call)
         except Exception as exc:  # the loop is closed, or the trio run finished
             raise BufferClosedError("the buffer's event loop has stopped") from exc
-        while True:
-            try:
-                return future.result(timeout=_LIVENESS_SECONDS)
-            except concurrent.futures.TimeoutError:
-                if not self._loop_running() and future.cancel():
-                    raise BufferClosedError(
-                        "the buffer's event loop stopped before running the call"
-                    ) from None
+        # Not future.result(timeout): since Python 3.11 its TimeoutError is the builtin one, which
+        # a call that timed out on the loop raises too.
+        while not concurrent.futures.wait((future,), _LIVENESS_SECONDS).done:
+            if not self._loop_running() and future.cancel():
+                raise BufferClosedError("the buffer's event loop stopped before running the call")
+            if started and future.running() and self._loop_closed():
+                raise BufferClosedError("the buffer's event loop closed while the call waited")
+        return future.result()
+
+
+async def _deliver(call: Callable[[], Awaitable[_T]], future: concurrent.futures.Future[_T]) -> None:
+    """Await ``call()`` and put its outcome in ``future`` (a task's whole body: it never raises
+    but the loop's own cancellation, which the thread learns as BufferClosedError)."""
+    try:
+        future.set_result(await call())
+    except anyio.get_cancelled_exc_class():
+        future.set_exception(BufferClosedError("the buffer's event loop stopped while the call waited"))
+        raise
+    except BaseException as exc:  # raised in the caller's thread, never into the loop
+        future.set_exception(exc)
+
+
+def _asyncio_spawner(
+    loop: asyncio.AbstractEventLoop,
+) -> Callable[[Callable[[], Coroutine[Any, Any, None]]], None]:
+    """Return what starts a coroutine function in a task of its own on ``loop`` (from its thread)."""
+    tasks: set[asyncio.Task[None]] = set()  # strong references, as asyncio asks
+
+    def spawn(function: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        task = loop.create_task(function())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return spawn
+
+
+def _trio_spawn(function: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Start a coroutine function as a trio system task (from the trio thread), as
+    ``trio.from_thread.run`` does; it is cancelled when the run ends."""
+    import trio.lowlevel  # only for a buffer bound to trio, which then has trio
+
+    async def body() -> None:
+        with contextlib.suppress(trio.Cancelled):  # the run is ending; _deliver told the thread
+            await function()
+
+    trio.lowlevel.spawn_system_task(body, name="stalebuf.threadsafe")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import reprlib
 from collections.abc import Collection, Mapping
 from types import MappingProxyType
@@ -23,6 +24,8 @@ __all__ = [
     "MIN_STATUS_LOG_INTERVAL",
     "a_bool",
     "check_batch_size",
+    "check_count",
+    "check_generation_seconds",
     "check_group_payloads",
     "check_index",
     "check_partition",
@@ -241,6 +244,42 @@ def check_batch_size(value: object) -> int:
     if not 1 <= value <= MAX_INT:
         raise ValueError(f"batch_size must be an int >= 1 (and < 2**63), got {describe(value)}")
     return value
+
+
+def check_count(value: object) -> int:
+    """Return ``value`` if it is an int in ``[1, MAX_INT]`` (bool rejected): the ``count`` of
+    ``wait_for_sampleable``.
+
+    Raises:
+        TypeError: ``value`` is not an int (a bool is not).
+        ValueError: it is below 1 or above ``MAX_INT``.
+    """
+    if type(value) is not int:
+        raise TypeError(f"count must be an int >= 1, got {describe_typed(value)}")
+    if not 1 <= value <= MAX_INT:
+        raise ValueError(f"count must be an int >= 1 (and < 2**63), got {describe(value)}")
+    return value
+
+
+def check_generation_seconds(value: object) -> float | None:
+    """Return ``value`` as a float if it is None or a finite real number >= 0 (bool rejected):
+    a producer's measured generation time.
+
+    Raises:
+        TypeError: ``value`` is not None or a real number.
+        ValueError: it is negative, NaN, infinite, or too large for a float.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"generation_seconds must be None or a number >= 0, got {describe_typed(value)}")
+    try:
+        number = float(value)
+    except Exception:  # an int too large for a float, or a Real whose __float__ raises
+        number = math.nan
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"generation_seconds must be a finite number of seconds >= 0, got {describe(value)}")
+    return number
 
 
 def check_partition(value: object) -> str:

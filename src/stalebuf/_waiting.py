@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ from anyio.abc import AsyncBackend
 
 from .errors import BackendMismatchError, WrongThreadError
 
-__all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "ProducerWaits", "Waiter", "park"]
+__all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "ProducerWaits", "Waiter", "drop_abandoned", "park"]
 
 _T = TypeVar("_T")
 
@@ -295,3 +296,16 @@ async def park_with_deadline(
                 result = attempt()
                 if result is not None:
                     return result
+
+
+def drop_abandoned(waiters: deque[Waiter], everywhere: bool = False) -> None:
+    """Forget waiters whose event loop was closed under them: they will never run. Only the
+    head is checked (O(1) on the hot paths) unless ``everywhere``."""
+    if everywhere:
+        if any(waiter.abandoned() for waiter in waiters):
+            live = [waiter for waiter in waiters if not waiter.abandoned()]
+            waiters.clear()
+            waiters.extend(live)
+        return
+    while waiters and waiters[0].abandoned():
+        waiters.popleft()

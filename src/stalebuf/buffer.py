@@ -59,7 +59,7 @@ from .filters import GroupFilter
 from .metrics import SampleMetrics
 from .policy import StalenessPolicy
 from .records import EMPTY_TAGS, Batch, Group, Status
-from .stats import BufferStats
+from .stats import BufferStats, WaitExplanation
 
 __all__ = ["GroupStatus", "ReplayBuffer"]
 
@@ -86,8 +86,10 @@ class ReplayBuffer:
         on_evict: called synchronously with one :class:`EvictionEvent` per reason per
             eviction round, inside ``sample``, after the buffer state is consistent. It may
             call the ``*_nowait`` producer methods (e.g. to refill prompts).
-        status_log_interval: a ``sample`` blocked this many seconds logs one INFO line on
-            the "stalebuf" logger, and again every interval after; None disables it.
+        status_log_interval: a ``sample`` blocked this many seconds logs one line on the
+            "stalebuf" logger, and again every interval after, saying why it waits (as
+            :meth:`explain_wait` does); INFO at first, WARNING from the third line on (once one
+            call has waited 3 intervals: 3 minutes at the default 60 s). None disables it.
         filters: group filters, plain callables ``filter(group) -> bool`` run in order on every
             group of a non-exempt partition that becomes FINISHED; the first that returns False
             evicts it at once (reason "filtered"), freeing its admission slot. A filter that
@@ -252,10 +254,13 @@ class ReplayBuffer:
         """Return a handle whose producer methods may be called from any thread.
 
         Call it on the event loop's thread, inside the running loop (asyncio or trio): it
-        binds the buffer to that loop. Each handle method (``add_prompt``, ``mark_running``,
-        ``put``, ``mark_finished``, ``mark_failed``, ``put_group``) runs the ``*_nowait``
-        method of that name on the loop and blocks its thread until it ran; wake-ups are
-        immediate.
+        binds the buffer to that loop. Each handle method runs the buffer's method of that name
+        on the loop and blocks its thread until it returned; wake-ups are immediate. As
+        ``queue.Queue.put`` does, ``add_prompt`` and ``put_group`` block until admitted (with
+        ``timeout=``: TimeoutError, nothing added), ``add_prompt_nowait`` and
+        ``put_group_nowait`` raise BufferFullError instead, and ``wait_for_sampleable`` blocks
+        as the buffer's does; ``mark_running``, ``put``, ``mark_finished`` and ``mark_failed``
+        never wait (they run the ``*_nowait`` methods).
 
         Raises:
             WrongThreadError: no event loop runs in this thread, or the buffer is bound to
@@ -443,6 +448,7 @@ class ReplayBuffer:
         versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
         tokens: Sequence[int | None] | None = None,
         version: int | None = None,
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one call; return its keys.
 
@@ -458,12 +464,20 @@ class ReplayBuffer:
         (None entries allowed); ``version`` is the group's start version, as for
         :meth:`mark_running_nowait` (without it, a new group starts at its dispatch step).
 
+        ``generation_seconds`` is the producer's measure of how long the group took to generate
+        (a finite number >= 0): the group's ``generation_seconds`` and what the
+        ``sampled_generation_seconds/mean`` metric averages. Without it the buffer measures
+        from the group's admission to this call: the real time for a group already in flight
+        (``add_prompt`` earlier), 0.0 for a group this call adds. Deadlines always use the
+        buffer's own measure.
+
         Raises:
             BufferClosedError: the buffer is closed.
             WrongThreadError: called from another thread than the bound loop's.
             TypeError, ValueError: an argument is invalid, ``payloads`` is not a collection, a
-                per-trajectory collection has another length than ``payloads``, or ``status``
-                is not a terminal status.
+                per-trajectory collection has another length than ``payloads``, ``status``
+                is not a terminal status, or ``generation_seconds`` is not None or a finite
+                number >= 0.
             InvalidTransitionError: the group is already terminal (a late write).
             DuplicateGroupError: the group is in flight with another step or partition.
             DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
@@ -492,7 +506,9 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            return self.__writer.put_new_finished(part, uid, payloads, global_steps, tags, version)
+            return self.__writer.put_new_finished(
+                part, uid, payloads, global_steps, tags, version, generation_seconds
+            )
         return self.__writer.put(
             uid,
             payloads,
@@ -504,6 +520,7 @@ class ReplayBuffer:
             indices,
             status,
             versioning=(versions, tokens, version),
+            generation_seconds=generation_seconds,
         )
 
     async def add_prompt(
@@ -589,6 +606,7 @@ class ReplayBuffer:
         versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
         tokens: Sequence[int | None] | None = None,
         version: int | None = None,
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group; like :meth:`put_group_nowait`, but a
         group that must be added waits under admission control (FIFO, cancellable) for a slot
@@ -614,6 +632,7 @@ class ReplayBuffer:
                 versions=versions,
                 tokens=tokens,
                 version=version,
+                generation_seconds=generation_seconds,
             )
         except (TagClosedError, FutureTagError):
             raise  # no slot there can ever open: waiting would be forever
@@ -635,6 +654,7 @@ class ReplayBuffer:
                 status,
                 tag,
                 (versions, tokens, version),
+                generation_seconds,
             )
 
         cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
@@ -695,8 +715,8 @@ class ReplayBuffer:
         return self.__writer.end_watched(watch.group, finished)
 
     def put_back(self, group: Group) -> bool:
-        """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status and
-        trajectories), without a new admission (its slot was granted when it was first
+        """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status,
+        generation time and trajectories), without a new admission (its slot was granted when it was first
         admitted); return False, changing nothing, if its uid is in use or the buffer closed.
 
         For a consumer that took a batch it cannot use (``stalebuf.ray`` puts back the batch
@@ -898,17 +918,48 @@ class ReplayBuffer:
         self.__store.binding.check_thread()
         checks.check_step(global_steps)
         self.__check_task(partition, task)
-        part = self.__store.partitions.get(partition)
-        if part is None:
-            return 0
-        cells = (
-            [part]
-            if part.cells is None
-            else list(part.cells.values())
-            if task is None
-            else [part.cells[task]]
-        )
-        return sum(self.__store.rules.count_fresh(cell, global_steps) for cell in cells)
+        return self.__consumer.sampleable.fresh(partition, global_steps, task)
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
+    ) -> int:
+        """Wait until at least ``count`` groups are sampleable at ``global_steps``; return how
+        many are. It takes nothing and never delays or reorders a ``sample``.
+
+        "Sampleable" is what :meth:`sampleable_count` counts (verl's ``get_sampleable_count``):
+        ready groups the drop and failure rules keep at ``global_steps``, as after the drop
+        eviction a ``sample`` would run (this evicts nothing); under a task mixture, every
+        task's. The wait gate, the batch size and the quotas do not count, so under
+        ``max_off_policy_strategy="wait"`` a ``sample`` of ``count`` groups may still wait for
+        older groups in flight. Event-driven (it wakes when a group becomes sampleable, never
+        polls) and cancellable; ``timeout=0`` checks once. A ``sample`` may take the groups
+        before the woken call runs: it then waits on.
+
+        Raises:
+            TypeError, ValueError: ``global_steps`` is not an int >= 0, ``count`` not an int
+                >= 1 (both below 2**63; bools refused), ``partition`` not a non-empty str, or
+                ``timeout`` not None or a number >= 0; nothing changed.
+            TimeoutError: ``timeout`` seconds passed first.
+            BufferClosedError: the buffer is or gets closed.
+            WrongThreadError: called from another thread than the bound loop's.
+            BackendMismatchError: it may wait (``timeout != 0``) and runs under another async
+                backend than the one the buffer is bound to.
+            Exception: whatever the policy's ``is_stale`` raised.
+        """
+        return await self.__consumer.sampleable.wait(global_steps, count, partition, timeout)
+
+    def explain_wait(self, partition: str = "train") -> WaitExplanation:
+        """Return why the ``sample`` calls parked on ``partition`` wait (the first of them: they
+        are served in order), as a frozen :class:`~stalebuf.WaitExplanation`; changes nothing.
+
+        Its ``reason`` is the sentence the periodic status line of a waiting ``sample`` ends with.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+            Exception: whatever a policy hook raised.
+        """
+        return self.__consumer.explainer.explain(partition)
 
     def observe_samples(self, observer: SampleObserver) -> Callable[[], None]:
         """Call ``observer(batch, metrics)`` with every batch a ``sample`` (or ``sample_nowait``)

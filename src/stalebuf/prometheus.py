@@ -14,7 +14,8 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
 - gauges ``stalebuf_resident_groups{partition,status}`` (status: pending, running, finished,
   failure), ``stalebuf_resident_trajectories{partition}``,
   ``stalebuf_waiting_samplers{partition}``, ``stalebuf_waiting_producers{partition}``,
-  ``stalebuf_capacity_groups{partition}`` (partitions under admission control only).
+  ``stalebuf_capacity_groups{partition}`` (partitions under admission control only; the family
+  is left out of a scrape where no partition has admission control).
 - counters ``stalebuf_admitted_groups_total``, ``stalebuf_admitted_trajectories_total``,
   ``stalebuf_sampled_groups_total``, ``stalebuf_sampled_trajectories_total``,
   ``stalebuf_reissued_groups_total``, ``stalebuf_reissued_trajectories_total``,
@@ -25,10 +26,12 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
   gauge ``stalebuf_resident_tokens{partition}``) and
   ``stalebuf_evicted_groups_total{partition,reason}``,
   ``stalebuf_evicted_trajectories_total{partition,reason}`` (reason: stale, failure, restart).
-- histograms ``stalebuf_sample_staleness{partition}`` (each call's mean sampled staleness,
-  in parameter versions: the ``.../sampled_staleness/mean`` metric) and
-  ``stalebuf_sample_wait_seconds{partition}``, over the ``sample`` calls made in this
-  process through this buffer object since :func:`register`.
+- histograms ``stalebuf_sampled_staleness_versions{partition}`` (the staleness of each sampled
+  group, ``(g - p + 1) / S`` in parameter versions, so the worst one is visible; until 0.1 it was
+  ``stalebuf_sample_staleness``, one observation per call of its mean) and
+  ``stalebuf_sample_wait_seconds{partition}`` (each call's wait), over the ``sample`` calls made
+  in this process through this buffer object since :func:`register`. Both carry their unit the
+  ``prometheus_client`` way (``unit=``: the name's suffix, and a ``# UNIT`` line in OpenMetrics).
 
 A partition name UTF-8 cannot encode (a lone surrogate, which the buffer refuses but a remote
 or custom ``stats()`` may report) is exported with Python's ``backslashreplace`` escapes, so
@@ -68,7 +71,8 @@ __all__ = [
     "register",
 ]
 
-#: Upper bounds of the ``sample_staleness`` buckets: staleness is 1 for a fully on-policy group.
+#: Upper bounds of the ``sampled_staleness_versions`` buckets: staleness is 1 for a fully
+#: on-policy group.
 DEFAULT_STALENESS_BUCKETS: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 #: Upper bounds of the ``sample_wait_seconds`` buckets.
 DEFAULT_WAIT_BUCKETS: tuple[float, ...] = (
@@ -220,7 +224,8 @@ class BufferCollector:
         for partition, item in parts:
             if item.capacity is not None:
                 capacity.add_metric([partition], item.capacity)
-        yield capacity
+        if stats is None or capacity.samples:  # no empty family without admission control
+            yield capacity
         for name, documentation, field in _COUNTERS:
             counter = CounterMetricFamily(self._name(name), documentation, labels=["partition"])
             for partition, item in parts:
@@ -239,12 +244,16 @@ class BufferCollector:
         self, snapshot: dict[str, tuple[HistogramSnapshot, HistogramSnapshot]]
     ) -> Iterator[HistogramMetricFamily]:
         staleness = HistogramMetricFamily(
-            self._name("sample_staleness"),
-            "Mean staleness of the groups each sample call returned, in parameter versions.",
+            self._name("sampled_staleness"),
+            "Staleness of each group sample returned, (g - p + 1) / S, in parameter versions.",
             labels=["partition"],
+            unit="versions",
         )
         wait = HistogramMetricFamily(
-            self._name("sample_wait_seconds"), "Seconds each sample call spent blocked.", labels=["partition"]
+            self._name("sample_wait"),
+            "Seconds each sample call spent blocked.",
+            labels=["partition"],
+            unit="seconds",
         )
         for partition, ((stale_counts, stale_sum), (wait_counts, wait_sum)) in _labelled(snapshot.items()):
             stale_buckets = list(zip(self._staleness_les, stale_counts, strict=True))

@@ -11,8 +11,8 @@ Both share, besides the producer calls and ``sample``: ``rollout()`` (an ``async
 yielding a :class:`RolloutHandle`) and ``save``. Left out on purpose, because a process boundary
 makes them differ:
 
-- ``sampleable_count``, ``stats`` and the flow-control queries ``dispatch_step``, ``capacity``,
-  ``free_slots`` and ``full`` are plain methods locally but coroutines remotely (they ask the
+- ``sampleable_count``, ``stats``, ``explain_wait`` and the flow-control queries ``dispatch_step``,
+  ``capacity``, ``free_slots`` and ``full`` are plain methods locally but coroutines remotely (they ask the
   actor). A protocol member can only have one of the two types, and code that awaits one would
   break on the other; both classes keep these names, with the same parameters.
 - ``add_prompt_nowait`` and ``put_group_nowait``: the same names and parameters on both, never
@@ -141,6 +141,7 @@ class AsyncReplayBuffer(Protocol):
         versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
         tokens: Sequence[int | None] | None = None,
         version: int | None = None,
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group, all or nothing (per-trajectory
         ``versions`` and ``tokens``, the group's start ``version``); return its keys."""
@@ -154,6 +155,12 @@ class AsyncReplayBuffer(Protocol):
         timeout: float | None = None,
     ) -> tuple[Batch, dict[str, float]]:
         """Wait for, remove and return ``batch_size`` whole groups, oldest first, with metrics."""
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
+    ) -> int:
+        """Wait until at least ``count`` groups are sampleable at ``global_steps``; return how many
+        are (it takes nothing)."""
 
     def rollout(
         self,

@@ -1,4 +1,4 @@
-"""Frozen statistics snapshots returned by ``ReplayBuffer.stats()``."""
+"""Frozen snapshots: ``ReplayBuffer.stats()``'s counts and ``ReplayBuffer.explain_wait()``'s answer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import attrs
 
-__all__ = ["BufferStats", "PartitionStats", "TaskStats"]
+__all__ = ["BufferStats", "PartitionStats", "TaskStats", "WaitExplanation"]
 
 
 @attrs.frozen(kw_only=True)
@@ -154,3 +154,53 @@ class BufferStats:
     closed: bool
     partitions: Mapping[str, PartitionStats]
     total: PartitionStats
+
+
+@attrs.frozen(kw_only=True)
+class WaitExplanation:
+    """Why the ``sample`` calls parked on a partition wait, as :meth:`ReplayBuffer.explain_wait`
+    finds it (the same text ends the periodic status line of a waiting ``sample``).
+
+    The first parked call (the head: calls are served in arrival order) is the one explained;
+    the fields about it are None or 0 when no ``sample`` waits.
+
+    Attributes:
+        partition: the partition explained.
+        reason: one human-readable sentence saying why the head waits (each cause that holds,
+            most decisive first), or that no sample waits, or that it is about to get a batch.
+        waiting_samplers: ``sample`` calls parked on the partition.
+        global_steps, batch_size: the head's arguments (None when no sample waits).
+        waited_seconds: how long the head has waited (0.0 when no sample waits).
+        sampleable: groups a ``sample`` at the head's step could select now (what
+            ``sampleable_count`` answers; 0 when no sample waits).
+        short_by: how many more groups the head's batch needs, ``batch_size - sampleable``
+            (0 when enough are sampleable, or no sample waits).
+        in_flight: the partition's PENDING and RUNNING groups.
+        gate_held_by: the uid of the in-flight group that keeps the wait gate closed for the
+            head (``max_off_policy_strategy="wait"``: the oldest one in flight), else None.
+        gate_staleness: that group's staleness at the head's step, ``(g - p + 1) / S``.
+        closed_tag_refusals: producer calls on the partition refused for good since its last
+            batch: an explicit ``global_steps`` no slot can ever open at (TagClosedError) or
+            ahead of the dispatch clock (FutureTagError). Producers that stop on these errors
+            leave a waiting sample without groups.
+        closed_tag: the ``global_steps`` the latest of those calls asked for (None if none).
+        admission_full: admission control has no free slot at the dispatch clock's step now
+            (False without admission control).
+        waiting_producers: producer calls waiting for an admission slot on the partition.
+    """
+
+    partition: str
+    reason: str
+    waiting_samplers: int = 0
+    global_steps: int | None = None
+    batch_size: int | None = None
+    waited_seconds: float = 0.0
+    sampleable: int = 0
+    short_by: int = 0
+    in_flight: int = 0
+    gate_held_by: str | None = None
+    gate_staleness: float | None = None
+    closed_tag_refusals: int = 0
+    closed_tag: int | None = None
+    admission_full: bool = False
+    waiting_producers: int = 0

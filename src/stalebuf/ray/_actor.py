@@ -25,7 +25,6 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar, cast
 
-import attrs
 import ray
 
 from .._checkpoint_file import PayloadCodec, read_checkpoint
@@ -35,11 +34,11 @@ from ..buffer import ReplayBuffer
 from ..checkpoint import BufferCheckpoint
 from ..config import SamplerConfig
 from ..errors import BufferFullError, ConfigError
-from ..records import Batch, EvictionEvent, Group, Status
+from ..records import Batch, EvictionEvent, Group
 from ..stats import BufferStats
 from ._admission import AdmissionAbandonedError, AdmissionLedger
 from ._ledger import SampleLedger, SampleResult
-from ._payloads import checkpoint_values, stored
+from ._payloads import checkpoint_values, stored_checkpoint
 from ._protocol import (
     PROTOCOL_VERSION,
     AddPrompt,
@@ -94,11 +93,10 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {
     CONTROL_GROUP: 16,
     EVENTS_GROUP: 64,
 }
-#: The flow-control queries ``flow`` answers (ReplayBuffer methods taking a partition).
-FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full"})
+#: The queries ``flow`` answers (ReplayBuffer methods taking a partition, changing nothing).
+FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full", "explain_wait"})
 # Producer operations that end a group by uid (a watched rollout's watch is then released).
 _ENDING = (MarkFinished, MarkFailed, PutGroup)
-_IN_FLIGHT = (Status.PENDING, Status.RUNNING)
 
 
 class BufferHost:
@@ -196,6 +194,14 @@ class BufferHost:
             return await task
         finally:
             ledger.finish(request.request_id, task)
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, partition: str, timeout: float | None
+    ) -> int:
+        """``ReplayBuffer.wait_for_sampleable`` on the home loop (in the default group, as ``sample``)."""
+        self._check_ready()
+        wait = self._buffer.wait_for_sampleable(global_steps, count, partition=partition, timeout=timeout)
+        return await self._await_on_home(wait)
 
     # -- producer group ---------------------------------------------------------------
 
@@ -447,21 +453,15 @@ def _end_drawn_ticket(taking: asyncio.Future[tuple[BufferCheckpoint, SaveTicket]
 def _restored(
     request: RestoreRequest, on_evict: Callable[[EvictionEvent], object], options: Mapping[str, Any]
 ) -> tuple[ReplayBuffer, tuple[Group, ...]]:
-    """Read the checkpoint file, store its payloads (unless ``request.store`` is False) and restore
-    the buffer (``options``: ``status_log_interval``, when the client gave one); return it and the
-    groups to reissue.
+    """Read the checkpoint file, store its payloads (unless ``request.store`` is False) and restore the
+    buffer (``options``: ``status_log_interval``, if given); return it and the groups to reissue.
 
     Raises:
         What ``ReplayBuffer.restore`` raises (CheckpointError, ConfigError, OSError, ...).
     """
     checkpoint = read_checkpoint(request.path, request.payload_codec)
-    if request.store:
-        keep_in_flight = request.in_flight in ("keep", "resume")  # otherwise their trajectories are dropped
-        groups = tuple(
-            stored(group) if keep_in_flight or group.status not in _IN_FLIGHT else group
-            for group in checkpoint.groups
-        )
-        checkpoint = attrs.evolve(checkpoint, groups=groups)
+    if request.store:  # (in-flight groups keep their trajectories only under "keep" and "resume")
+        checkpoint = stored_checkpoint(checkpoint, keep_in_flight=request.in_flight in ("keep", "resume"))
     result = ReplayBuffer.restore(checkpoint, in_flight=request.in_flight, on_evict=on_evict, **options)
     return result.buffer, result.reissue
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, cast
 
 from .._checkpoint_file import PayloadCodec
 from .._status_log import logger
-from .._validation import materialise
+from .._validation import check_generation_seconds, materialise
 from .._versions import check_group_versions, check_start_version
 from ..buffer import GroupStatus
 from ..records import Batch
-from ..stats import BufferStats
+from ..stats import BufferStats, WaitExplanation
 from ._connection import ActorConnection
 from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, PutGroup, put_op
 from ._rollout import RemoteRolloutGroup, rollout
@@ -71,6 +71,7 @@ def _put_group_op(
     indices: Sequence[int] | None,
     status: GroupStatus,
     versioning: tuple[Any, Any, int | None] = (None, None, None),
+    generation_seconds: float | None = None,
 ) -> PutGroup:
     """The ``put_group`` operation (with a token a new group may wait for admission);
     ``versioning`` is its ``(versions, tokens, version)``.
@@ -79,8 +80,8 @@ def _put_group_op(
         TypeError: ``payloads`` is not a collection of per-trajectory items, or a per-trajectory
             collection cannot be iterated.
         ValueError: a per-trajectory collection's ``len()`` disagrees with what it yields.
-        TypeError, ValueError: ``versions``, ``tokens`` or ``version`` as the local
-            ``put_group`` refuses them.
+        TypeError, ValueError: ``versions``, ``tokens``, ``version`` or ``generation_seconds``
+            as the local ``put_group`` refuses them.
     """
     if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
         raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
@@ -106,6 +107,7 @@ def _put_group_op(
         versions,
         tokens,
         version,
+        check_generation_seconds(generation_seconds),
     )
 
 
@@ -230,10 +232,12 @@ class BufferCalls:
         versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
         tokens: Sequence[int | None] | None = None,
         version: int | None = None,
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and finish or fail a whole group in one round trip; return its
         keys, as :meth:`ReplayBuffer.put_group` (all or nothing, in the actor). A new group waits
-        in the actor for admission like :meth:`add_prompt`.
+        in the actor for admission like :meth:`add_prompt`. Pass ``generation_seconds`` (as locally):
+        without it a group written in one call measures 0.0.
 
         Raises:
             The same errors as ReplayBuffer.put_group; BufferUnavailableError.
@@ -251,6 +255,7 @@ class BufferCalls:
             indices,
             status,
             (versions, tokens, version),
+            generation_seconds,
         )
         result: list[str] = await connection.admit(op)
         return result
@@ -270,6 +275,7 @@ class BufferCalls:
         versions: Sequence[Sequence[tuple[int, int]] | None] | None = None,
         tokens: Sequence[int | None] | None = None,
         version: int | None = None,
+        generation_seconds: float | None = None,
     ) -> list[str]:
         """Add (if absent), fill and end a whole group in one round trip, as
         :meth:`ReplayBuffer.put_group_nowait`: a coroutine here, but it never waits for admission.
@@ -290,6 +296,7 @@ class BufferCalls:
             indices,
             status,
             (versions, tokens, version),
+            generation_seconds,
         )
         result: list[str] = await self._connection.submit(op)
         return result
@@ -377,6 +384,29 @@ class BufferCalls:
                 observers.remove(observer)
 
         return stop
+
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None
+    ) -> int:
+        """Wait until at least ``count`` groups are sampleable; return how many, as
+        :meth:`ReplayBuffer.wait_for_sampleable` (it takes nothing). It waits in the actor's default
+        concurrency group, as ``sample`` does; cancelling it cancels it there; ``timeout`` is applied
+        in the actor and bounds the wait for a starting actor as for :meth:`sample`.
+
+        Raises:
+            The errors of ReplayBuffer.wait_for_sampleable (bad arguments raised by the client);
+            BufferUnavailableError when the actor is gone or did not start within ``start_timeout``.
+        """
+        return await self._connection.wait_for_sampleable(global_steps, count, partition, timeout)
+
+    async def explain_wait(self, partition: str = "train") -> WaitExplanation:
+        """Return why the ``sample`` calls parked on ``partition`` in the actor wait, as
+        :meth:`ReplayBuffer.explain_wait` (a coroutine here: it asks the actor).
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+        """
+        return cast(WaitExplanation, await self._connection.call("flow", "explain_wait", partition))
 
     async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
         """Return how many groups ``sample`` could select right now, as

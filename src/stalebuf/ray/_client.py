@@ -58,9 +58,9 @@ class RemoteReplayBuffer(BufferCalls):
     is one line (``ReplayBuffer(config)`` -> ``RemoteReplayBuffer(config)``). Differences, all
     because a process boundary is crossed:
 
-    - ``sampleable_count``, ``stats``, ``dispatch_step``, ``capacity``, ``free_slots``,
-      ``full``, ``add_prompt_nowait`` and ``put_group_nowait`` are coroutines here (sync on
-      ReplayBuffer); the other ``*_nowait`` twins and ``checkpoint`` do not exist, and
+    - ``sampleable_count``, ``stats``, ``explain_wait``, ``dispatch_step``, ``capacity``,
+      ``free_slots``, ``full``, ``add_prompt_nowait`` and ``put_group_nowait`` are coroutines
+      here (sync on ReplayBuffer); the other ``*_nowait`` twins and ``checkpoint`` do not exist, and
       ``on_evict`` is replaced by :meth:`evictions`.
     - Admission waits happen in the actor (FIFO per partition, in the order the actor found no
       slot for them), each holding a slot of its ``admission`` concurrency group only while its

@@ -19,7 +19,14 @@ from typing import Any, cast
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .._validation import check_batch_size, check_partition, check_step, check_timeout, describe
+from .._validation import (
+    check_batch_size,
+    check_count,
+    check_partition,
+    check_step,
+    check_timeout,
+    describe,
+)
 from ..checkpoint import NOT_GIVEN
 from ..config import SamplerConfig
 from ..errors import BufferUnavailableError, ConfigError
@@ -189,6 +196,31 @@ class ActorConnection:
             return result
         raise error  # outside the except block: no "during handling" context
 
+    async def wait_for_sampleable(
+        self, global_steps: int, count: int, partition: str, timeout: float | None
+    ) -> int:
+        """Run ``wait_for_sampleable`` in the actor; when the awaiting task is cancelled, cancel
+        the actor's call too (``ray.cancel``: it takes nothing, so there is nothing to put back)."""
+        running_loop()
+        # Checked here, in the local buffer's order, as for sample (the actor checks them again).
+        timeout = check_timeout(timeout)
+        check_step(global_steps)
+        check_count(count)
+        check_partition(partition)
+        if not self.gate.started:
+            timeout = await self._wait_to_sample(timeout)
+        ref = self.handle.wait_for_sampleable.remote(global_steps, count, partition, timeout)
+        try:
+            result: int = await ref
+        except asyncio.CancelledError:
+            _cancel(ref)
+            raise
+        except (RayActorError, RayTaskError) as exc:
+            error = translate(exc, self.where())
+        else:
+            return result
+        raise error  # outside the except block: no "during handling" context
+
     async def _wait_to_sample(self, limit: float | None) -> float | None:
         """Wait for a not-yet-answering actor within ``limit`` seconds; return what is left of it."""
         started = time.monotonic()
@@ -202,6 +234,14 @@ def _tell(method: Any, request_id: str) -> None:
         method.remote(request_id)
     except Exception:  # Ray is shutting down: the actor goes away with whatever it holds
         logger.debug("could not send %s(%r)", method, request_id, exc_info=True)
+
+
+def _cancel(ref: Any) -> None:
+    """Cancel the actor call behind ``ref`` without waiting (its coroutine is cancelled there)."""
+    try:
+        ray.cancel(ref)
+    except Exception:  # already done, or Ray is shutting down: nothing is left to cancel
+        logger.debug("could not cancel %s", ref, exc_info=True)
 
 
 def connect_actor(

@@ -29,7 +29,7 @@ from .._stored import map_payloads, peek_trajectories
 from .._validation import describe_error
 from ..checkpoint import BufferCheckpoint
 from ..errors import CheckpointError
-from ..records import Batch, Group, new_trajectory
+from ..records import Batch, Group, Status, new_trajectory
 
 __all__ = [
     "PackedRun",
@@ -40,9 +40,12 @@ __all__ = [
     "resolve_sync",
     "store_group",
     "stored",
+    "stored_checkpoint",
     "unique_refs",
     "with_values",
 ]
+
+_IN_FLIGHT = (Status.PENDING, Status.RUNNING)
 
 
 @attrs.frozen(weakref_slot=False)
@@ -156,6 +159,17 @@ def stored(group: Group) -> Group:
             for t, payload in zip(trajectories, payloads, strict=True)
         ),
     )
+
+
+def stored_checkpoint(checkpoint: BufferCheckpoint, *, keep_in_flight: bool) -> BufferCheckpoint:
+    """Return ``checkpoint`` with each group's payloads :func:`stored`, for a restoring actor;
+    without ``keep_in_flight``, in-flight groups are left as they are (a restore discards their
+    trajectories or evicts them)."""
+    groups = tuple(
+        stored(group) if keep_in_flight or group.status not in _IN_FLIGHT else group
+        for group in checkpoint.groups
+    )
+    return attrs.evolve(checkpoint, groups=groups)
 
 
 async def fetch_values(groups: tuple[Group, ...]) -> tuple[Group, ...]:

@@ -57,7 +57,8 @@ __all__ = [
 
 #: Bumped whenever a record changes; the client compares it with the actor's on first contact.
 #: 5: versions, tokens and start versions (MarkRunning, Put, PutGroup, OpenRollout).
-PROTOCOL_VERSION = 5
+#: 6: PutGroup's generation_seconds (the producer's measure of the group's generation time).
+PROTOCOL_VERSION = 6
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
@@ -186,6 +187,7 @@ class PutGroup(NamedTuple):
     versions: Sequence[Sequence[tuple[int, int]] | None] | None
     tokens: Sequence[int | None] | None
     version: int | None
+    generation_seconds: float | None
 
     def apply(self, buffer: ReplayBuffer) -> list[str]:
         """Run the operation on ``buffer``; raises what ``put_group_nowait`` raises."""
@@ -203,6 +205,7 @@ class PutGroup(NamedTuple):
             versions=self.versions,
             tokens=self.tokens,
             version=self.version,
+            generation_seconds=self.generation_seconds,
         )
 
     async def apply_waiting(self, buffer: ReplayBuffer) -> list[str]:
@@ -221,6 +224,7 @@ class PutGroup(NamedTuple):
             versions=self.versions,
             tokens=self.tokens,
             version=self.version,
+            generation_seconds=self.generation_seconds,
         )
 
 
