@@ -22,7 +22,16 @@ _tokens_of = attrgetter("tokens")
 _start_of = attrgetter("start_version")
 _trajectories_of = attrgetter("trajectories")
 
-__all__ = ["Batch", "EvictionEvent", "EvictionReason", "batch_runs", "fresh_span", "new_batch"]
+__all__ = [
+    "Batch",
+    "EvictionEvent",
+    "EvictionReason",
+    "batch_runs",
+    "excluded_trajectories",
+    "fresh_runs",
+    "fresh_span",
+    "new_batch",
+]
 
 
 @attrs.frozen(eq=False, weakref_slot=False)
@@ -40,6 +49,9 @@ class Batch:
             is fresh (no staleness bound).
         masks: whether the ``mask`` strategy judged this batch (non-exempt partition):
             :attr:`loss_excluded` is all False otherwise.
+        group_thresholds: under a task mixture with ``task_thresholds``, each group's own T
+            (in group order; None: no bound), which replaces ``max_off_policy_threshold`` for its
+            tokens; None otherwise.
 
     The per-trajectory and per-token arrays are flattened over :attr:`trajectories` (group
     order); per-token ones are packed (trajectories concatenated, no padding) with CSR
@@ -53,6 +65,7 @@ class Batch:
     parameter_sync_step: int = 1
     max_off_policy_threshold: int | None = None
     masks: bool = False
+    group_thresholds: tuple[int | None, ...] | None = None
 
     def __len__(self) -> int:
         """Return the number of groups."""
@@ -136,7 +149,7 @@ class Batch:
         versions, lengths, offsets, _ = self._runs()
         if not self.masks:
             return np.zeros(offsets.size - 1, dtype=np.bool_)
-        return arrays.loss_excluded(versions, lengths, offsets, self.global_steps, self._span())
+        return excluded_trajectories(fresh_runs(self, versions, offsets), lengths, offsets)
 
     def token_versions(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """The version of every token and the CSR offsets: ``(int64[total_tokens], int64[n_traj + 1])``."""
@@ -147,7 +160,10 @@ class Batch:
         """``(mask, offsets)``: True where a token may enter the loss, its lag ``g - v + 1 <=
         T*S``; the same under every strategy (a ``wait`` batch holding stale tokens shows them)."""
         versions, lengths, offsets, _ = self._runs()
-        mask = arrays.packed_freshness_mask(versions, lengths, self.global_steps, self._span())
+        if self.group_thresholds is None:
+            mask = arrays.packed_freshness_mask(versions, lengths, self.global_steps, self._span())
+        else:
+            mask = np.repeat(fresh_runs(self, versions, offsets), lengths)
         return mask, _token_offsets(lengths, offsets)
 
     @staticmethod
@@ -198,6 +214,34 @@ def _token_offsets(run_lengths: arrays.Int64s, run_offsets: arrays.Int64s) -> ar
     return offsets
 
 
+def fresh_runs(batch: Batch, run_versions: arrays.Int64s, run_offsets: arrays.Int64s) -> arrays.Bools:
+    """``bool[runs]``: whether each run of ``batch``'s packed runs is fresh (lag ``<= T*S``,
+    with each group's own T when it has ``group_thresholds``)."""
+    g, sync_step = batch.global_steps, batch.parameter_sync_step
+    thresholds = batch.group_thresholds
+    if thresholds is None:
+        floor = max(g + 1 - fresh_span(batch), 0)
+        fresh: arrays.Bools = run_versions >= floor
+        return fresh
+    # The first fresh version of each group (0 without a bound), then of each trajectory and run.
+    floors = [0 if t is None else max(g + 1 - t * sync_step, 0) for t in thresholds]
+    sizes = [len(group.trajectories) for group in batch.groups]
+    per_trajectory = np.repeat(np.array(floors, dtype=np.int64), np.array(sizes, dtype=np.int64))
+    fresh = run_versions >= np.repeat(per_trajectory, np.diff(run_offsets))
+    return fresh
+
+
+def excluded_trajectories(
+    fresh: arrays.Bools, run_lengths: arrays.Int64s, run_offsets: arrays.Int64s
+) -> arrays.Bools:
+    """``bool[n]``: trajectories with at least one token and no fresh one (``fresh``: per run)."""
+    fresh_tokens = np.zeros(run_lengths.size + 1, dtype=np.int64)
+    np.cumsum(np.where(fresh, run_lengths, 0), out=fresh_tokens[1:])
+    per_trajectory = fresh_tokens[run_offsets[1:]] - fresh_tokens[run_offsets[:-1]]
+    excluded: arrays.Bools = (run_offsets[1:] > run_offsets[:-1]) & (per_trajectory == 0)
+    return excluded
+
+
 def fresh_span(batch: Batch) -> int:
     """``T*S`` of ``batch``, or a span no lag can exceed when it has no threshold."""
     threshold = batch.max_off_policy_threshold
@@ -232,7 +276,7 @@ class EvictionEvent:
 # by name; setting the slot descriptors directly takes about two thirds of that. Tests compare
 # what this builds with what the class's own constructor builds.
 _new = object.__new__
-_set_bpartition, _set_bsteps, _set_groups, _set_sync, _set_threshold, _set_masks = (
+_set_bpartition, _set_bsteps, _set_groups, _set_sync, _set_threshold, _set_masks, _set_thresholds = (
     Batch.__dict__[field.name].__set__ for field in attrs.fields(Batch)
 )
 
@@ -244,6 +288,7 @@ def new_batch(
     parameter_sync_step: int,
     max_off_policy_threshold: int | None = None,
     masks: bool = False,
+    group_thresholds: tuple[int | None, ...] | None = None,
 ) -> Batch:
     """Return ``Batch(partition, global_steps, groups, parameter_sync_step,
     max_off_policy_threshold, masks)``, built faster."""
@@ -254,6 +299,7 @@ def new_batch(
     _set_sync(batch, parameter_sync_step)
     _set_threshold(batch, max_off_policy_threshold)
     _set_masks(batch, masks)
+    _set_thresholds(batch, group_thresholds)
     return batch
 
 

@@ -98,11 +98,13 @@ class Consumer:
         self.binding = binding
         self.eviction = Eviction(store, admission, rules, on_evict)
         self.sampleable = SampleableWaits(store, rules)
-        self.explainer = Explainer(store, admission, rules, self.sampleable, self)
         self.filtering = Filtering(rules.filters, self.eviction)
         self.filters = bool(rules.filters)  # whether any group is ever filtered (read per group)
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.mixing = Mixing(store, rules)
+        self.explainer = Explainer(
+            store, admission, rules, self.sampleable, self, self.mixing, status_interval
+        )
         self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None

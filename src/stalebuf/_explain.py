@@ -17,9 +17,11 @@ from typing import Protocol
 import attrs
 
 from ._admission import Admission
+from ._mixture import Mixing
 from ._partition import PartitionState
 from ._rules import Rules
 from ._sampleable import SampleableWaits
+from ._status_log import ESCALATE_AFTER
 from ._store import GroupStore
 from ._validation import check_partition, describe, describe_error
 from ._waiting import Waiter
@@ -42,7 +44,7 @@ class ParkedSamples(Protocol):
 class Explainer:
     """Answers ``explain_wait`` for one buffer, and the reason of its status lines (owns nothing)."""
 
-    __slots__ = ("admission", "parked", "rules", "sampleable", "store")
+    __slots__ = ("admission", "interval", "mixing", "parked", "rules", "sampleable", "store")
 
     def __init__(
         self,
@@ -51,12 +53,16 @@ class Explainer:
         rules: Rules,
         sampleable: SampleableWaits,
         parked: ParkedSamples,
+        mixing: Mixing,
+        interval: float | None,
     ) -> None:
         self.store = store
         self.admission = admission
         self.rules = rules
         self.sampleable = sampleable
         self.parked = parked
+        self.mixing = mixing
+        self.interval = interval  # the status lines' (a mixture's starvation warning counts them)
 
     def explain(self, partition: object) -> WaitExplanation:
         """``explain_wait``: why the head ``sample`` parked on ``partition`` waits.
@@ -108,6 +114,9 @@ class Explainer:
             reason = self.explain(name).reason
         except Exception as exc:  # a policy hook: the line is logged all the same
             return f"(unknown: explaining it raised {describe_error(exc)})"
+        part = self.store.partitions.get(name)
+        if part is not None and part.cells is not None and not self.rules.borrows:
+            reason += self._shortages(part, waiter)
         waiters = self.parked.waiting.get(name) or ()
         ahead = next((i for i, queued in enumerate(waiters) if queued is waiter), 0)
         if ahead:
@@ -115,6 +124,21 @@ class Explainer:
                 f"{ahead} earlier sample(s) on the partition go first, and the first waits because {reason}"
             )
         return reason
+
+    def _shortages(self, part: PartitionState, waiter: Waiter) -> str:
+        """The tasks of ``part`` (a mixture under "wait") short of their quota for ``waiter``'s
+        batch, as words; a task short for :data:`ESCALATE_AFTER` status intervals is reported
+        as starved (a WARNING, rate-limited by the mixture)."""
+        try:
+            short = {task: n for task, n in self.mixing.shortages(part, waiter.batch_size).items() if n}
+        except Exception:  # a policy's task_quotas: the line is logged all the same
+            return ""
+        interval = self.interval
+        if short and interval is not None and _waited(waiter) >= (ESCALATE_AFTER - 0.5) * interval:
+            for task in short:
+                why = f"a sample has waited {_waited(waiter):.0f} s for its quota"
+                self.mixing.warn_starved(part.name, task, waiter.batch_size, why)
+        return "".join(f"; task {task!r} is short by {n} group(s) of its quota" for task, n in short.items())
 
 
 def _reason(explained: WaitExplanation, held_at: int | None) -> str:

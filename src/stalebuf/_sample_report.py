@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import attrs
+
 from ._admission import Admission
 from ._filtering import Filtering
 from ._mixture import Mixing
@@ -56,7 +58,13 @@ class SampleReport:
         rules = self.rules
         sync_step = rules.sync_step
         masks = rules.masks and not part.exempt
-        batch = new_batch(part.name, global_steps, tuple(groups), sync_step, rules.threshold, masks)
+        thresholds = None
+        if part.cells is not None and rules.config.task_thresholds:  # each group's task's T
+            cells, tag = part.cells, rules.mixture_tag
+            thresholds = tuple(cells[group.tags[tag]].threshold for group in groups)
+        batch = new_batch(
+            part.name, global_steps, tuple(groups), sync_step, rules.threshold, masks, thresholds
+        )
         admission = None
         if part.cap is not None:
             # The batch is already taken: a policy hook that raises here must not lose it, so
@@ -118,21 +126,16 @@ class SampleReport:
             tag = self.rules.mixture_tag
             for task, cell in cells.items():
                 mine = tuple(group for group in batch.groups if group.tags[tag] == task)
-                cell_masked = token_metrics(new_batch(*_fields(batch, mine)), prefix)[1] if mine else 0
+                cell_masked = token_metrics(_fields(batch, mine), prefix)[1] if mine else 0
                 if cell_masked:
                     self.store.count_masked(cell, cell_masked)
         return rendered
 
 
-def _fields(
-    batch: Batch, groups: tuple[Group, ...]
-) -> tuple[str, int, tuple[Group, ...], int, int | None, bool]:
-    """``batch``'s fields with ``groups`` instead of its own."""
-    return (
-        batch.partition,
-        batch.global_steps,
-        groups,
-        batch.parameter_sync_step,
-        batch.max_off_policy_threshold,
-        batch.masks,
-    )
+def _fields(batch: Batch, groups: tuple[Group, ...]) -> Batch:
+    """``batch`` with only ``groups`` (a subset, in its order), each keeping its own T."""
+    thresholds = batch.group_thresholds
+    if thresholds is not None:
+        own = dict(zip(map(id, batch.groups), thresholds, strict=True))
+        thresholds = tuple(own[id(group)] for group in groups)
+    return attrs.evolve(batch, groups=groups, group_thresholds=thresholds)

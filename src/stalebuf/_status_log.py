@@ -56,6 +56,8 @@ def log_waiting(part: PartitionState, waiter: Waiter, waited: float, interval: f
     INFO, or WARNING once it has waited :data:`ESCALATE_AFTER` intervals."""
     # Half an interval of slack: the third line is due at 3 intervals, give or take a rounding.
     level = logging.WARNING if waited >= (ESCALATE_AFTER - 0.5) * interval else logging.INFO
+    cells = [part] if part.cells is None else list(part.cells.values())  # a mixture's hold its groups
+    heads = [head for head in (cell.in_flight.oldest() for cell in cells) if head is not None]
     logger.log(
         level,
         "sample(global_steps=%d, batch_size=%d) on partition %r has waited %.0f s: "
@@ -65,12 +67,12 @@ def log_waiting(part: PartitionState, waiter: Waiter, waited: float, interval: f
         waiter.batch_size,
         part.name,
         waited,
-        part.pending,
-        part.running,
-        part.finished,
-        part.failure,
-        part.ready.count,
-        part.in_flight.oldest(),
+        sum(cell.pending for cell in cells),
+        sum(cell.running for cell in cells),
+        sum(cell.finished for cell in cells),
+        sum(cell.failure for cell in cells),
+        sum(cell.ready.count for cell in cells),
+        min(heads, default=None),
         reason(part.name, waiter),
     )
 

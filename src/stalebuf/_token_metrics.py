@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _token_arrays as arrays
-from ._batch import batch_runs, fresh_span
+from ._batch import batch_runs, excluded_trajectories, fresh_runs
 from .records import Batch
 
 __all__ = ["token_metrics"]
@@ -23,12 +23,11 @@ def token_metrics(batch: Batch, prefix: str) -> tuple[dict[str, float], int]:
         return {}, 0
     g, sync_step = batch.global_steps, batch.parameter_sync_step
     lag = arrays.staleness(versions, g, sync_step)  # per run, in S units
-    span = fresh_span(batch)
     masked = excluded = 0
     if batch.masks:
-        fresh = arrays.fresh_token_counts(versions, lengths, offsets, g, span)
-        masked = total - int(fresh.sum())
-        excluded = int(arrays.loss_excluded(versions, lengths, offsets, g, span).sum())
+        fresh = fresh_runs(batch, versions, offsets)
+        masked = total - int(lengths[fresh].sum())
+        excluded = int(excluded_trajectories(fresh, lengths, offsets).sum())
     head, tail = arrays.head_tail_staleness(versions, offsets, starts, g, sync_step)
     off = f"{prefix}/off_policy"
     metrics = {
