@@ -174,7 +174,8 @@ class ThreadsafeProducer:
         (FIFO with the loop's own producers), at most ``timeout`` seconds (None: no bound).
 
         Raises:
-            The errors of ``ReplayBuffer.add_prompt``, plus BufferClosedError if the loop stopped.
+            Exception: the errors of ``ReplayBuffer.add_prompt``.
+            BufferClosedError: the loop stopped, or the buffer closed.
             TimeoutError: no slot within ``timeout`` seconds; nothing was added.
             ValueError: ``timeout`` is not None or a number >= 0 (nothing is run).
             WrongThreadError: called on the loop's own thread.
@@ -207,7 +208,8 @@ class ThreadsafeProducer:
         (at most ``timeout`` seconds; None: no bound), as ``queue.Queue.put`` does.
 
         Raises:
-            The errors of ``ReplayBuffer.put_group``, plus BufferClosedError if the loop stopped.
+            Exception: the errors of ``ReplayBuffer.put_group``.
+            BufferClosedError: the loop stopped, or the buffer closed.
             TimeoutError: no slot within ``timeout`` seconds; nothing was added.
             ValueError: ``timeout`` is not None or a number >= 0 (nothing is run).
             WrongThreadError: called on the loop's own thread.
@@ -239,8 +241,9 @@ class ThreadsafeProducer:
         sampleable at ``global_steps``; return how many are.
 
         Raises:
-            The errors of ``ReplayBuffer.wait_for_sampleable`` (TimeoutError after ``timeout``
-            seconds), plus BufferClosedError if the loop stopped.
+            Exception: the errors of ``ReplayBuffer.wait_for_sampleable``.
+            TimeoutError: fewer than ``count`` within ``timeout`` seconds.
+            BufferClosedError: the loop stopped, or the buffer closed.
             WrongThreadError: called on the loop's own thread.
         """
         buffer = self._buffer
