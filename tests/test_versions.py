@@ -572,3 +572,34 @@ async def test_a_reissuing_restore_counts_the_discarded_tokens() -> None:
     stayed 0 on 96ae3cc)."""
     again = restored(a_buffer_with_history(), "reissue")
     assert again.stats().total.reissued_tokens == 8  # k's 3 + 5
+
+
+# -- mixtures (issue 23) ------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: under a mixture with task_thresholds, eviction judges a task's groups by the "
+    "task's T but the batch's freshness_mask, loss_excluded and masked counters use the global T: "
+    "a task with a smaller T gets stale tokens marked fresh (the mask guarantee breaks for it)",
+)
+async def test_the_mask_guarantee_holds_for_a_task_with_its_own_threshold() -> None:
+    """T=4, but the "math" task has T=1: at g=5 a math token of version 3 (lag 3 > 1) is stale,
+    and mask evicts a math group whose tail is 3 for it. In a math group returned for its fresh
+    tail, those tokens must be masked too; in a code group (T=4) they are fresh."""
+    buf = make(
+        max_off_policy_strategy="mask",
+        max_off_policy_threshold=4,
+        mixture={"math": 1, "code": 1},
+        task_thresholds={"math": 1},
+    )
+    for uid, task in (("m", "math"), ("c", "code")):
+        buf.add_prompt_nowait(uid, global_steps=5, tags={"task": task})
+        buf.mark_running_nowait(uid, version=5)
+        buf.put_nowait(uid, versions=[(3, 2), (5, 1)])
+        buf.mark_finished_nowait(uid)
+    batch, metrics = buf.sample_nowait(5, 2)
+    assert batch.uids == ["m", "c"]
+    assert batch.freshness_mask()[0].tolist() == [False, False, True, True, True, True]
+    assert metrics["training/off_policy/masked_tokens"] == 2.0
+    assert buf.stats().partitions["train"].masked_tokens == 2
