@@ -10,6 +10,7 @@ tests/test_versions_equality.py's; bad arguments are rows of tests/test_bad_inpu
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import anyio
@@ -23,10 +24,12 @@ from stalebuf import (
     ConfigError,
     EvictionEvent,
     GroupEvictedError,
+    InvalidTransitionError,
     ReplayBuffer,
     SamplerConfig,
     StalenessPolicy,
     Status,
+    UnknownGroupError,
 )
 
 pytestmark = pytest.mark.anyio
@@ -125,6 +128,97 @@ async def test_a_parked_sample_evicts_in_flight_a_group_whose_new_head_is_stale(
             tg.cancel_scope.cancel()
         assert resident_uids(buf) == ["late"]
         tokens_conserved(buf)
+
+
+async def test_a_parked_sample_evicts_a_group_admitted_stale_at_its_step() -> None:
+    """Defect (fixed; from before versions): under drop with ``evict_stale_in_flight`` and no
+    admission control, ``add_prompt`` at a step already stale at a parked sample's step (T=1:
+    step 2 at g=5) admitted a group no later sample could return, and the parked sample did not
+    evict it until something else woke it: its producer generated for nothing meanwhile."""
+    with anyio.fail_after(LIMIT):
+        events: list[EvictionEvent] = []
+        buf = make(max_off_policy_threshold=1, evict_stale_in_flight=True, on_evict=events.append)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: buf.sample(5, 1))
+            await anyio.wait_all_tasks_blocked()
+            buf.add_prompt_nowait("old", global_steps=2)
+            buf.add_prompt_nowait("fresh", global_steps=5)
+            await anyio.wait_all_tasks_blocked()
+            assert [[g.uid for g in e.groups] for e in events] == [["old"]]
+            tg.cancel_scope.cancel()
+        assert resident_uids(buf) == ["fresh"]
+
+
+async def test_a_parked_sample_is_never_left_behind_by_a_producer_call() -> None:
+    """Random producer calls (versions older and newer than the dispatch step, start versions,
+    finishes, failures) while a sample is parked, under every strategy: after each call, once
+    every task is blocked, either the sample has returned or a fresh evaluation of a copy of the
+    buffer (a checkpoint restored with its in-flight groups) would neither return a batch nor
+    evict anything. (It found both wake-up defects above.)"""
+    for seed in range(40):
+        with anyio.fail_after(LIMIT):
+            await parked_sample_walk(random.Random(seed))
+
+
+async def parked_sample_walk(rnd: random.Random) -> None:
+    strategy = rnd.choice(["drop", "wait", "mask"])
+    threshold, sync = rnd.randint(1, 3), rnd.randint(1, 2)
+    config = SamplerConfig(
+        max_off_policy_strategy=strategy,  # type: ignore[arg-type]
+        max_off_policy_threshold=threshold,
+        parameter_sync_step=sync,
+        evict_stale_in_flight=strategy == "drop" and rnd.random() < 0.5,
+        failure_strategy=rnd.choice(["sample", "evict"]),
+    )
+    buf = ReplayBuffer(config, status_log_interval=None)
+    g, flying, returned = 5, [], []
+
+    async def sampler(steps: int, size: int) -> None:
+        try:
+            returned.append(await buf.sample(steps, size))
+        except Exception as exc:  # a policy hook's error or on_evict's: returned all the same
+            returned.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        steps, size = g, rnd.randint(1, 3)
+        tg.start_soon(sampler, steps, size)
+        for number in range(150):
+            await anyio.wait_all_tasks_blocked()
+            if returned:
+                returned.clear()
+                steps, size = g, rnd.randint(1, 3)
+                tg.start_soon(sampler, steps, size)
+                continue
+            events: list[EvictionEvent] = []
+            copy = ReplayBuffer.restore(buf.checkpoint(), in_flight="keep", on_evict=events.append).buffer
+            try:
+                copy.sample_nowait(steps, size)
+                fresh = "returns a batch"
+            except BatchNotReadyError:
+                fresh = f"evicts {[[x.uid for x in e.groups] for e in events]}" if events else ""
+            assert not fresh, (
+                f"{config}: after call {number} a sample parked at {steps} stays, a fresh one {fresh}"
+            )
+            roll = rnd.random()
+            try:
+                if roll < 0.3:
+                    uid = f"u{number}"
+                    buf.add_prompt_nowait(uid, global_steps=max(0, g - rnd.randint(0, 4)))
+                    flying.append(uid)
+                elif roll < 0.5 and flying:
+                    version = rnd.choice([None, max(0, g + rnd.randint(-6, 3))])
+                    buf.mark_running_nowait(rnd.choice(flying), version=version)
+                elif roll < 0.75 and flying:
+                    versions = [(max(0, g + rnd.randint(-6, 2)), rnd.randint(1, 3))]
+                    buf.put_nowait(rnd.choice(flying), session_id=number, versions=versions)
+                elif roll < 0.95 and flying:
+                    uid = flying.pop(rnd.randrange(len(flying)))
+                    (buf.mark_failed_nowait if rnd.random() < 0.2 else buf.mark_finished_nowait)(uid)
+                else:
+                    g += 1
+            except (InvalidTransitionError, UnknownGroupError):  # running twice, evicted in flight
+                pass
+        tg.cancel_scope.cancel()
 
 
 async def test_a_put_with_an_older_version_moves_the_head_and_closes_the_wait_gate() -> None:
