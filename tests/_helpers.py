@@ -42,6 +42,7 @@ __all__ = [
     "assert_conserved",
     "evaluations",
     "full_snapshot",
+    "in_flight_heads",
     "in_flight_heap_size",
     "in_flight_step_count",
     "make",
@@ -67,6 +68,7 @@ __all__ = [
     "stored_groups",
     "train_stats",
     "trajectories_built",
+    "version_state",
 ]
 
 LIMIT = 10  # seconds; bounds every wait, so that a hang fails instead of stalling CI
@@ -241,7 +243,9 @@ def snapshot(buf: ReplayBuffer) -> Any:
 
 def full_snapshot(buf: ReplayBuffer) -> Any:
     """:func:`snapshot` and more: each group's partition and form (in flight or terminal), its
-    payloads by identity, every index's failed list, in-flight counts, waiters and flags, the
+    payloads by identity, its start version and every trajectory's versions and tokens
+    (:func:`version_state`), every index's failed list, in-flight counts and the head each
+    in-flight group is filed under, waiters and flags, the
     admission state (dispatch clocks, per-step slot counts, waiting producers, the last step a
     sample returned at, the uids remembered as evicted in flight), the closed flag and the next
     admission number."""
@@ -256,11 +260,13 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
         )
         for uid, group in resident_groups(buf).items()
     }
+    versions = version_state(buf)
     indexes = {
         name: (
             [g.uid for g in part.ready.iter_groups()],
             sorted((entry[0], entry[1], entry[-1].uid) for entry in part.failed),
             {step: len(at) for step, at in part.in_flight.groups.items()},
+            in_flight_heads(buf, name),
             len(_consumer(buf).waiting.get(name, ())),
             part.exempt,
             part.evict_failures,
@@ -274,7 +280,7 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
     }
     admission = (dict(_admission(buf).clocks), list(_store(buf).evicted_in_flight))
     parked = sampleable_waiters(buf)
-    return buf.stats(), buf.closed, groups, indexes, admission, _store(buf).next_seq, parked
+    return buf.stats(), buf.closed, groups, versions, indexes, admission, _store(buf).next_seq, parked
 
 
 # -- reading the buffer's internals (the only code that does) -----------------------------------
@@ -351,6 +357,25 @@ def spent_slots(buf: ReplayBuffer, partition: str, step: int) -> list[Any]:
 def oldest_in_flight(buf: ReplayBuffer, partition: str = "train") -> int | None:
     """The oldest dispatch step among PENDING/RUNNING groups, as the wait gate reads it."""
     return _indexes(buf)[partition].in_flight.oldest()
+
+
+def in_flight_heads(buf: ReplayBuffer, partition: str = "train") -> dict[str, int]:
+    """The version each in-flight group of ``partition`` is filed under in the in-flight index
+    (its head, which the wait gate and in-flight eviction read), by uid. Reads ``in_flight``."""
+    part = _indexes(buf).get(partition)
+    if part is None:
+        return {}
+    return {uid: head for head, at in part.in_flight.groups.items() for uid in at}
+
+
+def version_state(buf: ReplayBuffer) -> dict[str, tuple[int, list[tuple[str, Any, int]]]]:
+    """Every resident group's start version and its trajectories' ``(key, versions, tokens)``,
+    in flight or terminal, by uid. Reads the group store's ``groups``."""
+    state = {}
+    for uid, group in _groups(buf).items():
+        trajectories = group.trajectories.values() if isinstance(group, OpenGroup) else group.trajectories
+        state[uid] = (group.start_version, [(t.key, t.versions, t.tokens) for t in trajectories])
+    return state
 
 
 def in_flight_heap_size(buf: ReplayBuffer, partition: str = "train") -> int:

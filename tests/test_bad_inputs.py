@@ -20,8 +20,8 @@ oldfail   train      evicted as failed (failure_strategy="evict")
 took      train      sampled
 fin       train      FINISHED, sessions 0 and 1, tagged
 failr     train      FAILURE (awaiting eviction)
-pend      train      PENDING, session 0
-run       train      RUNNING, sessions 0 and 1
+pend      train      PENDING, session 0 (3 tokens, no versions)
+run       train      RUNNING at 6, sessions 0 and 1 (1 with versions ((4, 2), (6, 1)): head 4)
 vfin      val        FINISHED (exempt partition)
 vfail     val        FAILURE (exempt partition: sampleable)
 ========  =========  ==========================================================
@@ -52,9 +52,20 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import pytest
 
-from _helpers import LIMIT, LyingLen, assert_conserved, full_snapshot, make, resident_groups, resident_uids
+from _helpers import (
+    LIMIT,
+    LyingLen,
+    assert_conserved,
+    full_snapshot,
+    in_flight_heads,
+    make,
+    resident_groups,
+    resident_uids,
+    version_state,
+)
 from stalebuf import ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
@@ -1333,7 +1344,176 @@ CASES: tuple[Case, ...] = (
         ValueError,
         "partition.*" + UTF8,
     ),
+    # -- versions and tokens (issue 22): every new parameter, nothing changed ----------------
+    *(
+        C(f"put-versions-{name}", lambda c, bad=bad: put_versions(c, bad), error, match)
+        for name, bad, error, match in (
+            ("str", "ab", TypeError, "versions must be a sequence.*str"),
+            ("bytes", b"ab", TypeError, "versions must be a sequence.*bytes"),
+            ("dict", {1: 2}, TypeError, "versions must be a sequence.*dict"),
+            ("set", {(1, 2)}, TypeError, "versions must be a sequence.*set"),
+            ("int", 5, TypeError, "versions must be a sequence.*int"),
+            ("empty", [], ValueError, "versions must hold at least one"),
+            ("empty-tuple", (), ValueError, "versions must hold at least one"),
+            ("one-item", [(1,)], ValueError, r"versions\[0\].*pair.*1 items"),
+            ("three-items", [(1, 2, 3)], ValueError, r"versions\[0\].*pair.*3 items"),
+            ("not-a-pair", [1, 2], TypeError, r"versions\[0\].*pair.*int"),
+            ("str-pair", ["ab"], TypeError, r"versions\[0\].*pair.*str"),
+            ("None-pair", [None], TypeError, r"versions\[0\]"),
+            ("negative-version", [(-1, 3)], ValueError, r"versions\[0\]'s version.*-1"),
+            ("zero-tokens", [(1, 0)], ValueError, r"versions\[0\]'s n_tokens.*0"),
+            ("negative-tokens", [(1, -2)], ValueError, r"versions\[0\]'s n_tokens.*-2"),
+            ("bool-version", [(True, 1)], TypeError, r"versions\[0\]'s version.*bool"),
+            ("bool-count", [(1, True)], TypeError, r"versions\[0\]'s n_tokens.*bool"),
+            ("float-version", [(1.5, 2)], TypeError, r"versions\[0\]'s version.*float"),
+            ("float-count", [(1, 2.0)], TypeError, r"versions\[0\]'s n_tokens.*float"),
+            ("str-version", [("1", 2)], TypeError, r"versions\[0\]'s version.*str"),
+            ("evil-version", [(EvilRepr(), 2)], TypeError, r"versions\[0\]'s version.*EvilRepr"),
+            ("huge-version", [(2**63, 1)], ValueError, r"versions\[0\]'s version"),
+            ("huge-count", [(1, 2**63)], ValueError, r"versions\[0\]'s n_tokens"),
+            ("enormous-version", [(HUGE, 1)], ValueError, r"versions\[0\]'s version"),
+            ("total-overflow", [(0, 2**62), (1, 2**62)], ValueError, r"more than 2\*\*63 - 1 tokens"),
+            ("second-pair-bad", [(1, 2), (3, 0)], ValueError, r"versions\[1\]'s n_tokens"),
+        )
+    ),
+    C(
+        "put-versions-generator-bad-later",
+        lambda c: put_versions(c, ((v, n) for v, n in ((1, 2), (-3, 1)))),
+        ValueError,
+        r"versions\[1\]'s version.*-3",
+    ),
+    C("put-versions-iteration-raises", lambda c: put_versions(c, raising_pairs()), RuntimeError, "evil iter"),
+    *(
+        C(
+            f"put-tokens-{name}",
+            lambda c, bad=bad: c.buf.put_nowait("run", "x", session_id=5, tokens=bad),
+            e,
+            m,
+        )
+        for name, bad, e, m in (
+            ("negative", -1, ValueError, "tokens.*-1"),
+            ("float", 1.0, TypeError, "tokens.*float"),
+            ("bool", True, TypeError, "tokens.*bool"),
+            ("str", "3", TypeError, "tokens.*str"),
+            ("huge", 2**63, ValueError, "tokens"),
+            ("enormous", HUGE, ValueError, "tokens"),
+        )
+    ),
+    C(
+        "put-tokens-disagree",
+        lambda c: c.buf.put_nowait("run", "x", session_id=5, versions=[(0, 2)], tokens=3),
+        ValueError,
+        "tokens=3 but versions hold 2 tokens",
+    ),
+    C(
+        "put-tokens-disagree-zero",
+        lambda c: c.buf.put_nowait("run", "x", session_id=5, versions=[(0, 2)], tokens=0),
+        ValueError,
+        "tokens=0 but versions hold 2",
+    ),
+    C(
+        "put-async-versions-bad",
+        lambda c: c.buf.put("run", "x", session_id=5, versions=[(0, 0)]),
+        ValueError,
+        "n_tokens",
+    ),
+    C(
+        "put-versions-bad-to-ghost",  # the arguments are checked first
+        lambda c: c.buf.put_nowait("ghost", versions=[(-1, 1)]),
+        ValueError,
+        "version",
+    ),
+    C(
+        "put-versions-closed",
+        lambda c: c.buf.put_nowait("run", "x", session_id=5, versions=[(0, 1)]),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    *(
+        C(f"{where}-version-{name}", lambda c, call=call, bad=bad: call(c, bad), error, match)
+        for where, call in (
+            ("running", lambda c, v: c.buf.mark_running_nowait("pend", version=v)),
+            ("running-async", lambda c, v: c.buf.mark_running("pend", version=v)),
+            ("running-already", lambda c, v: c.buf.mark_running_nowait("run", version=v)),
+            ("group-new", lambda c, v: group(c, version=v)),
+            ("group-new-versions", lambda c, v: group(c, version=v, versions=[[(5, 1)], None])),
+            ("group-in-flight", lambda c, v: group(c, "pend", ["q"], session_ids=[4], version=v)),
+            ("group-async", lambda c, v: c.buf.put_group("new", ["x"], global_steps=5, version=v)),
+            ("rollout", lambda c, v: c.buf.rollout("new", version=v)),
+        )
+        for name, bad, error, match in (
+            ("negative", -1, ValueError, "version.*-1"),
+            ("str", "3", TypeError, "version must be an int.*str"),
+            ("bool", True, TypeError, "version must be an int.*bool"),
+            ("float", 3.0, TypeError, "version must be an int.*float"),
+            ("huge", 2**63, ValueError, "version"),
+        )
+    ),
+    *(
+        C(f"group-{name}", lambda c, kwargs=kwargs: group(c, **kwargs), error, match)
+        for name, kwargs, error, match in (
+            ("versions-short", {"versions": [[(5, 1)]]}, ValueError, "versions has 1 items for 2 payloads"),
+            ("versions-long", {"versions": [None, None, None]}, ValueError, "versions has 3 items for 2"),
+            ("tokens-short", {"tokens": [1]}, ValueError, "tokens has 1 items for 2 payloads"),
+            ("tokens-long", {"tokens": [1, 2, 3]}, ValueError, "tokens has 3 items"),
+            (
+                "versions-str",
+                {"versions": "ab"},
+                TypeError,
+                "versions must hold one item per trajectory.*str",
+            ),
+            ("versions-dict", {"versions": {0: [(1, 1)]}}, TypeError, "versions must hold one item.*dict"),
+            ("versions-int", {"versions": 3}, TypeError, "versions must hold one item.*int"),
+            ("tokens-int", {"tokens": 3}, TypeError, "tokens must hold one item.*int"),
+            ("tokens-bytes", {"tokens": b"ab"}, TypeError, "tokens must hold one item.*bytes"),
+            ("versions-entry-empty", {"versions": [[(5, 1)], []]}, ValueError, "trajectory 1's versions"),
+            ("versions-entry-bad", {"versions": [[(5, 0)], None]}, ValueError, "trajectory 0's versions"),
+            ("versions-entry-str", {"versions": [None, "ab"]}, TypeError, "trajectory 1's versions"),
+            ("tokens-entry-negative", {"tokens": [None, -1]}, ValueError, "trajectory 1's tokens.*-1"),
+            ("tokens-entry-bool", {"tokens": [True, None]}, TypeError, "trajectory 0's tokens.*bool"),
+            ("tokens-entry-float", {"tokens": [1.0, None]}, TypeError, "trajectory 0's tokens.*float"),
+            (
+                "tokens-disagree",
+                {"versions": [[(5, 2)], None], "tokens": [3, None]},
+                ValueError,
+                "trajectory 0's tokens=3 but trajectory 0's versions hold 2",
+            ),
+            ("versions-iteration-raises", {"versions": EvilCollection(bad_iter=True)}, RuntimeError, "evil"),
+            ("versions-len-lies", {"versions": LyingLen(2, [None])}, ValueError, "versions has 1 items"),
+        )
+    ),
+    C(
+        "group-in-flight-versions-bad",
+        lambda c: group(c, "run", ["q"], session_ids=[4], versions=[[(1, 0)]]),
+        ValueError,
+        "trajectory 0's versions",
+    ),
+    C(
+        "group-late-with-versions",
+        lambda c: group(c, "fin", ["q"], session_ids=[7], versions=[[(1, 1)]], version=3),
+        InvalidTransitionError,
+        "'fin'",
+    ),
+    C(
+        "group-full-with-version",
+        lambda c: c.buf.put_group_nowait("new", ["x"], version=0),
+        BufferFullError,
+        "dispatch step 3",
+        flow=True,
+    ),
 )
+
+
+def raising_pairs() -> Iterator[tuple[int, int]]:
+    """Valid ``(version, n_tokens)`` pairs, then an error from the iteration itself."""
+    yield (1, 2)
+    raise RuntimeError("evil iter")
+
+
+def put_versions(c: Ctx, versions: Any) -> str:
+    """``put_nowait`` into the RUNNING group "run" (whose head is 4: see :func:`populated`)."""
+    return c.buf.put_nowait("run", "x", session_id=5, versions=versions)
 
 
 # -- the populated buffer ---------------------------------------------------------------
@@ -1362,11 +1542,11 @@ async def populated() -> ReplayBuffer:
     buf.add_prompt_nowait("failr", global_steps=5)
     buf.mark_failed_nowait("failr")
     buf.add_prompt_nowait("pend", global_steps=5)
-    buf.put_nowait("pend", "p", session_id=0)
+    buf.put_nowait("pend", "p", session_id=0, tokens=3)
     buf.add_prompt_nowait("run", global_steps=6)
     buf.mark_running_nowait("run")
     buf.put_nowait("run", "r0", session_id=0)
-    buf.put_nowait("run", "r1", session_id=1)
+    buf.put_nowait("run", "r1", session_id=1, versions=[(4, 2), (6, 1)])  # its head is 4
     for uid, failed in (("vfin", False), ("vfail", True)):
         buf.add_prompt_nowait(uid, global_steps=0, partition="val")
         buf.put_nowait(uid, uid)
@@ -1457,6 +1637,19 @@ def holds(uid: str, keys: list[str]) -> Callable[[ReplayBuffer], bool]:
     return lambda buf: [t.key for t in resident_groups(buf)[uid].trajectories] == keys
 
 
+def stored(uid: str, key: str, versions: Any, tokens: int, *, head: int) -> Callable[[ReplayBuffer], bool]:
+    """The trajectory ``key`` of ``uid`` holds exactly ``versions`` (plain ints in tuples) and
+    ``tokens``, and the in-flight group is filed under ``head``."""
+
+    def check(buf: ReplayBuffer) -> bool:
+        trajectories = {t[0]: t for t in version_state(buf)[uid][1]}
+        got = trajectories[key]
+        plain = all(type(x) is int for pair in got[1] for x in pair) and type(got[1]) is tuple
+        return got == (key, versions, tokens) and plain and in_flight_heads(buf)[uid] == head
+
+    return check
+
+
 A = Accepted
 ACCEPTED: tuple[Accepted, ...] = (
     # membership of anything, hashable or not, is a plain answer (item 16)
@@ -1500,6 +1693,61 @@ ACCEPTED: tuple[Accepted, ...] = (
         status_of("pend", Status.FAILURE),
     ),
     A("group-payloads-set", lambda c: group(c, payloads={"only"}), ["new_0_0"], holds("new", ["new_0_0"])),
+    # versions, tokens and start versions: numpy's integers, any iterable of pairs, the bounds
+    A(
+        "put-versions-numpy",
+        lambda c: put_versions(c, [(np.int64(3), np.uint8(2)), np.array([4, 1])]),
+        "run_5_0",
+        stored("run", "run_5_0", ((3, 2), (4, 1)), 3, head=3),
+    ),
+    A(
+        "put-versions-generator",
+        lambda c: put_versions(c, ((v, 1) for v in (7, 2))),
+        "run_5_0",
+        stored("run", "run_5_0", ((7, 1), (2, 1)), 2, head=2),
+    ),
+    A(
+        "put-versions-bounds",
+        lambda c: put_versions(c, [(2**63 - 1, 2**63 - 2), (0, 1)]),
+        "run_5_0",
+        stored("run", "run_5_0", ((2**63 - 1, 2**63 - 2), (0, 1)), 2**63 - 1, head=0),
+    ),
+    A(
+        "put-versions-and-tokens-agree",
+        lambda c: c.buf.put_nowait("run", session_id=5, versions=[[6, 2]], tokens=np.int32(2)),
+        "run_5_0",
+        stored("run", "run_5_0", ((6, 2),), 2, head=4),
+    ),
+    A(
+        "put-tokens-zero",
+        lambda c: c.buf.put_nowait("run", session_id=5, tokens=0),
+        "run_5_0",
+        stored("run", "run_5_0", (), 0, head=4),
+    ),
+    A(
+        "running-version-numpy",
+        lambda c: c.buf.mark_running_nowait("pend", version=np.int64(9)),
+        None,
+        lambda buf: version_state(buf)["pend"][0] == 9 and in_flight_heads(buf)["pend"] == 9,
+    ),
+    A(
+        "running-version-max",
+        lambda c: c.buf.mark_running_nowait("pend", version=2**63 - 1),
+        None,
+        lambda buf: in_flight_heads(buf)["pend"] == 2**63 - 1,
+    ),
+    A(
+        "group-version-numpy-fast-path",
+        lambda c: group(c, version=np.int16(2)),
+        ["new_0_0", "new_1_0"],
+        lambda buf: version_state(buf)["new"][0] == 2,
+    ),
+    A(
+        "group-columns-tuples-numpy",
+        lambda c: group(c, versions=(((np.int64(1), 2),), None), tokens=(None, np.int64(4))),
+        ["new_0_0", "new_1_0"],
+        lambda buf: version_state(buf)["new"] == (5, [("new_0_0", ((1, 2),), 2), ("new_1_0", (), 4)]),
+    ),
 )
 
 
@@ -1548,6 +1796,11 @@ async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
         assert (train.sampled_groups, train.evicted_stale_groups, train.evicted_failure_groups) == (1, 1, 1)
         assert (val.finished, val.failure) == (1, 1)
         assert set(resident_uids(buf)) == {"fin", "failr", "pend", "run", "vfin", "vfail"}
+        versions = version_state(buf)
+        assert versions["pend"] == (5, [("pend_0_0", (), 3)])
+        assert versions["run"] == (6, [("run_0_0", (), 0), ("run_1_0", ((4, 2), (6, 1)), 3)])
+        assert in_flight_heads(buf) == {"pend": 5, "run": 4}
+        assert (train.tokens, train.admitted_tokens) == (6, 6)
         flow = await populated_flow()
         train = flow.stats().partitions["train"]
         assert (train.running, train.finished, train.capacity) == (1, 1, 4)

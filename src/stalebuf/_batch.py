@@ -104,9 +104,13 @@ class Batch:
     def staleness(self) -> npt.NDArray[np.float64]:
         """Staleness ``(g - p + 1) / parameter_sync_step`` of each group, as float64."""
         dispatch = np.fromiter(
-            (group.dispatch_step for group in self.groups), dtype=np.float64, count=len(self.groups)
+            (group.dispatch_step for group in self.groups), dtype=np.int64, count=len(self.groups)
         )
-        return (self.global_steps + 1 - dispatch) / self.parameter_sync_step
+        # g - p in int64 first: in float64, g + 1 - p rounds to 0 for steps near 2**63
+        age: npt.NDArray[np.float64] = (np.int64(self.global_steps) - dispatch).astype(np.float64)
+        age += 1.0
+        age /= self.parameter_sync_step
+        return age
 
     # -- versions and tokens --------------------------------------------------------------
 

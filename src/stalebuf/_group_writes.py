@@ -58,10 +58,13 @@ class GroupWriter:
 
     def add_prompt(self, uid: str, step: int, part: PartitionState, tags: Mapping[str, Any]) -> None:
         """Admit a new PENDING group at ``step`` (checked arguments, slot granted); a parked
-        sample of a partition with deadlines sets its cut timer for it."""
-        self.store.admit(uid, step, part, tags)
+        sample of a partition with deadlines sets its cut timer for it, and one that evicts in
+        flight evicts it if it is stale already at its step."""
+        group = self.store.admit(uid, step, part, tags)
         if part.deadlines:
             self.consumer.admitted(part)
+        if part.evict_in_flight:
+            self.consumer.notify(self.store.cell_of(group))
 
     def end_watched(self, group: OpenGroup, finished: bool) -> bool:
         """Finish (or fail) ``group`` if that very group is still in flight; return whether it did."""

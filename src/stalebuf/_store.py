@@ -153,9 +153,9 @@ class GroupStore:
         self.evicted_in_flight.forget(uid)  # a new group: forget the old eviction
         return group
 
-    def start(self, uid: object, version: int | None = None) -> None:
+    def start(self, uid: object, version: int | None = None) -> PartitionState:
         """Move the group ``uid`` from PENDING to RUNNING; ``version`` (checked): its new start
-        version (None keeps the one it has).
+        version (None keeps the one it has). Return its partition (or task cell).
 
         Raises:
             The errors of :meth:`open_group`; InvalidTransitionError if it is running already.
@@ -172,6 +172,7 @@ class GroupStore:
         part.start()
         if version is not None:
             self.set_start_version(group, version)
+        return part
 
     def set_start_version(self, group: OpenGroup, version: int) -> None:
         """Set the in-flight ``group``'s start version (checked); its head may move."""

@@ -18,20 +18,23 @@ def token_metrics(batch: Batch, prefix: str) -> tuple[dict[str, float], int]:
     """Return the token metrics of ``batch`` under ``prefix`` ("training", ...) and how many of
     its tokens the ``mask`` strategy kept out of the loss; no metric when it holds no token."""
     versions, lengths, offsets, starts = batch_runs(batch.groups)
-    total = int(lengths.sum())
-    if not total:
+    if not lengths.size:
         return {}, 0
+    # Sums as floats (metrics) and Python ints (counters): a batch may hold more than 2**63 - 1
+    # tokens in all, where an int64 sum would wrap.
+    weights = lengths.astype(np.float64)
+    total = float(weights.sum())
     g, sync_step = batch.global_steps, batch.parameter_sync_step
     lag = arrays.staleness(versions, g, sync_step)  # per run, in S units
     masked = excluded = 0
     if batch.masks:
         fresh = fresh_runs(batch, versions, offsets)
-        masked = total - int(lengths[fresh].sum())
+        masked = sum(lengths[~fresh].tolist())
         excluded = int(excluded_trajectories(fresh, lengths, offsets).sum())
     head, tail = arrays.head_tail_staleness(versions, offsets, starts, g, sync_step)
     off = f"{prefix}/off_policy"
     metrics = {
-        f"{off}/token_staleness/mean": float(np.dot(lag, lengths.astype(np.float64)) / total),
+        f"{off}/token_staleness/mean": float(np.dot(lag, weights) / total),
         f"{off}/token_staleness/max": float(lag.max()),
         f"{off}/masked_tokens": float(masked),
         f"{off}/loss_excluded_trajectories": float(excluded),

@@ -347,7 +347,10 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
-        store.start(uid, None if version is None else check_start_version(version))
+        if version is None:
+            store.start(uid)
+        else:  # the group's head may move: a parked sample may now return, or evict it in flight
+            self.__consumer.notify(store.start(uid, check_start_version(version)))
 
     def put_nowait(
         self,
@@ -389,7 +392,10 @@ class ReplayBuffer:
         frozen = EMPTY_TAGS if tags is None else checks.check_tags(tags)
         if versions is None and tokens is None:
             return store.put(uid, payload, session_id, index, frozen)
-        return store.put(uid, payload, session_id, index, frozen, *trajectory_versions(versions, tokens))
+        key = store.put(uid, payload, session_id, index, frozen, *trajectory_versions(versions, tokens))
+        # An older version moves the group's head: a parked sample may now evict it in flight.
+        self.__consumer.notify(store.cell_of(store.groups[uid]))
+        return key
 
     def mark_finished_nowait(self, uid: str) -> None:
         """Move group ``uid`` from PENDING or RUNNING to FINISHED; it becomes sampleable.
