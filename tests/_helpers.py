@@ -49,6 +49,8 @@ __all__ = [
     "map_payloads",
     "oldest_in_flight",
     "patch_deadline_clock",
+    "patch_filter_clock",
+    "patch_mixture_clock",
     "producer_ledger",
     "ready_order",
     "ready_steps",
@@ -203,9 +205,11 @@ def steps_of(buf: ReplayBuffer, *uids: str) -> list[int]:
 
 
 def assert_conserved(buf: ReplayBuffer) -> None:
-    """admitted == resident + sampled + evicted by reason (stale, failure, restart) for groups;
-    for trajectories the same plus those discarded by a reissuing restore; per partition and in
-    total; and the totals match what the buffer actually holds."""
+    """admitted == resident + sampled + evicted by reason (stale, failure, restart, filtered) for
+    groups; for trajectories the same plus those discarded by a reissuing restore; per partition
+    and in total; under a task mixture the per-task resident and sampled counts add up to their
+    partition's; and the totals match what the buffer actually holds. (A buffer without filters
+    counts no filtered group, so the law is the one of before filters for it.)"""
     stats = buf.stats()
     for item in (*stats.partitions.values(), stats.total):
         assert item.admitted_groups == (
@@ -214,6 +218,7 @@ def assert_conserved(buf: ReplayBuffer) -> None:
             + item.evicted_stale_groups
             + item.evicted_failure_groups
             + item.evicted_restart_groups
+            + item.evicted_filtered_groups
         ), item
         assert item.admitted_trajectories == (
             item.trajectories
@@ -221,8 +226,12 @@ def assert_conserved(buf: ReplayBuffer) -> None:
             + item.evicted_stale_trajectories
             + item.evicted_failure_trajectories
             + item.evicted_restart_trajectories
+            + item.evicted_filtered_trajectories
             + item.reissued_trajectories
         ), item
+        if item.tasks:
+            assert sum(task.resident for task in item.tasks.values()) == item.groups, item
+            assert sum(task.sampled for task in item.tasks.values()) == item.sampled_groups, item
     assert stats.total.groups == len(resident_uids(buf))
     assert stats.total.trajectories == len(resident_keys(buf))
 
@@ -413,6 +422,22 @@ def sampleable_waiters(buf: ReplayBuffer) -> dict[str, int]:
     """How many ``wait_for_sampleable`` calls are parked, per partition with any. Reads the
     consumer's ``sampleable`` part."""
     return {name: len(waiters) for name, waiters in _consumer(buf).sampleable.waiting.items()}
+
+
+def patch_filter_clock(monkeypatch: Any, clock: Callable[[], float]) -> None:
+    """Make ``clock`` the clock the group filters rate-limit their ERROR lines with (the
+    ``time.monotonic`` that ``stalebuf._filtering`` imported)."""
+    import stalebuf._filtering
+
+    monkeypatch.setattr(stalebuf._filtering, "monotonic", clock)
+
+
+def patch_mixture_clock(monkeypatch: Any, clock: Callable[[], float]) -> None:
+    """Make ``clock`` the clock the task mixture rate-limits its starvation WARNINGs with (the
+    ``time.monotonic`` that ``stalebuf._mixture`` imported)."""
+    import stalebuf._mixture
+
+    monkeypatch.setattr(stalebuf._mixture, "monotonic", clock)
 
 
 def evaluations(buf: ReplayBuffer) -> int:
