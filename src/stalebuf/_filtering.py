@@ -116,6 +116,7 @@ class Filtering:
             return
         self.emitting = True
         rounds = 0
+        error: BaseException | None = None
         try:
             while self.queued:
                 rounds += 1
@@ -124,10 +125,20 @@ class Filtering:
                     raise StalebufError(
                         f"on_evict re-admitted groups that were filtered again, {MAX_READMITTED_ROUNDS} "
                         "rounds in a row; the last ones are evicted without a report"
-                    )
-                self.eviction.emit([self.queued.popleft()])
+                    ) from error
+                # Every queued event is delivered before an error propagates (as sample does):
+                # one left queued would reach on_evict from an unrelated later call, or never.
+                try:
+                    self.eviction.emit([self.queued.popleft()])
+                except BaseException as exc:
+                    if error is None:
+                        error = exc
+                    else:
+                        logger.exception("on_evict raised again while reporting a filtered group")
         finally:
             self.emitting = False
+        if error is not None:
+            raise error
 
     def errors(self, name: str) -> int:
         """How many times a filter raised (or returned None) on a group of partition ``name``."""
