@@ -605,7 +605,7 @@ class _Warnings(logging.Handler):
         self.lines = lines
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno == logging.WARNING:
+        if record.levelno == logging.WARNING and "starved" in record.getMessage():
             self.lines.append(record.getMessage())
 
 
