@@ -39,6 +39,18 @@ fa        train      RUNNING at step 3, session 0
 fb        train      FINISHED at step 3 (put_group)
 vfin      val        FINISHED (exempt partition: never gated)
 ========  =========  ==========================================================
+
+Rows marked ``mixed=True`` run against a third buffer under a task mixture (``{"math": 2,
+"code": 1}``, T=2, b=3, drop; see :func:`populated_mixed`): quotas of a batch of 3 are math 2,
+code 1, and a batch of 1 would give code none:
+
+========  =========  ==========================================================
+uid       partition  state
+========  =========  ==========================================================
+m0, m1    train      FINISHED, task "math"
+c0        train      RUNNING, task "code"
+v0        val        FINISHED, no task (exempt partition: no quotas)
+========  =========  ==========================================================
 """
 
 from __future__ import annotations
@@ -66,7 +78,7 @@ from _helpers import (
     resident_uids,
     version_state,
 )
-from stalebuf import ReplayBuffer, SamplerConfig, Status
+from stalebuf import Group, ReplayBuffer, SamplerConfig, Status
 from stalebuf.errors import (
     BufferClosedError,
     BufferFullError,
@@ -80,6 +92,7 @@ from stalebuf.errors import (
     TagClosedError,
     UnknownGroupError,
 )
+from stalebuf.filters import min_trajectories, zero_variance
 
 pytestmark = pytest.mark.anyio
 
@@ -102,6 +115,7 @@ class Case:
     match: str
     closed: bool = False  # close the buffer before the call (and before the snapshot)
     flow: bool = False  # run against populated_flow() instead of populated()
+    mixed: bool = False  # run against populated_mixed() instead of populated()
 
 
 def write(ctx: Ctx, name: str, source: str) -> str:
@@ -195,6 +209,20 @@ async def enter(block: Any) -> None:
     """Enter and leave an ``async with`` block (a rollout whose entry must fail)."""
     async with block:
         pytest.fail("entered a rollout that must fail")
+
+
+async def _async_filter(group: Group) -> bool:
+    return True
+
+
+def _keep(group: Group) -> bool:
+    return True
+
+
+def mix(**config: Any) -> SamplerConfig:
+    """A config with a two-task mixture and ``config``."""
+    config.setdefault("mixture", {"math": 2, "code": 1})
+    return SamplerConfig(**config)
 
 
 C = Case
@@ -1502,6 +1530,245 @@ CASES: tuple[Case, ...] = (
         "dispatch step 3",
         flow=True,
     ),
+    # -- group filters (issue 23) ------------------------------------------------------------
+    C("filters-str", lambda c: ReplayBuffer(filters="zero_variance"), ConfigError, "filters.*str"),
+    C("filters-one-callable", lambda c: ReplayBuffer(filters=_keep), ConfigError, "filters.*function"),
+    C("filters-int-entry", lambda c: ReplayBuffer(filters=[1]), ConfigError, r"filters\[0\].*callable"),
+    C(
+        "filters-async-entry",
+        lambda c: ReplayBuffer(filters=[_async_filter]),
+        ConfigError,
+        r"filters\[0\].*async",
+    ),
+    C("filters-None-entry", lambda c: ReplayBuffer(filters=[_keep, None]), ConfigError, r"filters\[1\]"),
+    C("filters-None", lambda c: ReplayBuffer(filters=None), ConfigError, "filters"),  # type: ignore[arg-type]
+    C(
+        "filters-from-config-str",
+        lambda c: ReplayBuffer.from_config(SamplerConfig(), filters="x"),
+        ConfigError,
+        "filters",
+    ),
+    C("filters-restore-int-entry", lambda c: restore(c, filters=[1]), ConfigError, r"filters\[0\]"),
+    C("zero-variance-empty-tag", lambda c: zero_variance(""), ConfigError, "zero_variance"),
+    C("zero-variance-int", lambda c: zero_variance(3), ConfigError, "zero_variance"),  # type: ignore[arg-type]
+    C("min-trajectories-0", lambda c: min_trajectories(0), ConfigError, "min_trajectories"),
+    C("min-trajectories-float", lambda c: min_trajectories(1.5), ConfigError, "min_trajectories"),  # type: ignore[arg-type]
+    C(
+        "filter-groups-metric-empty",
+        lambda c: SamplerConfig(filter_groups_metric=""),
+        ConfigError,
+        "filter_groups_metric",
+    ),
+    C(
+        "filter-groups-metric-int",
+        lambda c: SamplerConfig(filter_groups_metric=3),
+        ConfigError,
+        "filter_groups_metric.*3",
+    ),
+    C(
+        "filter-groups-metric-mapping",
+        lambda c: SamplerConfig.from_mapping({"filter_groups_metric": ""}),
+        ConfigError,
+        "filter_groups_metric",
+    ),
+    # -- task mixtures (issue 23) --------------------------------------------------------------
+    C("mixture-empty", lambda c: SamplerConfig(mixture={}), ConfigError, "mixture"),
+    C("mixture-empty-name", lambda c: SamplerConfig(mixture={"": 1}), ConfigError, "mixture keys.*''"),
+    C("mixture-int-name", lambda c: SamplerConfig(mixture={1: 1}), ConfigError, "mixture keys.*1"),
+    C("mixture-weight-0", lambda c: SamplerConfig(mixture={"a": 0}), ConfigError, r"mixture\['a'\].*0"),
+    C(
+        "mixture-weight-negative",
+        lambda c: SamplerConfig(mixture={"a": -1}),
+        ConfigError,
+        r"mixture\['a'\].*-1",
+    ),
+    C("mixture-weight-nan", lambda c: SamplerConfig(mixture={"a": math.nan}), ConfigError, r"mixture\['a'\]"),
+    C("mixture-weight-inf", lambda c: SamplerConfig(mixture={"a": math.inf}), ConfigError, r"mixture\['a'\]"),
+    C(
+        "mixture-weight-bool",
+        lambda c: SamplerConfig(mixture={"a": True}),
+        ConfigError,
+        r"mixture\['a'\].*True",
+    ),
+    C("mixture-weight-str", lambda c: SamplerConfig(mixture={"a": "1"}), ConfigError, r"mixture\['a'\].*'1'"),
+    C(
+        "mixture-weight-huge-int",
+        lambda c: SamplerConfig(mixture={"a": HUGE, "b": 1}),
+        ConfigError,
+        r"mixture\['a'\]",
+    ),
+    C("mixture-list", lambda c: SamplerConfig(mixture=[("a", 1)]), ConfigError, "mixture must be a mapping"),
+    C("mixture-evil-mapping", lambda c: SamplerConfig(mixture=EvilMapping()), ConfigError, "mixture"),
+    C(
+        "mixture-mapping-weight-0",
+        lambda c: SamplerConfig.from_mapping({"mixture": {"a": 0}}),
+        ConfigError,
+        "mixture",
+    ),
+    C("mixture-tag-empty", lambda c: mix(mixture_tag=""), ConfigError, "mixture_tag"),
+    C("mixture-tag-int", lambda c: mix(mixture_tag=3), ConfigError, "mixture_tag.*3"),
+    C("mixture-policy-typo", lambda c: mix(mixture_policy="x"), ConfigError, "mixture_policy.*'x'"),
+    C("mixture-policy-None", lambda c: mix(mixture_policy=None), ConfigError, "mixture_policy"),
+    C(
+        "task-thresholds-0",
+        lambda c: mix(task_thresholds={"math": 0}),
+        ConfigError,
+        r"task_thresholds\['math'\].*0",
+    ),
+    C(
+        "task-thresholds-float",
+        lambda c: mix(task_thresholds={"math": 1.5}),
+        ConfigError,
+        r"task_thresholds\['math'\]",
+    ),
+    C(
+        "task-thresholds-bool",
+        lambda c: mix(task_thresholds={"math": True}),
+        ConfigError,
+        r"task_thresholds\['math'\]",
+    ),
+    C(
+        "task-thresholds-2-63",
+        lambda c: mix(task_thresholds={"math": 2**63}),
+        ConfigError,
+        r"task_thresholds\['math'\]",
+    ),
+    C(
+        "task-thresholds-unknown-task",
+        lambda c: mix(task_thresholds={"art": 2}),
+        ConfigError,
+        "task_thresholds.*'art'",
+    ),
+    C(
+        "task-thresholds-without-mixture",
+        lambda c: SamplerConfig(task_thresholds={"a": 2}),
+        ConfigError,
+        "task_thresholds.*mixture",
+    ),
+    C(
+        "task-thresholds-list",
+        lambda c: mix(task_thresholds=[("math", 2)]),
+        ConfigError,
+        "task_thresholds must be a mapping",
+    ),
+    C("mixture-huge-name-weight-0", lambda c: SamplerConfig(mixture={HUGE_STR: 0}), ConfigError, "mixture"),
+    C(
+        "task-thresholds-huge-name",
+        lambda c: SamplerConfig(mixture={HUGE_STR: 1}, task_thresholds={HUGE_STR: 0}),
+        ConfigError,
+        "task_thresholds",
+    ),
+    C(
+        "mixture-huge-name-missing-task",
+        lambda c: ReplayBuffer(SamplerConfig(mixture={HUGE_STR: 1})).add_prompt_nowait("x"),
+        ValueError,
+        "no tag 'task'",
+    ),
+    C(
+        "mixture-huge-tag-missing-task",
+        lambda c: ReplayBuffer(SamplerConfig(mixture={"a": 1}, mixture_tag=HUGE_STR)).add_prompt_nowait("x"),
+        ValueError,
+        "no tag",
+    ),
+    C(
+        "mixture-huge-name-unknown-task-arg",
+        lambda c: ReplayBuffer(SamplerConfig(mixture={HUGE_STR: 1})).free_slots(task="a"),
+        ValueError,
+        "task 'a'",
+    ),
+    C(
+        "mixture-admission-quota-0",
+        lambda c: SamplerConfig(mixture={"a": 1, "b": 1, "c": 1}, admission_batch_size=2),
+        ConfigError,
+        "admission_batch_size.*'c'",
+    ),
+    C("capacity-task-no-mixture", lambda c: c.buf.capacity(task="math"), ValueError, "task 'math'"),
+    C("free-slots-task-no-mixture", lambda c: c.buf.free_slots(task="math"), ValueError, "task 'math'"),
+    C("full-task-no-mixture", lambda c: c.buf.full(task="math"), ValueError, "task 'math'"),
+    C(
+        "sampleable-count-task-no-mixture",
+        lambda c: c.buf.sampleable_count(0, task="math"),
+        ValueError,
+        "task",
+    ),
+    C("capacity-task-unknown", lambda c: c.buf.capacity(task="art"), ValueError, "task 'art'", mixed=True),
+    C("free-slots-task-int", lambda c: c.buf.free_slots(task=3), TypeError, "task.*int", mixed=True),
+    C("full-task-bytes", lambda c: c.buf.full(task=b"math"), TypeError, "task.*bytes", mixed=True),
+    C(
+        "sampleable-count-task-empty",
+        lambda c: c.buf.sampleable_count(0, task=""),
+        ValueError,
+        "task ''",
+        mixed=True,
+    ),
+    C("capacity-task-exempt", lambda c: c.buf.capacity("val", task="math"), ValueError, "'val'", mixed=True),
+    C(
+        "free-slots-task-exempt",
+        lambda c: c.buf.free_slots("val", task="math"),
+        ValueError,
+        "'val'",
+        mixed=True,
+    ),
+    C("full-task-exempt", lambda c: c.buf.full("val", task="code"), ValueError, "'val'", mixed=True),
+    C(
+        "sampleable-count-task-exempt",
+        lambda c: c.buf.sampleable_count(0, "val", task="math"),
+        ValueError,
+        "'val'",
+        mixed=True,
+    ),
+    C("mixed-add-prompt-no-task", lambda c: c.buf.add_prompt_nowait("new"), ValueError, "task", mixed=True),
+    C(
+        "mixed-add-prompt-unknown-task",
+        lambda c: c.buf.add_prompt_nowait("new", tags={"task": "art"}),
+        ValueError,
+        "'art'",
+        mixed=True,
+    ),
+    C(
+        "mixed-add-prompt-async-no-task",
+        lambda c: c.buf.add_prompt("new", tags={"kind": "math"}),
+        ValueError,
+        "task",
+        mixed=True,
+    ),
+    C(
+        "mixed-add-prompt-new-partition",
+        lambda c: c.buf.add_prompt_nowait("new", partition="aux"),
+        ValueError,
+        "task",
+        mixed=True,
+    ),
+    C(
+        "mixed-put-group-int-task",
+        lambda c: c.buf.put_group_nowait("new", ["x"], tags={"task": 1}),
+        ValueError,
+        "task",
+        mixed=True,
+    ),
+    C(
+        "mixed-put-group-async-no-task",
+        lambda c: c.buf.put_group("new", ["x"], status="failed"),
+        ValueError,
+        "task",
+        mixed=True,
+    ),
+    C("mixed-rollout-no-task", lambda c: enter(c.buf.rollout("new")), ValueError, "task", mixed=True),
+    C(
+        "mixed-sample-quota-0",
+        lambda c: c.buf.sample(0, 1, timeout=0),
+        ValueError,
+        "batch_size=1.*'code'",
+        mixed=True,
+    ),
+    C("mixed-sample-nowait-quota-0", lambda c: c.buf.sample_nowait(0, 1), ValueError, "'code'", mixed=True),
+    C(
+        "mixed-sample-new-partition-quota-0",
+        lambda c: c.buf.sample(0, 1, partition="aux", timeout=0),
+        ValueError,
+        "'code'",
+        mixed=True,
+    ),
 )
 
 
@@ -1574,6 +1841,19 @@ async def populated_flow() -> ReplayBuffer:
     return buf
 
 
+async def populated_mixed() -> ReplayBuffer:
+    """The buffer of the ``mixed=True`` rows (see the module docstring)."""
+    config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=3, mixture={"math": 2, "code": 1})
+    buf = ReplayBuffer(config, status_log_interval=None)
+    buf.put_group_nowait("m0", ["a"], tags={"task": "math"})
+    buf.put_group_nowait("m1", ["b"], tags={"task": "math"})
+    buf.add_prompt_nowait("c0", tags={"task": "code"})
+    buf.mark_running_nowait("c0")
+    buf.put_nowait("c0", "c")
+    buf.put_group_nowait("v0", ["v"], partition="val")
+    return buf
+
+
 # -- the tests -------------------------------------------------------------------------------
 
 
@@ -1591,7 +1871,7 @@ def rows(cases: tuple[Case, ...]) -> list[Any]:
 @pytest.mark.parametrize("case", rows(CASES))
 async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) -> None:
     with anyio.fail_after(LIMIT):
-        buf = await (populated_flow() if case.flow else populated())
+        buf = await (populated_mixed() if case.mixed else populated_flow() if case.flow else populated())
         if case.closed:
             buf.close()
         before = full_snapshot(buf)
@@ -1603,7 +1883,13 @@ async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) 
         assert len(str(info.value)) <= MAX_MESSAGE, f"a message of {len(str(info.value))} characters"
         assert full_snapshot(buf) == before, "a failed call changed the buffer"
         # the buffer still works for legal calls afterwards
-        if case.flow and not case.closed:
+        if case.mixed and not case.closed:
+            buf.mark_finished_nowait("c0")
+            batch, _ = await buf.sample(0, 3, timeout=0)
+            assert batch.uids == ["m0", "m1", "c0"]  # math 2, code 1
+            assert "aux" not in buf.stats().partitions
+            assert_conserved(buf)
+        elif case.flow and not case.closed:
             buf.mark_finished_nowait("fa")
             batch, _ = await buf.sample(3, 2, timeout=0)
             assert batch.uids == ["fa", "fb"]
@@ -1807,6 +2093,11 @@ async def test_the_populated_buffer_is_what_the_table_assumes() -> None:
         assert (train.sampled_groups, train.evicted_in_flight_groups) == (1, 1)
         assert (flow.dispatch_step(), flow.free_slots(), flow.full()) == (3, 0, True)
         assert set(resident_uids(flow)) == {"fa", "fb", "vfin"}
+        mixed = await populated_mixed()
+        tasks = mixed.stats().partitions["train"].tasks
+        assert (tasks["math"].resident, tasks["code"].resident) == (2, 1)
+        assert (mixed.capacity(task="math"), mixed.capacity(task="code")) == (4, 2)  # T * q(3)
+        assert set(resident_uids(mixed)) == {"m0", "m1", "c0", "v0"}
 
 
 async def test_a_threadsafe_producer_refuses_a_uid_utf8_cannot_encode() -> None:

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ._quotas import normalised, quotas
-from ._validation import describe
+from ._validation import MAX_INT, describe
 from .errors import ConfigError
 
 __all__ = ["MIXTURE_POLICIES", "check_mixture", "to_mixture", "to_task_thresholds"]
@@ -33,6 +33,15 @@ def _items(name: str, value: object) -> list[tuple[Any, Any]]:
         raise ConfigError(f"{name} could not be read: {type(exc).__name__}") from exc
 
 
+def _finite(weight: Real) -> bool:
+    """Whether ``weight`` is a finite number a float can hold (an int too large for one, whose
+    ``math.isfinite`` raises OverflowError, is refused like an infinite weight)."""
+    try:
+        return math.isfinite(weight)
+    except OverflowError:
+        return False
+
+
 def to_mixture(value: object) -> Mapping[str, float] | None:
     """``mixture`` as a read-only mapping, tasks sorted by name (None stays None).
 
@@ -45,13 +54,10 @@ def to_mixture(value: object) -> Mapping[str, float] | None:
     for task, weight in _items("mixture", value):
         if type(task) is not str or not task:
             raise ConfigError(f"mixture keys must be non-empty task names (str), got {describe(task)}")
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, Real)
-            or not math.isfinite(weight)
-            or weight <= 0
-        ):
-            raise ConfigError(f"mixture[{task!r}] must be a finite number > 0, got {describe(weight)}")
+        if isinstance(weight, bool) or not isinstance(weight, Real) or not _finite(weight) or weight <= 0:
+            raise ConfigError(
+                f"mixture[{describe(task)}] must be a finite number > 0, got {describe(weight)}"
+            )
         checked[task] = weight
     if not checked:
         raise ConfigError("mixture must name at least one task (or be None: no mixture)")
@@ -70,8 +76,11 @@ def to_task_thresholds(value: object) -> Mapping[str, int]:
     for task, threshold in _items("task_thresholds", value):
         if type(task) is not str or not task:
             raise ConfigError(f"task_thresholds keys must be task names (str), got {describe(task)}")
-        if type(threshold) is not int or threshold < 1:
-            raise ConfigError(f"task_thresholds[{task!r}] must be an int >= 1, got {describe(threshold)}")
+        if type(threshold) is not int or not 1 <= threshold <= MAX_INT:  # as max_off_policy_threshold
+            raise ConfigError(
+                f"task_thresholds[{describe(task)}] must be an int >= 1 (and < 2**63), "
+                f"got {describe(threshold)}"
+            )
         checked[task] = threshold
     return MappingProxyType(dict(sorted(checked.items())))
 

@@ -150,13 +150,13 @@ class Rules:
         task = tags.get(tag, _MISSING)
         if task is _MISSING:
             raise ValueError(
-                f"the group has no tag {tag!r}: under a task mixture every group of a non-exempt "
-                f"partition names its task, one of {', '.join(map(repr, self.tasks))}"
+                f"the group has no tag {describe(tag)}: under a task mixture every group of a non-exempt "
+                f"partition names its task, one of {describe(list(self.tasks))}"
             )
         if type(task) is not str or task not in self.tasks:
             raise ValueError(
-                f"the group's tag {tag!r} is {describe(task)}, not a task of the mixture "
-                f"({', '.join(map(repr, self.tasks))})"
+                f"the group's tag {describe(tag)} is {describe(task)}, not a task of the mixture "
+                f"({describe(list(self.tasks))})"
             )
         return task
 

@@ -807,9 +807,10 @@ class ReplayBuffer:
         if type(task) is not str:
             raise TypeError(f"task must be a str or None, got {type(task).__name__}")
         if task not in rules.tasks or rules.policy.is_exempt(partition):
+            tasks = checks.describe(list(rules.tasks)) if rules.tasks else "none, no mixture"
             raise ValueError(
                 f"task {checks.describe(task)} is not a task of partition {checks.describe(partition)}'s "
-                f"mixture (tasks: {', '.join(map(repr, rules.tasks)) or 'none, no mixture'})"
+                f"mixture (tasks: {tasks})"
             )
 
     # -- consumer ---------------------------------------------------------------------
