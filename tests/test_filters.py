@@ -755,3 +755,46 @@ def test_filters_that_are_not_plain_callables_are_refused(filters: Any) -> None:
         ReplayBuffer(SamplerConfig(), filters=filters)
     with pytest.raises(ConfigError):
         ReplayBuffer.from_config(SamplerConfig(), filters=filters)
+
+
+# -- filters under a task mixture -----------------------------------------------------------------
+
+
+async def test_under_a_mixture_a_filtered_group_wakes_the_waiting_producer_of_its_own_task() -> None:
+    config = SamplerConfig(mixture={"a": 1, "b": 1}, admission_batch_size=2, max_off_policy_threshold=1)
+    buf = ReplayBuffer(config, filters=[drop_uids("a0")], status_log_interval=None)
+    with anyio.fail_after(LIMIT):
+        buf.add_prompt_nowait("a0", tags={"task": "a"})  # a's one slot at step 0
+        buf.add_prompt_nowait("b0", tags={"task": "b"})  # b's
+        async with anyio.create_task_group() as tg:
+            waiting_a = await start_call(tg, lambda: buf.add_prompt("a1", tags={"task": "a"}))
+            waiting_b = await start_call(tg, lambda: buf.add_prompt("b1", tags={"task": "b"}))
+            assert train_stats(buf).waiting_producers == 2
+            buf.put_nowait("a0", "x")
+            buf.mark_finished_nowait("a0")  # filtered: a's slot is free
+            await settle()
+            assert waiting_a.returned
+            assert not waiting_b.done  # b's slot is still taken by b0
+            assert buf.full(task="b")
+            waiting_b.scope.cancel()
+        tasks = train_stats(buf).tasks
+        assert (tasks["a"].resident, tasks["b"].resident) == (1, 1)
+        assert train_stats(buf).evicted_filtered_groups == 1
+        assert_conserved(buf)
+
+
+async def test_under_a_mixture_the_filter_metrics_cover_the_whole_partition() -> None:
+    config = SamplerConfig(mixture={"a": 1, "b": 1})
+    buf = ReplayBuffer(config, filters=[zero_variance("r")], status_log_interval=None)
+    with anyio.fail_after(LIMIT):
+        await buf.put_group("a-flat", ["x", "y"], tags={"task": "a"}, trajectory_tags=rewards(1, 1))
+        await buf.put_group("b-flat", ["x", "y"], tags={"task": "b"}, trajectory_tags=rewards(0, 0))
+        await buf.put_group("a-ok", ["x", "y"], tags={"task": "a"}, trajectory_tags=rewards(1, 0))
+        await buf.put_group("b-ok", ["x", "y"], tags={"task": "b"}, trajectory_tags=rewards(0, 1))
+        batch, metrics = await buf.sample(0, 2, timeout=0)
+        assert batch.uids == ["a-ok", "b-ok"]
+        assert metrics[f"{PREFIX}/filter_groups/evicted_samples"] == 2
+        assert metrics[f"{PREFIX}/filter_groups/pass_rate"] == 0.5
+        stats = train_stats(buf)
+        assert (stats.evicted_filtered_groups, stats.evicted_filtered_trajectories) == (2, 4)
+        assert_conserved(buf)
