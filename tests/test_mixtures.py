@@ -715,3 +715,43 @@ async def test_mixture_metrics_and_the_share_over_the_last_256_sampled_groups() 
         names = ("groups", "balance", "share")
         keys = {key for key in metrics if "/mixture/" in key}
         assert keys == {f"{PREFIX}/mixture/{task}/{name}" for task in "ab" for name in names}
+
+
+async def test_the_balance_cap_is_4b_of_the_current_call() -> None:
+    buf = mixed({"a": 1, "b": 1}, mixture_policy="borrow", max_off_policy_threshold=None)
+    with anyio.fail_after(LIMIT):
+        for step in range(6):  # B=4, b never produces: +2 a batch, capped at 16
+            for i in range(4):
+                await put(buf, f"a{step}-{i}", "a")
+            _, metrics = await buf.sample(step, 4, timeout=0)
+        assert metrics[f"{PREFIX}/mixture/b/balance"] == 12
+        for i in range(2):
+            await put(buf, f"late{i}", "a")
+        _, metrics = await buf.sample(6, 2, timeout=0)  # B=2 now: the cap is 8
+        balances = [metrics[f"{PREFIX}/mixture/{task}/balance"] for task in "ab"]
+        assert balances == [-8, 8]
+        assert [task.balance for task in train_stats(buf).tasks.values()] == [-8, 8]
+
+
+async def test_task_thresholds_apply_to_in_flight_eviction() -> None:
+    events: list[Any] = []
+    buf = mixed(
+        {"math": 1, "code": 1},
+        max_off_policy_threshold=1,
+        task_thresholds={"code": 3},
+        admission_batch_size=2,
+        evict_stale_in_flight=True,
+        on_evict=events.append,
+    )
+    with anyio.fail_after(LIMIT):
+        for uid, task in (("m0", "math"), ("c0", "code")):
+            buf.add_prompt_nowait(uid, tags={"task": task})  # tagged 0
+            buf.mark_running_nowait(uid)
+        with pytest.raises(TimeoutError):
+            await buf.sample(2, 2, timeout=0)  # age 3: over math's T=1, within code's T=3
+        assert [group.uid for event in events for group in event.groups] == ["m0"]
+        assert "c0" in buf
+        assert train_stats(buf).evicted_in_flight_groups == 1
+        buf.put_nowait("c0", "x")
+        buf.mark_finished_nowait("c0")  # still fine: no GroupEvictedError
+        assert_conserved(buf)
