@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import islice
+from itertools import islice, repeat
 from time import monotonic
 
 from ._partition import PartitionState
@@ -272,7 +272,9 @@ class Mixing:
 
 def _merged(sources: Mapping[str, Iterable[Entry]]) -> Iterator[tuple[str, Entry]]:
     """``(task, entry)`` from every task's entries (each oldest first), oldest first overall."""
-    streams = [((entry, task) for entry in entries) for task, entries in sources.items()]
+    # zip binds each stream's task now (a generator expression would read ``task`` when it is
+    # consumed, by then the last task's: every entry would be credited to the last task)
+    streams = [zip(entries, repeat(task)) for task, entries in sources.items()]
     for entry, task in heapq.merge(*streams, key=lambda item: item[0][:2]):
         yield task, entry
 
