@@ -198,7 +198,9 @@ class ReplayBuffer:
         if filters != ():  # filters are code, never in a checkpoint: given again on restore
             options["filters"] = filters
         buffer: ReplayBuffer = build_restored(cls, ReplayBuffer, checkpoint, options)
-        reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
+        consumer = buffer.__consumer
+        ledgers = (consumer.filtering, consumer.mixing)
+        reissue = rebuild(buffer.__store, buffer.__admission, consumer.eviction, ledgers, checkpoint, mode)
         return RestoreResult(buffer, reissue)
 
     def checkpoint(self) -> BufferCheckpoint:
@@ -213,7 +215,8 @@ class ReplayBuffer:
                 by attribute), building that raises, or its class is defined inside a function.
         """
         self.__store.binding.check_thread()
-        return capture(self.__store, self.__admission)
+        consumer = self.__consumer
+        return capture(self.__store, self.__admission, consumer.filtering, consumer.mixing)
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Take :meth:`checkpoint` at once, then write it to ``path`` in a worker thread,
