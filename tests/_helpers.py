@@ -201,7 +201,7 @@ def steps_of(buf: ReplayBuffer, *uids: str) -> list[int]:
 
 
 def assert_conserved(buf: ReplayBuffer) -> None:
-    """admitted == resident + sampled + evicted by reason (stale, failure, restart) for groups;
+    """admitted == resident + sampled + evicted by reason (stale, failure, restart, filtered) for groups;
     for trajectories the same plus those discarded by a reissuing restore; per partition and in
     total; and the totals match what the buffer actually holds."""
     stats = buf.stats()
@@ -212,6 +212,7 @@ def assert_conserved(buf: ReplayBuffer) -> None:
             + item.evicted_stale_groups
             + item.evicted_failure_groups
             + item.evicted_restart_groups
+            + item.evicted_filtered_groups
         ), item
         assert item.admitted_trajectories == (
             item.trajectories
@@ -219,6 +220,7 @@ def assert_conserved(buf: ReplayBuffer) -> None:
             + item.evicted_stale_trajectories
             + item.evicted_failure_trajectories
             + item.evicted_restart_trajectories
+            + item.evicted_filtered_trajectories
             + item.reissued_trajectories
         ), item
     assert stats.total.groups == len(resident_uids(buf))
