@@ -263,7 +263,8 @@ class ReplayBuffer:
         ``timeout=``: TimeoutError, nothing added), ``add_prompt_nowait`` and
         ``put_group_nowait`` raise BufferFullError instead, and ``wait_for_sampleable`` blocks
         as the buffer's does; ``mark_running``, ``put``, ``mark_finished`` and ``mark_failed``
-        never wait (they run the ``*_nowait`` methods).
+        never wait (they run the ``*_nowait`` methods), nor do the flow-control queries
+        (``dispatch_step``, and ``capacity``, ``free_slots`` and ``full`` with ``task``).
 
         Raises:
             WrongThreadError: no event loop runs in this thread, or the buffer is bound to
