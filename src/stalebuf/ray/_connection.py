@@ -311,7 +311,7 @@ def start_actor(
         actor_options=actor_options,
         start_timeout=start_timeout,
     )
-    checked_filters = check_remote_filters(filters)
+    checked = check_remote_filters(filters)
     # Across the process boundary "not given" (the built class's own default, which a custom
     # sampler's constructor need not take) travels as an empty tuple.
     interval = () if status_log_interval is NOT_GIVEN else (status_log_interval,)
@@ -321,20 +321,9 @@ def start_actor(
         raise ConfigError(
             f"actor_options['concurrency_groups'] must be a mapping, got {type(groups).__name__}"
         )
+    arguments = (config, use_factory, interval, eviction_queue_size, keep_evicted_payloads, restore, checked)
     try:
-        handle = (
-            actor_class(groups)
-            .options(**options)
-            .remote(
-                config,
-                use_factory,
-                interval,
-                eviction_queue_size,
-                keep_evicted_payloads,
-                restore,
-                checked_filters,
-            )
-        )
+        handle = actor_class(groups).options(**options).remote(*arguments)
     except (TypeError, ValueError) as exc:  # bad options, or the name is taken
         raise ConfigError(f"cannot start the buffer actor: {exc}") from exc
     connection = ActorConnection(
