@@ -441,19 +441,18 @@ class GroupStore:
     # -- checkpoints ------------------------------------------------------------------------
 
     def restore_terminal(self, part: PartitionState, group: Group, seq: int) -> None:
-        """Put back a terminal ``group`` at admission position ``seq`` in ``part`` (its partition,
-        or its task's cell: see :meth:`cell_of`), a restore."""
+        """Put back a terminal ``group`` at position ``seq`` in ``part`` (its :meth:`cell_of`)."""
         self.groups[group.uid] = group
         part.add_terminal(group, seq)
 
     def restore_in_flight(
         self, part: PartitionState, group: Group, seq: int, *, prefix: bool, running: bool
     ) -> None:
-        """Put back an in-flight ``group`` at position ``seq`` in ``part`` (its partition, or under a
-        task mixture its task's cell): with its trajectories, versions and
-        start version (``prefix``; else PENDING with none, to be generated again from its
-        dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline clock
-        starts now: an outage must not cut a group before its producer could go on with it."""
+        """Put back an in-flight ``group`` at position ``seq`` in ``part`` (its :meth:`cell_of`):
+        with its trajectories, versions and start version (``prefix``; else PENDING with none, to
+        be generated again from its dispatch step), RUNNING if it was and ``running`` (else
+        PENDING). Its deadline clock starts now: an outage must not cut a group before its
+        producer could go on with it."""
         now = monotonic()
         state = OpenGroup(
             group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now
@@ -497,9 +496,8 @@ class GroupStore:
             part.record_generation(seconds)
 
     def count_restarted(self, groups: list[Group]) -> None:
-        """Count in-flight ``groups`` a restore evicted (never put back), each in its partition or
-        task cell, and remember them."""
-        for group in groups:
+        """Count in-flight ``groups`` a restore evicted (never put back), each in its
+        :meth:`cell_of`, and remember them."""
+        for group in groups:  # a producer that survived the restart learns why on its next write
             self.cell_of(group).count_restarted([group])
-            # a producer that survived the restart learns why on its next write
             self.remember_evicted(group.uid, "restart")
