@@ -448,17 +448,15 @@ class GroupStore:
     def restore_in_flight(
         self, part: PartitionState, group: Group, seq: int, *, prefix: bool, running: bool
     ) -> None:
-        """Put back an in-flight ``group`` at position ``seq`` in ``part`` (its :meth:`cell_of`):
-        with its trajectories, versions and start version (``prefix``; else PENDING with none, to
-        be generated again from its dispatch step), RUNNING if it was and ``running`` (else
-        PENDING). Its deadline clock starts now: an outage must not cut a group before its
-        producer could go on with it."""
+        """Put back an in-flight ``group`` at position ``seq`` in ``part`` (its cell): with its
+        trajectories, versions and start version (``prefix``; else PENDING with none, to be generated
+        again from its dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline
+        clock starts now: an outage must not cut a group before its producer could go on with it."""
         now = monotonic()
-        state = OpenGroup(
+        state = self.groups[group.uid] = OpenGroup(
             group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now
         )
         state.task = part.task
-        self.groups[group.uid] = state
         part.admit(state)
         if part.deadlines:
             part.track(state)
@@ -496,8 +494,7 @@ class GroupStore:
             part.record_generation(seconds)
 
     def count_restarted(self, groups: list[Group]) -> None:
-        """Count in-flight ``groups`` a restore evicted (never put back), each in its
-        :meth:`cell_of`, and remember them."""
+        """Count in-flight ``groups`` a restore evicted (never put back), each in its cell; remember them."""
         for group in groups:  # a producer that survived the restart learns why on its next write
             self.cell_of(group).count_restarted([group])
             self.remember_evicted(group.uid, "restart")

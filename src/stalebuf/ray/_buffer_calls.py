@@ -417,8 +417,7 @@ class BufferCalls:
         Raises:
             TypeError, ValueError: as ReplayBuffer.sampleable_count; BufferUnavailableError.
         """
-        result: int = await self._connection.call("sampleable_count", global_steps, partition, task)
-        return result
+        return cast(int, await self._connection.call("sampleable_count", global_steps, partition, task))
 
     # -- queries and flow control -----------------------------------------------------
 
@@ -447,33 +446,26 @@ class BufferCalls:
         of a mixture), as :meth:`ReplayBuffer.capacity` (a coroutine here).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str, or ``task`` not a task of
-                its mixture; BufferUnavailableError.
+            TypeError, ValueError: a bad ``partition`` or ``task``; BufferUnavailableError.
         """
-        result: int | None = await self._connection.call("flow", "capacity", partition, task)
-        return result
+        return cast("int | None", await self._connection.call("flow", "capacity", partition, task))
 
     async def free_slots(self, partition: str = "train", task: str | None = None) -> int | None:
-        """Return how many groups ``add_prompt`` would admit now without waiting (of ``task``, or
-        summed over the tasks of a mixture), as :meth:`ReplayBuffer.free_slots` (a coroutine here;
-        the answer may be stale on arrival).
+        """Return how many groups ``add_prompt`` would admit now without waiting (of ``task``, or all
+        tasks), as :meth:`ReplayBuffer.free_slots` (a coroutine here; may be stale on arrival).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str, or ``task`` not a task of
-                its mixture; BufferUnavailableError.
+            TypeError, ValueError: a bad ``partition`` or ``task``; BufferUnavailableError.
         """
-        result: int | None = await self._connection.call("flow", "free_slots", partition, task)
-        return result
+        return cast("int | None", await self._connection.call("flow", "free_slots", partition, task))
 
     async def full(self, partition: str = "train", task: str | None = None) -> bool:
-        """Return whether ``free_slots(partition, task) == 0`` (with ``task=None`` under a mixture:
-        whether every task is full), as :meth:`ReplayBuffer.full` (a coroutine here).
+        """Return whether ``free_slots(partition, task) == 0``, as :meth:`ReplayBuffer.full` (awaited).
 
         Raises:
             TypeError, ValueError: as :meth:`free_slots`; BufferUnavailableError.
         """
-        result: bool = await self._connection.call("flow", "full", partition, task)
-        return result
+        return cast(bool, await self._connection.call("flow", "full", partition, task))
 
     # -- checkpoint and closing -------------------------------------------------------
 
