@@ -17,6 +17,11 @@ runs from its start version up to the clock as weights are pushed while it decod
 one from the weights before (a restarted engine), or only a token count (an engine that reports
 no versions, or a put while the group is PENDING). What it reported is part of its JSON state, so
 a reissued group is generated again exactly; a resumed one (``in_flight="resume"``) keeps it.
+
+With a task mixture (issue 23), each prompt is tagged with a task (math twice as often as code,
+whose threshold is higher); with filters, the buffer runs :data:`FILTERS` (one rejects groups
+whose first reward is low, one raises on some groups): code, so the fresh process passes them to
+``restore`` again.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from stalebuf import (
 )
 
 __all__ = [
+    "FILTERS",
     "VARIANTS",
     "Producer",
     "Variant",
@@ -66,20 +72,34 @@ class Variant:
     batch_size: int = 4
     versions: bool = False  # producers report versions and tokens (issue 22)
     in_flight: str = "reissue"  # how the fresh process restores: "reissue" or "resume"
+    mixture: str | None = None  # the task mixture's policy, "wait" or "borrow"; None: no mixture
+    filters: bool = False  # the buffer runs FILTERS
+    # Save after the producer's tick that follows batch k, not before it: the filters' counts
+    # since the last batch are then not 0 (the resumed run starts after that tick).
+    tick_before_save: bool = False
 
     @property
     def id(self) -> str:
         extra = ("-versions" if self.versions else "") + ("-resume" if self.in_flight == "resume" else "")
+        extra += (f"-mix-{self.mixture}" if self.mixture else "") + ("-filters" if self.filters else "")
         return f"{self.strategy}-{'admission' if self.admission else 'open'}-{self.backend}{extra}"
 
     def config(self) -> SamplerConfig:
+        mixture: dict[str, Any] = {}
+        if self.mixture is not None:
+            mixture = {"mixture": MIXTURE, "mixture_policy": self.mixture, "task_thresholds": {"code": 3}}
         return SamplerConfig(
             max_off_policy_threshold=2,
             max_off_policy_strategy=self.strategy,  # type: ignore[arg-type]
             failure_strategy="evict",
             admission_batch_size=self.batch_size if self.admission else None,
             evict_stale_in_flight=self.strategy == "drop",
+            **mixture,
         )
+
+    def group_filters(self) -> list[Callable[[Group], bool]]:
+        """The filters the buffer runs (given again to ``restore``: they are never saved)."""
+        return list(FILTERS) if self.filters else []
 
 
 #: (strategy, admission, in_flight, seed) of the variants with versions (seeds chosen as below).
@@ -91,23 +111,72 @@ VERSIONED_SEEDS = (
     ("mask", False, "resume", 1),
 )
 
+#: (strategy, admission, mixture policy, filters, versions, in_flight, seed) of the variants with
+#: a task mixture or filters (issue 23; seeds chosen as below).
+MIXED_SEEDS = (
+    ("drop", True, "wait", True, False, "reissue", 38),
+    ("drop", True, "borrow", True, False, "reissue", 41),
+    ("drop", False, "borrow", True, False, "reissue", 4),
+    ("wait", False, "borrow", True, False, "resume", 0),
+    ("mask", False, "wait", False, True, "reissue", 0),
+    ("drop", False, None, True, True, "resume", 0),
+)
+
 # Seeds chosen so that at step k some groups are in flight (PENDING and RUNNING, holding
 # trajectories) and, after it, every rule fires (the test checks it, so a change of the scenario
 # that loses this fails loudly rather than passing vacuously).
-VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(strategy, admission, backend, seed=seed)
-    for strategy, admission, seed in (
-        ("drop", False, 12),
-        ("drop", True, 12),
-        ("wait", False, 11),
-        ("wait", True, 17),
+VARIANTS: tuple[Variant, ...] = (
+    tuple(
+        Variant(strategy, admission, backend, seed=seed)
+        for strategy, admission, seed in (
+            ("drop", False, 12),
+            ("drop", True, 12),
+            ("wait", False, 11),
+            ("wait", True, 17),
+        )
+        for backend in ("asyncio", "trio")
     )
-    for backend in ("asyncio", "trio")
-) + tuple(  # with versions and tokens, restored by reissuing or by resuming the partial groups
-    Variant(strategy, admission, backend, seed=seed, versions=True, in_flight=in_flight)
-    for strategy, admission, in_flight, seed in VERSIONED_SEEDS
-    for backend in ("asyncio", "trio")
+    + tuple(  # with versions and tokens, restored by reissuing or by resuming the partial groups
+        Variant(strategy, admission, backend, seed=seed, versions=True, in_flight=in_flight)
+        for strategy, admission, in_flight, seed in VERSIONED_SEEDS
+        for backend in ("asyncio", "trio")
+    )
+    + tuple(  # with a task mixture (both policies) and filters
+        Variant(
+            strategy,
+            admission,
+            backend,
+            seed,
+            versions=versions,
+            in_flight=in_flight,
+            mixture=mixture,
+            filters=filters,
+            tick_before_save=filters,
+        )
+        for strategy, admission, mixture, filters, versions, in_flight, seed in MIXED_SEEDS
+        for backend in ("asyncio", "trio")
+    )
 )
+
+
+#: The task mixture of the variants that have one: math twice as often as code.
+MIXTURE = {"math": 2, "code": 1}
+
+
+def low_reward(group: Group) -> bool:
+    """Keep a group unless its first trajectory's reward is below 0.25 (DAPO-like, deterministic)."""
+    return not group.trajectories or group.trajectories[0].payload["reward"] >= 0.25
+
+
+def flaky(group: Group) -> bool:
+    """Raise on groups whose uid ends in 3 (they are kept: filters fail open, errors counted)."""
+    if group.uid.endswith("3"):
+        raise RuntimeError("a flaky filter")
+    return True
+
+
+#: The filters of the variants that have them (module-level functions: the same in every process).
+FILTERS: tuple[Callable[[Group], bool], ...] = (flaky, low_reward)
 
 
 def payload(seed: int, uid: str, session: int) -> dict[str, Any]:
@@ -121,6 +190,7 @@ class Producer:
 
     seed: int
     versions: bool = False  # report versions and tokens (see the module docs)
+    mixture: bool = False  # tag each prompt with a task of MIXTURE
     tick: int = 0
     next_prompt: int = 0
     retry: list[str] = field(default_factory=list)  # prompts refused by admission, FIFO
@@ -135,6 +205,7 @@ class Producer:
         return {
             "seed": self.seed,
             "versions": self.versions,
+            "mixture": self.mixture,
             "tick": self.tick,
             "next_prompt": self.next_prompt,
             "retry": list(self.retry),
@@ -185,8 +256,11 @@ class Producer:
         if shift > 0 and buf.capacity() is not None:
             shift = 0  # admission refuses a step ahead of the clock: a pipelined trainer's is the clock
         step = max(0, buf.dispatch_step() + shift)
+        tags: dict[str, Any] = {"planned": planned}
+        if self.mixture:  # (drawn only then: the variants without a mixture keep their draws)
+            tags["task"] = rng.choice(("math", "math", "code"))
         try:
-            buf.add_prompt_nowait(uid, global_steps=step, tags={"planned": planned})
+            buf.add_prompt_nowait(uid, global_steps=step, tags=tags)
         except BufferFullError:
             self.refused += 1
             return False
@@ -338,9 +412,9 @@ async def drive(
 
     After each batch the producer ticks once before the next ``sample`` (it dispatches at the
     clock the batch left behind, so the restored clock and admission state are exercised); at the
-    end of step ``variant.checkpoint_at`` ``await on_checkpoint()`` runs first, with the producer
-    paused (it saves the buffer and the producer's state). A resumed run (``first > 1``) starts
-    with that tick.
+    end of step ``variant.checkpoint_at`` ``await on_checkpoint()`` runs first (after that tick
+    with ``variant.tick_before_save``), with the producer paused (it saves the buffer and the
+    producer's state). A resumed run (``first > 1``) starts with that tick (unless it was saved).
     """
     records: list[dict[str, Any]] = []
     done = paused = False
@@ -362,17 +436,20 @@ async def drive(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(produce)
-            if first > 1:
+            if first > 1 and not variant.tick_before_save:
                 producer.step(buf, late=True)  # the tick that followed the batch before the checkpoint
             for step in range(first, variant.steps + 1):
                 batch, metrics = await buf.sample(step, variant.batch_size)
                 records.append(batch_record(batch, metrics))
+                ticked = step == variant.checkpoint_at and variant.tick_before_save
+                if ticked:
+                    producer.step(buf, late=True)
                 if step == variant.checkpoint_at and on_checkpoint is not None:
                     paused = True  # nothing changes the buffer while it is saved
                     await on_checkpoint()
                     paused = False
                     resumed.set()
-                if step < variant.steps:
+                if step < variant.steps and not ticked:
                     producer.step(buf, late=True)
             done = True
     return records

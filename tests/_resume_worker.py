@@ -29,6 +29,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         job["checkpoint"],
         in_flight=variant.in_flight,  # type: ignore[arg-type]
         status_log_interval=None,
+        filters=variant.group_filters(),  # code, never in a checkpoint: given again
     )
     buf = result.buffer
     restored = stats_record(buf.stats())

@@ -3,8 +3,10 @@ uninterrupted run trains.
 
 For each variant (drop and wait, with and without admission control, asyncio and trio; and,
 issue 22, with versions and tokens under drop, wait and mask, restored by reissuing or by
-resuming the partial groups) the test process runs the seeded scenario of ``_resume_scenario``
-from step 1 to n, saving the buffer (and the producer's state) to a file at the end of step k.
+resuming the partial groups; and, issue 23, with group filters, one of which raises, and with a
+task mixture under both policies, restored with the filters given again) the test process runs
+the seeded scenario of ``_resume_scenario`` from step 1 to n, saving the buffer (and the
+producer's state) to a file at the end of step k (after the producer's next tick, with filters).
 One fresh process (``_resume_worker.py``) then restores every step-k file, regenerates the
 reissued groups (or goes on with the resumed ones) and replays the same producer ticks to step n.
 Every batch k+1..n must be identical (uids, order, keys, payloads, staleness, the per-token
@@ -39,8 +41,8 @@ _COUNTS = ("reissued_groups", "reissued_trajectories", "admitted_trajectories", 
 
 def run_original(variant: Variant, directory: Path) -> dict[str, Any]:
     """Run the whole scenario in this process, saving at step k; return what the test needs."""
-    buf = ReplayBuffer(variant.config(), status_log_interval=None)
-    producer = Producer(variant.seed, versions=variant.versions)
+    buf = ReplayBuffer(variant.config(), status_log_interval=None, filters=variant.group_filters())
+    producer = Producer(variant.seed, versions=variant.versions, mixture=variant.mixture is not None)
     saved: dict[str, Any] = {}
     checkpoint = directory / f"{variant.id}.ckpt"
     state = directory / f"{variant.id}.producer.json"
@@ -53,6 +55,12 @@ def run_original(variant: Variant, directory: Path) -> dict[str, Any]:
             if group.status in (Status.PENDING, Status.RUNNING) and group.partition == "train"
         ]
         saved["producer"] = producer.to_json()
+        train = next(p for p in buf.checkpoint().partitions if p.name == "train")
+        saved["ledgers"] = {  # what filters and a mixture left behind, carried by the checkpoint
+            "recent_filtered": 0 if train.filters is None else train.filters.recent_filtered,
+            "recent_filter_errors": 0 if train.filters is None else train.filters.recent_errors,
+            "balances": [] if train.mixture is None else [task.balance for task in train.mixture.tasks],
+        }
         state.write_text(json.dumps(saved["producer"]))
         await buf.save(checkpoint)
 
@@ -66,6 +74,7 @@ def run_original(variant: Variant, directory: Path) -> dict[str, Any]:
         "checkpoint_stats": saved["stats"],
         "checkpoint_producer": saved["producer"],
         "checkpoint_in_flight": saved["in_flight"],
+        "checkpoint_ledgers": saved["ledgers"],
         "final_stats": stats_record(buf.stats()),
         "producer": producer.to_json(),
         "job": {"variant": vars(variant), "checkpoint": str(checkpoint), "producer": str(state)},
@@ -215,7 +224,20 @@ def test_the_scenario_exercises_the_rules_after_the_checkpoint(
     assert (after["sampled_tokens"] > 0) is variant.versions
     if variant.admission:
         assert original["producer"]["refused"] > original["checkpoint_producer"]["refused"]
-    if variant.strategy == "drop" and not variant.admission:
+    if variant.strategy == "drop" and not variant.admission and not variant.tick_before_save:
         # The producers hold groups evicted in flight that they hear of only after the resume,
         # through the restored memory of evicted uids (GroupEvictedError, not UnknownGroupError).
         assert len(original["checkpoint_producer"]["active"]) > len(original["checkpoint_in_flight"])
+    ledgers = original["checkpoint_ledgers"]
+    if variant.filters:
+        # Groups are filtered after the checkpoint, a filter raises, and the counts since the
+        # last batch were not 0 at the checkpoint (so the first batch after it reads restored ones).
+        assert after["evicted_filtered_groups"] > 0, after
+        assert after["filter_errors"] > 0, after
+        assert ledgers["recent_filtered"] + ledgers["recent_filter_errors"] > 0, ledgers
+    if variant.mixture is not None:
+        tasks = original["final_stats"]["partitions"]["train"]["tasks"]
+        at_k_tasks = original["checkpoint_stats"]["partitions"]["train"]["tasks"]
+        assert all(tasks[task]["sampled"] > at_k_tasks[task]["sampled"] for task in tasks), tasks
+    if variant.mixture == "borrow":  # a balance that is not 0 crosses the checkpoint
+        assert any(ledgers["balances"]), ledgers

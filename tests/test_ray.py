@@ -17,12 +17,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 
@@ -1809,6 +1811,133 @@ async def test_a_remote_restore_can_resume_in_flight_groups_with_their_prefixes(
             total = (await restored.stats()).total
             assert (total.reissued_groups, total.reissued_tokens) == (0, 0)
             assert (total.admitted_tokens, total.sampled_tokens) == (9, 9)
+    finally:
+        buffer.kill()
+        if restored is not None:
+            restored.kill()
+
+
+# -- filters and task mixtures (issue 23) -----------------------------------------------------------
+
+
+def keep_unless_first_is_bad(group: Any) -> bool:
+    """A filter (pickled by value: this module is registered so) that runs in the actor."""
+    return group.trajectories[0].tags.get("bad") is not True
+
+
+MIXED = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=3, mixture={"a": 2, "b": 1})
+
+
+def test_filters_that_cannot_run_in_the_actor_are_refused_before_it_starts(tmp_path: Any) -> None:
+    lock = threading.Lock()
+
+    def holds_a_lock(group: Any) -> bool:  # a closure over a lock: pickle refuses it
+        with lock:
+            return True
+
+    async def is_async(group: Any) -> bool:
+        return True
+
+    for make_buffer in (
+        lambda filters: RemoteReplayBuffer(filters=filters),
+        lambda filters: RemoteReplayBuffer.from_config({}, filters=filters),
+        lambda filters: RemoteReplayBuffer.restore(tmp_path / "none.ckpt", filters=filters),
+    ):
+        with pytest.raises(ConfigError, match=r"filters\[1\] cannot be pickled .*run in its actor"):
+            make_buffer([keep_unless_first_is_bad, holds_a_lock])
+        with pytest.raises(ConfigError, match=r"filters\[0\] is async"):
+            make_buffer([is_async])
+        with pytest.raises(ConfigError, match="filters must be a sequence"):
+            make_buffer(keep_unless_first_is_bad)
+
+
+@pytest.mark.asyncio
+async def test_filters_run_in_the_actor_and_the_filtered_reason_reaches_evictions() -> None:
+    buffer = RemoteReplayBuffer(MIXED, status_log_interval=None, filters=[keep_unless_first_is_bad])
+    local = ReplayBuffer(MIXED, status_log_interval=None, filters=[keep_unless_first_is_bad])
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            stream = buffer.evictions(from_oldest=True, poll_seconds=1.0)
+            for target in (buffer, local):
+                for uid, task, bad in (("a0", "a", True), ("a1", "a", False), ("a2", "a", False)):
+                    # a0 is filtered at once, so its slot is free again: a2 is admitted without waiting
+                    await target.put_group(uid, [uid], tags={"task": task}, trajectory_tags=[{"bad": bad}])
+                async with target.rollout("b0", tags={"task": "b"}) as group:
+                    await group.put("b0", tags={"bad": True})  # filtered when the block ends
+            event = await stream.__anext__()
+            assert (event.reason, [g.uid for g in event.groups]) == ("filtered", ["a0"])
+            event = await stream.__anext__()
+            assert (event.reason, [g.uid for g in event.groups]) == ("filtered", ["b0"])
+            stats = await buffer.stats()
+            assert stats == local.stats()
+            assert (stats.total.evicted_filtered_groups, stats.partitions["train"].tasks["a"].resident) == (
+                2,
+                2,
+            )
+            await expect(GroupEvictedError, buffer.put("b0", "late"))  # it says why: filtered
+            await buffer.put_group("b1", ["b1"], tags={"task": "b"})
+            batch, metrics = await buffer.sample(1, 3)
+            assert batch.uids == ["a1", "a2", "b1"]
+            assert metrics["training/filter_groups/evicted_samples"] == 2
+            assert metrics["training/mixture/b/groups"] == 1
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_flow_queries_and_sampleable_count_take_a_task_like_the_local_buffer() -> None:
+    buffer = RemoteReplayBuffer(MIXED, status_log_interval=None)
+    local = ReplayBuffer(MIXED, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            for target in (buffer, local):
+                await target.put_group("a0", [1], tags={"task": "a"})
+                await target.put_group("a1", [1], tags={"task": "a"})
+                await target.put_group("b0", [1], tags={"task": "b"})
+            for task in (None, "a", "b"):
+                remote = [
+                    await buffer.capacity(task=task),
+                    await buffer.free_slots(task=task),
+                    await buffer.full(task=task),
+                    await buffer.sampleable_count(0, task=task),
+                ]
+                mine = [local.capacity(task=task), local.free_slots(task=task), local.full(task=task)]
+                assert remote == [*mine, local.sampleable_count(0, task=task)], task
+            assert [await buffer.capacity(task="a"), await buffer.full(task="a"), await buffer.full()] == [
+                4,
+                True,
+                True,
+            ]
+            assert await buffer.sampleable_count(0, "train", "b") == 1
+            await expect(ValueError, buffer.free_slots(task="c"))
+            await expect(TypeError, buffer.full(task=3))  # type: ignore[arg-type]
+            await expect(ValueError, buffer.sampleable_count(0, "val", "a"))  # exempt: no tasks
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_remote_restore_takes_the_filters_again_and_keeps_the_mixtures_state(tmp_path: Any) -> None:
+    config = attrs.evolve(MIXED, mixture_policy="borrow")
+    buffer = RemoteReplayBuffer(config, status_log_interval=None, filters=[keep_unless_first_is_bad])
+    path = tmp_path / "mixed.ckpt"
+    restored: RemoteReplayBuffer | None = None
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.put_group("a0", [1], tags={"task": "a"}, trajectory_tags=[{"bad": True}])
+            for uid in ("a1", "a2"):
+                await buffer.put_group(uid, [uid], tags={"task": "a"})
+            batch, _ = await buffer.sample(0, 2)  # b has none: a lends it its slot, b is owed one
+            assert batch.uids == ["a1", "a2"]
+            await buffer.save(path)
+            before = await buffer.stats()
+            assert before.partitions["train"].tasks["b"].balance == 1
+            restored, _ = RemoteReplayBuffer.restore(
+                path, status_log_interval=None, filters=[keep_unless_first_is_bad]
+            )
+            assert await restored.stats() == before  # per task, balances and filter counts too
+            await restored.put_group("b0", [0], tags={"task": "b"}, trajectory_tags=[{"bad": True}])
+            assert (await restored.stats()).total.evicted_filtered_groups == 2  # still filtered
     finally:
         buffer.kill()
         if restored is not None:

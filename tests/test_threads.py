@@ -683,3 +683,56 @@ async def test_bad_versions_tokens_or_start_versions_from_a_thread_raise_there_a
             assert type(outcome) is error, f"expected {error.__name__}, got {outcome!r}"
             assert (full_snapshot(buf), [(g.uid, g.start_version) for g in buf.checkpoint().groups]) == before
         assert "new" not in buf
+
+
+# -- task mixtures and filters through the handle (issue 23) ---------------------------------------
+
+
+def test_the_handles_flow_queries_take_the_parameters_of_the_buffers() -> None:
+    """``capacity``, ``free_slots`` and ``full`` take ``task`` (and ``dispatch_step`` its
+    partition) on the handle as on the buffer, with the same defaults."""
+    buf = ReplayBuffer()
+    for name in ("dispatch_step", "capacity", "free_slots", "full"):
+        handle = inspect.signature(getattr(ThreadsafeProducer, name)).parameters
+        twin = inspect.signature(getattr(buf, name)).parameters
+        shape = [(p.name, p.kind, p.default) for p in twin.values()]
+        assert [(p.name, p.kind, p.default) for p in handle.values() if p.name != "self"] == shape, name
+
+
+@pytest.mark.anyio
+async def test_a_thread_paces_each_task_by_its_own_slots_and_its_filtered_group_frees_one() -> None:
+    """A thread producer under a mixture with admission reads each task's capacity and free
+    slots through the handle; a group a filter rejects (in the call that finished it, run on the
+    loop) frees its task's slot at once, reported to ``on_evict`` on the loop's thread."""
+    events: list[tuple[str, list[str], bool]] = []
+    config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=3, mixture={"a": 2, "b": 1})
+
+    def on_evict(event: Any) -> None:
+        events.append((event.reason, [group.uid for group in event.groups], threading.get_ident() == loop))
+
+    buf = ReplayBuffer(
+        config, filters=[lambda group: group.trajectories[0].payload != "bad"], on_evict=on_evict
+    )
+    loop = threading.get_ident()
+    with anyio.fail_after(LIMIT):
+        producer = buf.threadsafe()
+
+        def produce() -> list[Any]:
+            seen: list[Any] = [producer.capacity(task="a"), producer.capacity(task="b"), producer.capacity()]
+            for i in range(3):  # a's quota of b=3 is 2 per step: a0's slot is freed when it is filtered
+                producer.put_group(f"a{i}", ["bad" if i == 0 else "ok"], tags={"task": "a"})
+            seen += [producer.free_slots(task="a"), producer.full(task="a"), producer.full()]
+            seen.append(producer.free_slots(task="b"))
+            producer.put_group("b0", ["ok"], tags={"task": "b"})
+            seen += [producer.full(), producer.dispatch_step()]
+            return seen
+
+        outcome = await from_thread(produce)
+    assert outcome == [4, 2, 6, 0, True, False, 1, True, 0]
+    assert events == [("filtered", ["a0"], True)]
+    stats = buf.stats().partitions["train"]
+    assert (stats.evicted_filtered_groups, stats.tasks["a"].resident, stats.tasks["b"].resident) == (1, 2, 1)
+    with anyio.fail_after(LIMIT):
+        refused = await from_thread(lambda: producer.free_slots(task="c"))
+    assert type(refused) is ValueError, refused
+    assert "not a task" in str(refused)

@@ -7,18 +7,30 @@ import json
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
 from ._stored import peek_trajectories
 from ._validation import check_tags, describe, describe_error
-from .checkpoint import FORMAT_VERSION, TOKEN_COUNTERS, BufferCheckpoint, PartitionCheckpoint
+from .checkpoint import (
+    FILTER_COUNTERS,
+    FORMAT_VERSION,
+    TOKEN_COUNTERS,
+    BufferCheckpoint,
+    FilterCheckpoint,
+    MixtureCheckpoint,
+    PartitionCheckpoint,
+    TaskCheckpoint,
+)
 from .config import SamplerConfig
 from .errors import CheckpointError
 from .records import Group, Status, Trajectory, pack_runs
 
 __all__ = ["read_plain", "write_plain", "written_counters"]
+
+_J = TypeVar("_J", dict[str, Any], list[Any])
+_OMITTED_WHEN_ZERO = frozenset((*TOKEN_COUNTERS, *FILTER_COUNTERS))
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -47,10 +59,7 @@ def write_plain(
     manifest = {
         "config": config,
         "policy": checkpoint.policy,
-        "partitions": [
-            [p.name, p.last_sampled, written_counters(p.counters), list(p.generation)]
-            for p in checkpoint.partitions
-        ],
+        "partitions": [_partition_row(p) for p in checkpoint.partitions],
         "clocks": dict(checkpoint.clocks),
         "evicted_in_flight": list(checkpoint.evicted_in_flight),
         "evicted_reasons": list(checkpoint.evicted_reasons),
@@ -79,9 +88,36 @@ def write_plain(
 
 
 def written_counters(counters: Mapping[str, int]) -> dict[str, int]:
-    """The counters a file holds: all but the token counters that are 0 (a partition that never
-    counted a token is then written as before versions existed; a reader fills in 0)."""
-    return {key: value for key, value in counters.items() if value or key not in TOKEN_COUNTERS}
+    """The counters a file holds: all but the token and filter counters that are 0 (a partition
+    that never counted a token or filtered a group is then written as before versions or filters
+    existed; a reader fills in 0)."""
+    return {key: value for key, value in counters.items() if value or key not in _OMITTED_WHEN_ZERO}
+
+
+def _partition_row(saved: PartitionCheckpoint) -> list[Any]:
+    """A partition's JSON row; the state of a task mixture or of filters is a 5th field, an
+    object, only when it has some (files written before them hold rows of 4, or 3)."""
+    row: list[Any] = [
+        saved.name,
+        saved.last_sampled,
+        written_counters(saved.counters),
+        list(saved.generation),
+    ]
+    extra: dict[str, Any] = {}
+    mixture, filters = saved.mixture, saved.filters
+    if mixture is not None:
+        tasks = [[t.name, dict(t.counters), list(t.generation), t.balance, t.growth] for t in mixture.tasks]
+        extra["mixture"] = [tasks, list(mixture.shares), mixture.batch_size]
+    if filters is not None:
+        extra["filters"] = [
+            list(filters.verdicts),
+            filters.errors,
+            filters.recent_filtered,
+            filters.recent_errors,
+        ]
+    if extra:
+        row.append(extra)
+    return row
 
 
 def _group_row(group: Group) -> list[Any]:
@@ -176,16 +212,9 @@ def read_plain(
         config = SamplerConfig(**manifest["config"])
     except Exception as exc:  # ConfigError naming the field, or TypeError for an unknown one
         raise CheckpointError(f"the checkpoint's config is invalid: {describe_error(exc)}") from exc
-    partitions = []
-    for index, row in enumerate(manifest["partitions"]):
-        if type(row) is list and len(row) == 3:  # an older file: no generation times
-            row = [*row, []]
-        name, last_sampled, counters, generation = _row(f"partitions[{index}]", row, 4)
-        if type(counters) is not dict:  # its converter would read a list of pairs as a mapping
-            raise CheckpointError(f"the checkpoint's partitions[{index}].counters must be a JSON object")
-        if type(generation) is not list:
-            raise CheckpointError(f"the checkpoint's partitions[{index}].generation must be a JSON list")
-        partitions.append(PartitionCheckpoint(name, last_sampled, counters, generation))
+    partitions = [
+        _partition_from_row(f"partitions[{index}]", row) for index, row in enumerate(manifest["partitions"])
+    ]
     groups: list[Group] = []
     while len(groups) < manifest["groups"]:
         chunk = json.loads(bytes(next_frame()))
@@ -214,6 +243,64 @@ def _row(where: str, value: object, size: int, longer: int | None = None) -> lis
     if type(value) is not list or len(value) not in (size, longer):
         sizes = str(size) if longer is None else f"{size} or {longer}"
         raise CheckpointError(f"the checkpoint's {where} must be a JSON list of {sizes} fields")
+    return value
+
+
+def _partition_from_row(where: str, row: object) -> PartitionCheckpoint:
+    """The partition of one JSON row (of 3 fields in older files, without generation times; of
+    5 with the state of a task mixture or of filters).
+
+    Raises:
+        CheckpointError: the row is not shaped as the writer writes it.
+    """
+    if type(row) is list and len(row) == 3:  # an older file: no generation times
+        row = [*row, []]
+    name, last_sampled, counters, generation, *more = _row(where, row, 4, 5)
+    _json(f"{where}.counters", counters, dict)  # its converter would read a list of pairs as a mapping
+    _json(f"{where}.generation", generation, list)
+    extra = _json(f"{where}[4]", more[0], dict) if more else {}
+    if not extra.keys() <= {"mixture", "filters"}:
+        raise CheckpointError(f"the checkpoint's {where}[4] may hold only the keys mixture and filters")
+    mixture = filters = None
+    if "mixture" in extra:
+        tasks, shares, batch_size = _row(f"{where}.mixture", extra["mixture"], 3)
+        mixture = MixtureCheckpoint(
+            [
+                _task_from_row(f"{where}.mixture.tasks[{i}]", task)
+                for i, task in enumerate(_json(f"{where}.mixture.tasks", tasks, list))
+            ],
+            _json(f"{where}.mixture.shares", shares, list),
+            batch_size,
+        )
+    if "filters" in extra:
+        verdicts, errors, recent_filtered, recent_errors = _row(f"{where}.filters", extra["filters"], 4)
+        filters = FilterCheckpoint(
+            _json(f"{where}.filters.verdicts", verdicts, list), errors, recent_filtered, recent_errors
+        )
+    return PartitionCheckpoint(name, last_sampled, counters, generation, mixture, filters)
+
+
+def _task_from_row(where: str, row: object) -> TaskCheckpoint:
+    """One task's record of a mixture's JSON row.
+
+    Raises:
+        CheckpointError: the row is not shaped as the writer writes it.
+    """
+    name, counters, generation, balance, growth = _row(where, row, 5)
+    _json(f"{where}.counters", counters, dict)
+    return TaskCheckpoint(name, counters, _json(f"{where}.generation", generation, list), balance, growth)
+
+
+def _json(where: str, value: Any, kind: type[_J]) -> _J:
+    """``value`` if it is of the JSON type ``kind`` (the values inside go to the checks).
+
+    Raises:
+        CheckpointError: it is not.
+    """
+    if type(value) is not kind:
+        raise CheckpointError(
+            f"the checkpoint's {where} must be a JSON {'object' if kind is dict else kind.__name__}"
+        )
     return value
 
 

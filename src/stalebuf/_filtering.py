@@ -14,7 +14,6 @@ filtered again is served by the same loop, never by recursion, up to
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from time import monotonic
 from typing import Any
 
@@ -22,6 +21,7 @@ from ._eviction import MAX_READMITTED_ROUNDS, Eviction
 from ._partition import PartitionState
 from ._status_log import logger
 from ._validation import describe, describe_error
+from .checkpoint import FilterCheckpoint
 from .errors import StalebufError
 from .filters import GroupFilter
 from .records import EvictionEvent, Group
@@ -159,13 +159,18 @@ class Filtering:
         rate = sum(verdicts) / len(verdicts) if verdicts else None
         return filtered, errors, rate
 
-    def saved(self, name: str) -> tuple[tuple[bool, ...], int]:
-        """Partition ``name``'s verdict window and cumulative error count (what a checkpoint keeps)."""
+    def saved(self, name: str) -> FilterCheckpoint | None:
+        """What partition ``name``'s ledger holds, as a checkpoint keeps it (None if it has none;
+        when each filter last logged is not kept: a restored buffer may log at once)."""
         ledger = self.ledgers.get(name)
-        return ((), 0) if ledger is None else (tuple(ledger.verdicts), ledger.errors_total)
+        if ledger is None:
+            return None
+        return FilterCheckpoint(tuple(ledger.verdicts), ledger.errors_total, ledger.filtered, ledger.errors)
 
-    def restore(self, name: str, verdicts: Iterable[bool], errors: int) -> None:
-        """Put back partition ``name``'s verdict window and error count (a restore)."""
-        ledger = self.ledgers.setdefault(name, _Ledger())
-        ledger.verdicts.extend(verdicts)
-        ledger.errors_total = errors
+    def restore(self, name: str, saved: FilterCheckpoint) -> None:
+        """Put back partition ``name``'s ledger (a restore, into a buffer that has none yet)."""
+        ledger = self.ledgers[name] = _Ledger()
+        ledger.verdicts.extend(saved.verdicts)
+        ledger.errors_total = saved.errors
+        ledger.filtered = saved.recent_filtered
+        ledger.errors = saved.recent_errors

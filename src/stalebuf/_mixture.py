@@ -240,6 +240,31 @@ class Mixing:
             100 * target,
         )
 
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def saved(self, name: str) -> tuple[dict[str, int], dict[str, int], tuple[str, ...], int]:
+        """Partition ``name``'s ledger as a checkpoint keeps it: each task's balance and growth
+        count, the tasks of its last sampled groups, its latest batch size (not when each task
+        was last warned of: a restored buffer may warn at once; nor the latest batch's takings,
+        which the next batch sets before anything reads them)."""
+        ledger = self.ledgers.get(name) or _Ledger(self.rules.tasks)  # (reading creates none)
+        return dict(ledger.balances), dict(ledger.growth), tuple(ledger.shares), ledger.batch_size
+
+    def restore(
+        self,
+        name: str,
+        balances: Mapping[str, int],
+        growth: Mapping[str, int],
+        shares: Iterable[str],
+        batch_size: int,
+    ) -> None:
+        """Put back partition ``name``'s ledger (a restore, of checked values, before any sample)."""
+        ledger = self.ledgers[name] = _Ledger(self.rules.tasks)
+        ledger.balances.update(balances)
+        ledger.growth.update(growth)
+        ledger.shares.extend(shares)
+        ledger.batch_size = batch_size
+
     # -- what the trainer and stats see -------------------------------------------------
 
     def metrics(self, part: PartitionState, prefix: str) -> dict[str, float]:

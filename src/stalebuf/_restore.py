@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from time import monotonic
 from typing import Any
 
@@ -21,8 +22,10 @@ from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
 from ._custom_sampler import build_from_config, load_custom_sampler
 from ._eviction import Eviction, check_on_evict
+from ._filtering import Filtering
 from ._group_snapshots import snapshot
-from ._partition import group_tokens
+from ._mixture import Mixing
+from ._partition import PartitionState, group_tokens
 from ._store import GroupStore
 from ._stored import count_trajectories
 from ._validation import check_payload_codec, check_status_log_interval, describe, describe_error
@@ -33,7 +36,9 @@ from .checkpoint import (
     NOT_GIVEN,
     BufferCheckpoint,
     InFlightMode,
+    MixtureCheckpoint,
     PartitionCheckpoint,
+    TaskCheckpoint,
 )
 from .config import SamplerConfig
 from .errors import CheckpointError, ConfigError
@@ -52,7 +57,9 @@ __all__ = [
 _PENDING, _RUNNING = Status.PENDING, Status.RUNNING
 
 
-def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
+def capture(
+    store: GroupStore, admission: Admission, filtering: Filtering, mixing: Mixing
+) -> BufferCheckpoint:
     """Return the state of a buffer's parts; copies references, never payloads.
 
     Raises:
@@ -77,12 +84,7 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
         for group in store.groups.values()
     )
     partitions = tuple(
-        PartitionCheckpoint(
-            name,
-            admission.last_sampled(name),
-            {key: getattr(part, key) for key in COUNTERS},
-            tuple(part.generation),
-        )
+        _saved_partition(name, part, admission.last_sampled(name), filtering, mixing)
         for name, part in store.partitions.items()
     )
     return BufferCheckpoint(
@@ -95,6 +97,30 @@ def capture(store: GroupStore, admission: Admission) -> BufferCheckpoint:
         tuple(store.evicted_in_flight),
         tuple(store.evicted_in_flight.values()),
     )
+
+
+def _saved_partition(
+    name: str, part: PartitionState, last_sampled: int, filtering: Filtering, mixing: Mixing
+) -> PartitionCheckpoint:
+    """Partition ``name``'s saved state: under a task mixture, its counters summed over its task
+    cells, each cell's own and the ledger of selection; the filters' ledger, if any."""
+    filters = filtering.saved(name)
+    cells = part.cells
+    if cells is None:
+        return PartitionCheckpoint(name, last_sampled, _counters(part), tuple(part.generation), None, filters)
+    balances, growth, shares, batch_size = mixing.saved(name)
+    tasks = tuple(
+        TaskCheckpoint(task, _counters(cell), tuple(cell.generation), balances[task], growth[task])
+        for task, cell in cells.items()
+    )
+    counters = {key: sum(task.counters[key] for task in tasks) for key in COUNTERS}
+    return PartitionCheckpoint(
+        name, last_sampled, counters, (), MixtureCheckpoint(tasks, shares, batch_size), filters
+    )
+
+
+def _counters(part: PartitionState) -> dict[str, int]:
+    return {key: getattr(part, key) for key in COUNTERS}
 
 
 def _policy_name(policy: StalenessPolicy, config: SamplerConfig) -> str | None:
@@ -202,56 +228,95 @@ def rebuild(
     store: GroupStore,
     admission: Admission,
     eviction: Eviction,
+    ledgers: tuple[Filtering, Mixing],
     checkpoint: BufferCheckpoint,
     in_flight: InFlightMode,
 ) -> tuple[Group, ...]:
-    """Fill the empty parts with ``checkpoint``'s state; return the groups to reissue (under
-    "reissue" without their trajectories, under "resume" with them).
+    """Fill the empty parts (``ledgers``: the consumer's filters and mixture ledgers) with
+    ``checkpoint``'s state; return the groups to reissue (under "reissue" without their
+    trajectories, under "resume" with them).
 
     Raises:
         CheckpointError: the checkpoint is inconsistent (a group of an unknown partition, a
-            duplicate uid).
+            duplicate uid, a partition saved under a task mixture that is not under one now, or
+            the other way round).
         Exception: whatever ``on_evict`` raised (under "evict", after the state is rebuilt).
     """
     admission.restore(
         dict(checkpoint.clocks), {saved.name: saved.last_sampled for saved in checkpoint.partitions}
     )
+    filtering, mixing = ledgers
     for saved in checkpoint.partitions:
-        store.restore_generation(store.partition(saved.name), saved.generation)
+        for cell, _, generation in _cells(store, saved):
+            store.restore_generation(cell, generation)
+        if saved.filters is not None:
+            filtering.restore(saved.name, saved.filters)
+        mixture = saved.mixture
+        if mixture is not None:
+            balances = {task.name: task.balance for task in mixture.tasks}
+            growth = {task.name: task.growth for task in mixture.tasks}
+            mixing.restore(saved.name, balances, growth, mixture.shares, mixture.batch_size)
     reissue, reissued, restarted = _restore_groups(store, checkpoint.groups, in_flight)
     for saved in checkpoint.partitions:  # cumulative counts are the saved ones, not what re-adding counted
-        counts = reissued.get(saved.name, [0, 0, 0])
-        store.restore_counters(
-            store.partitions[saved.name],
-            {key: saved.counters.get(key, 0) for key in COUNTERS},
-            (counts[0], counts[1], counts[2]),
-        )
+        for cell, counters, _ in _cells(store, saved):
+            counts = reissued.get(cell.key, [0, 0, 0])
+            store.restore_counters(
+                cell, {key: counters.get(key, 0) for key in COUNTERS}, (counts[0], counts[1], counts[2])
+            )
     store.restore_sequence(len(checkpoint.groups), checkpoint.evicted_in_flight, checkpoint.evicted_reasons)
     events = []
     for name, groups in restarted.items():
-        store.count_restarted(store.partitions[name], groups)
+        store.count_restarted(groups)
         events.append(EvictionEvent(name, "restart", tuple(groups), admission.clocks.get(name, 0)))
     if events:
         eviction.emit(events)
     return tuple(reissue)
 
 
+def _cells(
+    store: GroupStore, saved: PartitionCheckpoint
+) -> list[tuple[PartitionState, Mapping[str, int], tuple[float, ...]]]:
+    """Where ``saved``'s counters and generation times go: its partition (created if new), or
+    under a task mixture each task's cell, with that task's.
+
+    Raises:
+        CheckpointError: the partition is under a task mixture and ``saved`` holds none, or the
+            other way round.
+        Exception: whatever a policy hook raised creating the partition.
+    """
+    part = store.partition(saved.name)
+    cells, mixture = part.cells, saved.mixture
+    if (cells is None) != (mixture is None):
+        raise CheckpointError(
+            f"the checkpoint is inconsistent: partition {describe(saved.name)} is "
+            f"{'not ' if cells is None else ''}under the task mixture, but its saved state is "
+            f"{'not ' if mixture is None else ''}a mixture's"
+        )
+    if cells is None or mixture is None:
+        return [(part, saved.counters, saved.generation)]
+    return [(cells[task.name], task.counters, task.generation) for task in mixture.tasks]
+
+
 def _restore_groups(
     store: GroupStore, groups: tuple[Group, ...], in_flight: InFlightMode
-) -> tuple[list[Group], dict[str, list[int]], dict[str, list[Group]]]:
-    """Put ``groups`` back in admission order, in-flight ones as ``in_flight`` says; return the
-    groups to reissue, what reissuing discarded per partition (groups, trajectories, tokens),
-    and the in-flight groups to evict per partition (under "evict").
+) -> tuple[list[Group], dict[str | tuple[str, str], list[int]], dict[str, list[Group]]]:
+    """Put ``groups`` back in admission order (each in its partition or task cell), in-flight ones
+    as ``in_flight`` says; return the groups to reissue, what reissuing discarded per partition
+    or cell (by ``PartitionState.key``: groups, trajectories, tokens), and the in-flight groups
+    to evict per partition (under "evict").
 
     Raises:
         CheckpointError: a group of an unknown partition, or a duplicate uid.
     """
     reissue: list[Group] = []
-    reissued: dict[str, list[int]] = {}
+    reissued: dict[str | tuple[str, str], list[int]] = {}
     restarted: dict[str, list[Group]] = {}
     for seq, group in enumerate(groups):
-        part = store.partitions.get(group.partition)
-        if part is None or group.uid in store.groups:
+        try:  # its partition, or under a task mixture its task's cell
+            part = None if group.uid in store.groups else store.cell_of(group)
+        except (KeyError, TypeError):  # an unknown partition or task (the checks refuse both)
+            part = None
+        if part is None:
             raise CheckpointError(f"the checkpoint is inconsistent at group {describe(group.uid)}")
         if group.status is not _PENDING and group.status is not _RUNNING:
             store.restore_terminal(part, group, seq)
@@ -265,7 +330,7 @@ def _restore_groups(
         else:  # generated again from its dispatch step: its partial trajectories are discarded
             store.restore_in_flight(part, group, seq, prefix=False, running=False)
             reissue.append(group.replace(status=_PENDING, trajectories=(), start_version=group.dispatch_step))
-            counts = reissued.setdefault(part.name, [0, 0, 0])
+            counts = reissued.setdefault(part.key, [0, 0, 0])
             counts[0] += 1
             counts[1] += count_trajectories(group)
             counts[2] += group_tokens(group)

@@ -442,22 +442,22 @@ class GroupStore:
     # -- checkpoints ------------------------------------------------------------------------
 
     def restore_terminal(self, part: PartitionState, group: Group, seq: int) -> None:
-        """Put back a terminal ``group`` at admission position ``seq`` (a restore)."""
+        """Put back a terminal ``group`` at position ``seq`` in ``part`` (its :meth:`cell_of`)."""
         self.groups[group.uid] = group
         part.add_terminal(group, seq)
 
     def restore_in_flight(
         self, part: PartitionState, group: Group, seq: int, *, prefix: bool, running: bool
     ) -> None:
-        """Put back an in-flight ``group`` at position ``seq``: with its trajectories, versions and
-        start version (``prefix``; else PENDING with none, to be generated again from its
-        dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline clock
-        starts now: an outage must not cut a group before its producer could go on with it."""
+        """Put back an in-flight ``group`` at position ``seq`` in ``part`` (its cell): with its
+        trajectories, versions and start version (``prefix``; else PENDING with none, to be generated
+        again from its dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline
+        clock starts now: an outage must not cut a group before its producer could go on with it."""
         now = monotonic()
-        state = OpenGroup(
+        state = self.groups[group.uid] = OpenGroup(
             group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now
         )
-        self.groups[group.uid] = state
+        state.task = part.task
         part.admit(state)
         if part.deadlines:
             part.track(state)
@@ -494,8 +494,8 @@ class GroupStore:
         for seconds in times:
             part.record_generation(seconds)
 
-    def count_restarted(self, part: PartitionState, groups: list[Group]) -> None:
-        """Count in-flight ``groups`` a restore evicted (never put back) and remember them."""
-        part.count_restarted(groups)
+    def count_restarted(self, groups: list[Group]) -> None:
+        """Count in-flight ``groups`` a restore evicted (never put back), each in its cell; remember them."""
         for group in groups:  # a producer that survived the restart learns why on its next write
+            self.cell_of(group).count_restarted([group])
             self.remember_evicted(group.uid, "restart")

@@ -33,7 +33,8 @@ _T = TypeVar("_T")
 
 class ThreadedBuffer(Protocol):
     """The buffer methods a handle runs on the loop (``ReplayBuffer`` has them): the
-    ``*_nowait`` producer methods, and the waiting ones its blocking methods await."""
+    ``*_nowait`` producer methods, the waiting ones its blocking methods await, and the
+    flow-control queries."""
 
     def add_prompt_nowait(
         self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
@@ -101,6 +102,14 @@ class ThreadedBuffer(Protocol):
         self, global_steps: int, count: int, *, partition: str, timeout: float | None
     ) -> int: ...
 
+    def dispatch_step(self, partition: str) -> int: ...
+
+    def capacity(self, partition: str, task: str | None) -> int | None: ...
+
+    def free_slots(self, partition: str, task: str | None) -> int | None: ...
+
+    def full(self, partition: str, task: str | None) -> bool: ...
+
 
 # How often a thread blocked on a call checks that the loop still runs (only while blocked,
 # and only matters if the loop stops before running the call, or closes while it waits).
@@ -115,9 +124,11 @@ class ThreadsafeProducer:
     ``queue.Queue`` does: ``add_prompt`` and ``put_group`` wait for admission (``timeout=``
     bounds the wait; TimeoutError then, with nothing added), their ``*_nowait`` twins raise
     BufferFullError instead, and ``wait_for_sampleable`` waits as the buffer's does. The other
-    methods never wait. Called on the loop's own thread, the methods that never wait run the
-    buffer's method directly; the waiting ones raise WrongThreadError (they would block the very
-    loop that must admit them: await the buffer's own method there).
+    methods never wait (among them the flow-control queries ``dispatch_step``, and ``capacity``,
+    ``free_slots`` and ``full`` of each task under a mixture). Called on the loop's own thread,
+    the methods that never wait run the buffer's method directly; the waiting ones raise
+    WrongThreadError (they would block the very loop that must admit them: await the buffer's
+    own method there).
     """
 
     __slots__ = ("_buffer", "_loop_closed", "_loop_running", "_loop_thread", "_spawn", "_submit")
@@ -338,6 +349,22 @@ class ThreadsafeProducer:
             version=version,
             generation_seconds=generation_seconds,
         )
+
+    def dispatch_step(self, partition: str = "train") -> int:
+        """Run ``dispatch_step`` on the loop (same errors)."""
+        return self._run(self._buffer.dispatch_step, partition)
+
+    def capacity(self, partition: str = "train", task: str | None = None) -> int | None:
+        """Run ``capacity`` on the loop (same errors)."""
+        return self._run(self._buffer.capacity, partition, task)
+
+    def free_slots(self, partition: str = "train", task: str | None = None) -> int | None:
+        """Run ``free_slots`` on the loop (same errors; the answer may be stale on return)."""
+        return self._run(self._buffer.free_slots, partition, task)
+
+    def full(self, partition: str = "train", task: str | None = None) -> bool:
+        """Run ``full`` on the loop (same errors; the answer may be stale on return)."""
+        return self._run(self._buffer.full, partition, task)
 
     # -- running on the loop ------------------------------------------------------------------
 

@@ -198,7 +198,9 @@ class ReplayBuffer:
         if filters != ():  # filters are code, never in a checkpoint: given again on restore
             options["filters"] = filters
         buffer: ReplayBuffer = build_restored(cls, ReplayBuffer, checkpoint, options)
-        reissue = rebuild(buffer.__store, buffer.__admission, buffer.__consumer.eviction, checkpoint, mode)
+        consumer = buffer.__consumer
+        ledgers = (consumer.filtering, consumer.mixing)
+        reissue = rebuild(buffer.__store, buffer.__admission, consumer.eviction, ledgers, checkpoint, mode)
         return RestoreResult(buffer, reissue)
 
     def checkpoint(self) -> BufferCheckpoint:
@@ -213,7 +215,8 @@ class ReplayBuffer:
                 by attribute), building that raises, or its class is defined inside a function.
         """
         self.__store.binding.check_thread()
-        return capture(self.__store, self.__admission)
+        consumer = self.__consumer
+        return capture(self.__store, self.__admission, consumer.filtering, consumer.mixing)
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Take :meth:`checkpoint` at once, then write it to ``path`` in a worker thread,
@@ -260,7 +263,8 @@ class ReplayBuffer:
         ``timeout=``: TimeoutError, nothing added), ``add_prompt_nowait`` and
         ``put_group_nowait`` raise BufferFullError instead, and ``wait_for_sampleable`` blocks
         as the buffer's does; ``mark_running``, ``put``, ``mark_finished`` and ``mark_failed``
-        never wait (they run the ``*_nowait`` methods).
+        never wait (they run the ``*_nowait`` methods), nor do the flow-control queries
+        (``dispatch_step``, and ``capacity``, ``free_slots`` and ``full`` with ``task``).
 
         Raises:
             WrongThreadError: no event loop runs in this thread, or the buffer is bound to

@@ -18,13 +18,17 @@ from .records import Group
 
 __all__ = [
     "COUNTERS",
+    "FILTER_COUNTERS",
     "FORMAT_VERSION",
     "IN_FLIGHT_MODES",
     "TOKEN_COUNTERS",
     "BufferCheckpoint",
+    "FilterCheckpoint",
     "InFlightMode",
+    "MixtureCheckpoint",
     "PartitionCheckpoint",
     "RestoreResult",
+    "TaskCheckpoint",
 ]
 
 #: The version of the checkpoint format (the value and the file); a newer one is refused, an
@@ -34,6 +38,9 @@ __all__ = [
 #: only where they are not the defaults (no segments, 0 tokens, the dispatch step), so a
 #: version-2 reader of before them reads a file without them exactly and refuses one with them
 #: (an unknown counter, a longer row, a record built with more fields): it never misreads one.
+#: Filters and task mixtures did not change it either, by the same rule: their counters are
+#: written only when not 0, and their state (:class:`MixtureCheckpoint`,
+#: :class:`FilterCheckpoint`) only for a partition that has some.
 FORMAT_VERSION = 2
 #: The cumulative token counters of a partition (see ``PartitionStats``): files written before
 #: versions existed have none, and a file holds only those that are not 0.
@@ -44,6 +51,9 @@ TOKEN_COUNTERS: tuple[str, ...] = (
     "evicted_tokens",
     "reissued_tokens",
 )
+#: The counters of groups a filter evicted: files written before filters existed have none, and
+#: a file holds them only when they are not 0.
+FILTER_COUNTERS: tuple[str, ...] = ("evicted_filtered_groups", "evicted_filtered_trajectories")
 #: The cumulative per-partition counters a checkpoint carries (the resident counts are derived
 #: from the groups themselves, so they cannot disagree with them).
 COUNTERS: tuple[str, ...] = (
@@ -62,6 +72,7 @@ COUNTERS: tuple[str, ...] = (
     "reissued_trajectories",
     "cut_groups",
     "cut_trajectories",
+    *FILTER_COUNTERS,
     *TOKEN_COUNTERS,
 )
 InFlightMode = Literal["reissue", "keep", "evict", "resume"]
@@ -86,6 +97,77 @@ def _as_reasons(value: Iterable[str | None]) -> tuple[str | None, ...]:
     return tuple(value)
 
 
+def _as_tasks(value: Iterable[TaskCheckpoint]) -> tuple[TaskCheckpoint, ...]:
+    return tuple(value)
+
+
+def _as_verdicts(value: Iterable[bool]) -> tuple[bool, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class TaskCheckpoint:
+    """One task's saved state in a partition under a task mixture (its cell).
+
+    Attributes:
+        name: the task.
+        counters: its cumulative counters (:data:`COUNTERS`); summed over the tasks, the
+            partition's.
+        generation: the generation times of its last groups measured in flight, oldest first.
+        balance: its borrow balance (0 under ``mixture_policy="wait"``).
+        growth: how many samples in a row its positive balance grew (the starvation warning's
+            count).
+    """
+
+    name: str
+    counters: Mapping[str, int] = attrs.field(converter=_frozen_map)
+    generation: tuple[float, ...] = attrs.field(default=(), converter=_as_times)
+    balance: int = 0
+    growth: int = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle support: the read-only mapping travels as a dict."""
+        fields = (self.name, dict(self.counters), self.generation, self.balance, self.growth)
+        return (TaskCheckpoint, fields)
+
+
+@attrs.frozen
+class MixtureCheckpoint:
+    """What a partition under a task mixture saves besides its groups (its task cells and the
+    ledger selection keeps).
+
+    Attributes:
+        tasks: one :class:`TaskCheckpoint` per task of the mixture.
+        shares: the tasks of the partition's last 256 sampled groups, oldest first (the
+            ``mixture/{task}/share`` metric).
+        batch_size: the ``B`` of the partition's latest ``sample`` call (0 before any): what
+            ``TaskStats.shortage`` is measured against.
+    """
+
+    tasks: tuple[TaskCheckpoint, ...] = attrs.field(converter=_as_tasks)
+    shares: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    batch_size: int = 0
+
+
+@attrs.frozen
+class FilterCheckpoint:
+    """What the group filters left behind in a partition (the filters themselves are code, never
+    in a checkpoint: ``restore`` takes them again as ``filters=``).
+
+    Attributes:
+        verdicts: the last 256 verdicts, oldest first (True: kept): the pass rate.
+        errors: cumulative, how many times a filter raised or returned None (``filter_errors``).
+        recent_filtered: groups filtered since the partition's previous batch (the next batch's
+            ``filter_groups/evicted_samples``).
+        recent_errors: filter errors since the partition's previous batch.
+    """
+
+    verdicts: tuple[bool, ...] = attrs.field(default=(), converter=_as_verdicts)
+    errors: int = 0
+    recent_filtered: int = 0
+    recent_errors: int = 0
+
+
 @attrs.frozen
 class PartitionCheckpoint:
     """One partition's saved state.
@@ -96,17 +178,28 @@ class PartitionCheckpoint:
             part of the admission state.
         counters: the cumulative counters named in :data:`COUNTERS`.
         generation: the generation times (seconds) of its last groups measured in flight, oldest
-            first, that ``group_deadline_factor`` takes the median of (``()`` in older files).
+            first, that ``group_deadline_factor`` takes the median of (``()`` in older files; under
+            a task mixture, each task's are in ``mixture``).
+        mixture: under a task mixture, its tasks' counters and generation times and the ledger
+            of selection (None otherwise, and in older files).
+        filters: what its group filters left behind (None if they left nothing, as without
+            filters, and in older files).
     """
 
     name: str
     last_sampled: int
     counters: Mapping[str, int] = attrs.field(converter=_frozen_map)
     generation: tuple[float, ...] = attrs.field(default=(), converter=_as_times)
+    mixture: MixtureCheckpoint | None = None
+    filters: FilterCheckpoint | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle support: the read-only mapping travels as a dict."""
-        return (PartitionCheckpoint, (self.name, self.last_sampled, dict(self.counters), self.generation))
+        """Pickle support: the read-only mapping travels as a dict; a partition with neither a
+        mixture nor filters pickles as before they existed (so an older reader reads it)."""
+        fields: tuple[Any, ...] = (self.name, self.last_sampled, dict(self.counters), self.generation)
+        if self.mixture is not None or self.filters is not None:
+            fields += (self.mixture, self.filters)
+        return (PartitionCheckpoint, fields)
 
 
 @attrs.frozen(eq=False)
@@ -125,9 +218,9 @@ class BufferCheckpoint:
         partitions: every partition's admission state and cumulative counters.
         clocks: each partition's dispatch clock.
         evicted_in_flight: uids of groups the buffer ended in flight and remembers, oldest first.
-        evicted_reasons: why, for each of them: None (evicted as stale), "restart", or "cut at
-            its deadline of ... s" (its producer then hears GroupCutError); ``()`` in older files,
-            read as all None.
+        evicted_reasons: why, for each of them: None (evicted as stale), "restart", "filtered",
+            or "cut at its deadline of ... s" (its producer then hears GroupCutError; "... s (then
+            filtered)" if a filter then rejected it); ``()`` in older files, read as all None.
     """
 
     format_version: int

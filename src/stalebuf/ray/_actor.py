@@ -34,10 +34,12 @@ from ..buffer import ReplayBuffer
 from ..checkpoint import BufferCheckpoint
 from ..config import SamplerConfig
 from ..errors import BufferFullError, ConfigError
+from ..filters import GroupFilter
 from ..records import Batch, EvictionEvent, Group
 from ..stats import BufferStats
 from ._admission import AdmissionAbandonedError, AdmissionLedger
 from ._ledger import SampleLedger, SampleResult
+from ._options import buffer_options
 from ._payloads import checkpoint_values, stored_checkpoint
 from ._protocol import (
     PROTOCOL_VERSION,
@@ -115,6 +117,7 @@ class BufferHost:
         eviction_queue_size: int,
         keep_evicted_payloads: bool,
         restore: RestoreRequest | None = None,
+        filters: tuple[GroupFilter, ...] = (),
     ) -> None:
         self._home = _home_loop()
         self._ring = EvictionRing(eviction_queue_size, keep_evicted_payloads, lambda: self._buffer.closed)
@@ -123,10 +126,7 @@ class BufferHost:
         self._admissions = AdmissionLedger()
         self._reissue: tuple[Group, ...] = ()
         self._saves = SaveSequencer()  # orders this actor's overlapping saves (see save)
-        # (interval,) when the client gave one, () to leave the built class's own default.
-        options: dict[str, Any] = (
-            {"status_log_interval": status_log_interval[0]} if status_log_interval else {}
-        )
+        options = buffer_options(status_log_interval, filters)  # as the client gave them
         try:
             if restore is not None:
                 self._buffer, self._reissue = _restored(restore, self._record_eviction, options)
@@ -289,13 +289,13 @@ class BufferHost:
     # -- control group ----------------------------------------------------------------
 
     @_method(CONTROL_GROUP)
-    async def sampleable_count(self, global_steps: int, partition: str) -> int:
+    async def sampleable_count(self, global_steps: int, partition: str, task: str | None = None) -> int:
         """``ReplayBuffer.sampleable_count`` on the home loop."""
         self._check_ready()
-        return await self._on_home(lambda: self._buffer.sampleable_count(global_steps, partition))
+        return await self._on_home(lambda: self._buffer.sampleable_count(global_steps, partition, task))
 
     @_method(CONTROL_GROUP)
-    async def flow(self, query: str, partition: str) -> Any:
+    async def flow(self, query: str, partition: str, *task: str | None) -> Any:
         """``ReplayBuffer.dispatch_step``, ``capacity``, ``free_slots`` or ``full`` on the home loop.
 
         Raises:
@@ -305,7 +305,7 @@ class BufferHost:
         if query not in FLOW_QUERIES:
             raise ProtocolError(f"unknown flow-control query {describe(query)}")
         method = getattr(self._buffer, query)
-        return await self._on_home(lambda: method(partition))
+        return await self._on_home(lambda: method(partition, *task))
 
     @_method(CONTROL_GROUP)
     async def save(self, path: str, payload_codec: PayloadCodec | None) -> None:

@@ -408,15 +408,16 @@ class BufferCalls:
         """
         return cast(WaitExplanation, await self._connection.call("flow", "explain_wait", partition))
 
-    async def sampleable_count(self, global_steps: int, partition: str = "train") -> int:
-        """Return how many groups ``sample`` could select right now, as
-        :meth:`ReplayBuffer.sampleable_count` (a coroutine here: it asks the actor).
+    async def sampleable_count(
+        self, global_steps: int, partition: str = "train", task: str | None = None
+    ) -> int:
+        """Return how many groups ``sample`` could select right now (of ``task`` only, under a
+        mixture), as :meth:`ReplayBuffer.sampleable_count` (a coroutine here: it asks the actor).
 
         Raises:
             TypeError, ValueError: as ReplayBuffer.sampleable_count; BufferUnavailableError.
         """
-        result: int = await self._connection.call("sampleable_count", global_steps, partition)
-        return result
+        return cast(int, await self._connection.call("sampleable_count", global_steps, partition, task))
 
     # -- queries and flow control -----------------------------------------------------
 
@@ -440,34 +441,31 @@ class BufferCalls:
         result: int = await self._connection.call("flow", "dispatch_step", partition)
         return result
 
-    async def capacity(self, partition: str = "train") -> int | None:
-        """Return the bound on ``partition``'s resident groups, as :meth:`ReplayBuffer.capacity`
-        (a coroutine here).
+    async def capacity(self, partition: str = "train", task: str | None = None) -> int | None:
+        """Return the bound on ``partition``'s resident groups (of ``task``, or summed over the tasks
+        of a mixture), as :meth:`ReplayBuffer.capacity` (a coroutine here).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+            TypeError, ValueError: a bad ``partition`` or ``task``; BufferUnavailableError.
         """
-        result: int | None = await self._connection.call("flow", "capacity", partition)
-        return result
+        return cast("int | None", await self._connection.call("flow", "capacity", partition, task))
 
-    async def free_slots(self, partition: str = "train") -> int | None:
-        """Return how many groups ``add_prompt`` would admit now without waiting, as
-        :meth:`ReplayBuffer.free_slots` (a coroutine here; the answer may be stale on arrival).
+    async def free_slots(self, partition: str = "train", task: str | None = None) -> int | None:
+        """Return how many groups ``add_prompt`` would admit now without waiting (of ``task``, or all
+        tasks), as :meth:`ReplayBuffer.free_slots` (a coroutine here; may be stale on arrival).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+            TypeError, ValueError: a bad ``partition`` or ``task``; BufferUnavailableError.
         """
-        result: int | None = await self._connection.call("flow", "free_slots", partition)
-        return result
+        return cast("int | None", await self._connection.call("flow", "free_slots", partition, task))
 
-    async def full(self, partition: str = "train") -> bool:
-        """Return whether ``free_slots(partition) == 0``, as :meth:`ReplayBuffer.full` (a coroutine here).
+    async def full(self, partition: str = "train", task: str | None = None) -> bool:
+        """Return whether ``free_slots(partition, task) == 0``, as :meth:`ReplayBuffer.full` (awaited).
 
         Raises:
-            TypeError, ValueError: ``partition`` is not a non-empty str; BufferUnavailableError.
+            TypeError, ValueError: as :meth:`free_slots`; BufferUnavailableError.
         """
-        result: bool = await self._connection.call("flow", "full", partition)
-        return result
+        return cast(bool, await self._connection.call("flow", "full", partition, task))
 
     # -- checkpoint and closing -------------------------------------------------------
 

@@ -12,7 +12,7 @@ methods RemoteReplayBuffer shares with ReplayBuffer it inherits from
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from .._validation import check_payload_codec
 from ..checkpoint import NOT_GIVEN, InFlightMode
 from ..config import SamplerConfig
 from ..errors import ConfigError
+from ..filters import GroupFilter
 from ..records import Group
 from ._buffer_calls import BufferCalls
 from ._connection import ActorConnection, connect_actor, start_actor
@@ -118,9 +119,14 @@ class RemoteReplayBuffer(BufferCalls):
         start_timeout: seconds the actor has to start (Ray to place it and run its
             ``__init__``). A call made before it answered waits at most until then, and then
             raises BufferUnavailableError naming the likely reason (e.g. a resource no node has).
+        filters: group filters, as for ReplayBuffer; they run in the actor, so each must pickle
+            (cloudpickle: a function, a lambda, a small class such as the built-ins of
+            :mod:`stalebuf.filters`) and be importable there, and sees the group as the actor
+            holds it (payloads as PayloadRefs unless ``payloads="inline"``; use tags to judge).
 
     Raises:
-        ConfigError: for an invalid config or option, or an actor name already taken.
+        ConfigError: for an invalid config or option, ``filters`` that are not plain callables
+            or do not pickle (refused before any actor starts), or an actor name already taken.
     """
 
     def __init__(
@@ -137,6 +143,7 @@ class RemoteReplayBuffer(BufferCalls):
         eviction_queue_size: int = 1024,
         keep_evicted_payloads: bool = False,
         start_timeout: float = 60.0,
+        filters: Sequence[GroupFilter] = (),
     ) -> None:
         if config is not None and not isinstance(config, SamplerConfig):
             raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
@@ -154,6 +161,7 @@ class RemoteReplayBuffer(BufferCalls):
                 eviction_queue_size=eviction_queue_size,
                 keep_evicted_payloads=keep_evicted_payloads,
                 start_timeout=start_timeout,
+                filters=filters,
             )
         )
 
@@ -172,15 +180,17 @@ class RemoteReplayBuffer(BufferCalls):
         eviction_queue_size: int = 1024,
         keep_evicted_payloads: bool = False,
         start_timeout: float = 60.0,
+        filters: Sequence[GroupFilter] = (),
     ) -> RemoteReplayBuffer:
         """Start an actor whose buffer is ``ReplayBuffer.from_config(config)`` (honours
         ``custom_sampler``, loaded in the actor's process); the options are as for the class,
-        except that ``status_log_interval`` is passed on only when given (a custom sampler's
-        constructor need not take it), as ``ReplayBuffer.from_config`` does.
+        except that ``status_log_interval`` and ``filters`` are passed on only when given (a custom
+        sampler's constructor need take neither), as ``ReplayBuffer.from_config`` does.
 
         Raises:
-            ConfigError: for an invalid config or option here; a custom sampler the actor
-                cannot load raises ConfigError from every call on the client.
+            ConfigError: for an invalid config or option here (``filters`` as for the class); a
+                custom sampler the actor cannot load raises ConfigError from every call on the
+                client.
         """
         if isinstance(config, Mapping):
             config = SamplerConfig.from_mapping(config)
@@ -199,6 +209,7 @@ class RemoteReplayBuffer(BufferCalls):
             eviction_queue_size=eviction_queue_size,
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
+            filters=filters,
         )
         return _on(cls, connection)
 
@@ -239,6 +250,7 @@ class RemoteReplayBuffer(BufferCalls):
         eviction_queue_size: int = 1024,
         keep_evicted_payloads: bool = False,
         start_timeout: float = 60.0,
+        filters: Sequence[GroupFilter] = (),
     ) -> RemoteRestoreResult:
         """Start a new actor whose buffer is ``ReplayBuffer.restore(path, ...)`` and return its
         client and the groups to reissue; blocks until the actor has restored (like :meth:`connect`).
@@ -248,15 +260,16 @@ class RemoteReplayBuffer(BufferCalls):
         restored group's payloads in the object store (one object per group, owned by the
         actor), so sampled batches carry PayloadRefs as usual (and so do the prefixes a
         ``in_flight="resume"`` restore lists in ``reissue``). Under ``in_flight="evict"`` the
-        "restart" evictions are the first events of ``evictions(from_oldest=True)``. The other
-        options are as for the class (``status_log_interval`` passed on only when given, as for
-        :meth:`from_config`).
+        "restart" evictions are the first events of ``evictions(from_oldest=True)``. Filters are
+        code, never in a checkpoint: pass them again as ``filters`` (picklable, as for the class).
+        The other options are as for the class (``status_log_interval`` and ``filters`` passed on
+        only when given, as for :meth:`from_config`).
 
         Raises:
             CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must
                 not have) a payload codec; the actor is ended and nothing is built.
-            ConfigError: an invalid option, ``in_flight``, or ``payload_codec``; OSError: the
-                file cannot be read (e.g. FileNotFoundError).
+            ConfigError: an invalid option, ``in_flight``, ``payload_codec`` or ``filters``;
+                OSError: the file cannot be read (e.g. FileNotFoundError).
             BufferUnavailableError: the actor did not start within ``start_timeout``.
         """
         codec = check_payload_codec(payload_codec)
@@ -277,6 +290,7 @@ class RemoteReplayBuffer(BufferCalls):
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
             restore=request,
+            filters=filters,
         )
         return RemoteRestoreResult(_on(cls, connection), connection.restored())
 

@@ -36,6 +36,7 @@ from ._errors import running_loop, translate
 from ._options import (
     check_options,
     check_payload_mode,
+    check_remote_filters,
     check_start_timeout,
     ray_actor_options,
     requested_resources,
@@ -289,12 +290,15 @@ def start_actor(
     keep_evicted_payloads: bool,
     start_timeout: float,
     restore: RestoreRequest | None = None,
+    filters: object = (),
 ) -> ActorConnection:
     """Check the options, start the actor (without waiting for it) and return the connection;
-    with ``restore``, the actor restores its buffer from that checkpoint file.
+    with ``restore``, the actor restores its buffer from that checkpoint file; ``filters`` (checked
+    here, picklable) run in the actor.
 
     Raises:
-        ConfigError: an invalid option, or Ray refused the actor (e.g. its name is taken).
+        ConfigError: an invalid option (``filters`` not plain callables that pickle), or Ray
+            refused the actor (e.g. its name is taken).
     """
     check_options(
         status_log_interval=status_log_interval,
@@ -307,6 +311,7 @@ def start_actor(
         actor_options=actor_options,
         start_timeout=start_timeout,
     )
+    checked = check_remote_filters(filters)
     # Across the process boundary "not given" (the built class's own default, which a custom
     # sampler's constructor need not take) travels as an empty tuple.
     interval = () if status_log_interval is NOT_GIVEN else (status_log_interval,)
@@ -316,12 +321,9 @@ def start_actor(
         raise ConfigError(
             f"actor_options['concurrency_groups'] must be a mapping, got {type(groups).__name__}"
         )
+    arguments = (config, use_factory, interval, eviction_queue_size, keep_evicted_payloads, restore, checked)
     try:
-        handle = (
-            actor_class(groups)
-            .options(**options)
-            .remote(config, use_factory, interval, eviction_queue_size, keep_evicted_payloads, restore)
-        )
+        handle = actor_class(groups).options(**options).remote(*arguments)
     except (TypeError, ValueError) as exc:  # bad options, or the name is taken
         raise ConfigError(f"cannot start the buffer actor: {exc}") from exc
     connection = ActorConnection(

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
-from .._validation import check_status_log_interval, describe, finite_in, int_at_least, one_of
+import ray.cloudpickle
+
+from .._validation import check_status_log_interval, describe, describe_error, finite_in, int_at_least, one_of
 from ..checkpoint import NOT_GIVEN
 from ..errors import ConfigError
+from ..filters import GroupFilter, check_filters
 
 __all__ = [
     "PAYLOAD_MODES",
     "PayloadMode",
+    "buffer_options",
     "check_options",
     "check_payload_mode",
+    "check_remote_filters",
     "check_start_timeout",
     "ray_actor_options",
     "requested_resources",
@@ -23,6 +28,9 @@ __all__ = [
 #: Where payload values given to ``put``/``put_group`` go (see :class:`RemoteReplayBuffer`).
 PayloadMode = Literal["producer", "actor", "inline"]
 PAYLOAD_MODES: tuple[str, ...] = ("producer", "actor", "inline")
+
+#: How Ray pickles what it sends to an actor (untyped in Ray: typed here).
+_ray_dumps: Callable[[Any], bytes] = ray.cloudpickle.dumps
 
 _check_payload_mode = one_of("payloads", PAYLOAD_MODES)
 _check_start_timeout = finite_in("start_timeout", 0.0, math.inf, open_low=True)
@@ -77,6 +85,38 @@ def check_options(
         )
     if actor_options is not None and not isinstance(actor_options, Mapping):
         raise ConfigError(f"actor_options must be a mapping or None, got {type(actor_options).__name__}")
+
+
+def check_remote_filters(filters: object) -> tuple[GroupFilter, ...]:
+    """Return ``filters`` as ReplayBuffer checks them, once each pickles as Ray sends it to the
+    actor (where the filters run): refused here, before any actor starts.
+
+    Raises:
+        ConfigError: ``filters`` is not a sequence of plain (synchronous) callables, or one of
+            them cannot be pickled (named).
+    """
+    checked = check_filters(filters)
+    for position, group_filter in enumerate(checked):
+        try:
+            _ray_dumps(group_filter)
+        except Exception as exc:
+            raise ConfigError(
+                f"filters[{position}] cannot be pickled ({describe_error(exc)}), and a remote buffer's "
+                "filters run in its actor: use a function or a small class that pickles"
+            ) from exc
+    return checked
+
+
+def buffer_options(
+    status_log_interval: tuple[float | None, ...], filters: tuple[GroupFilter, ...]
+) -> dict[str, Any]:
+    """The keyword options the actor builds its buffer with: ``status_log_interval`` when the
+    client gave one (``(interval,)``; ``()`` leaves the built class's own default) and
+    ``filters`` when there are some (a custom sampler's constructor need take neither)."""
+    options: dict[str, Any] = {"status_log_interval": status_log_interval[0]} if status_log_interval else {}
+    if filters:
+        options["filters"] = filters
+    return options
 
 
 def ray_actor_options(

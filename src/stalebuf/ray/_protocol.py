@@ -58,7 +58,8 @@ __all__ = [
 #: Bumped whenever a record changes; the client compares it with the actor's on first contact.
 #: 5: versions, tokens and start versions (MarkRunning, Put, PutGroup, OpenRollout).
 #: 6: PutGroup's generation_seconds (the producer's measure of the group's generation time).
-PROTOCOL_VERSION = 6
+#: 7: filters (the actor's constructor) and ``task`` on the flow queries and sampleable_count.
+PROTOCOL_VERSION = 7
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
