@@ -119,7 +119,7 @@ MIXED_SEEDS = (
     ("drop", False, "borrow", True, False, "reissue", 4),
     ("wait", False, "borrow", True, False, "resume", 0),
     ("mask", False, "wait", False, True, "reissue", 0),
-    ("drop", False, None, True, True, "resume", 0),
+    ("drop", False, None, True, True, "resume", 2),
 )
 
 # Seeds chosen so that at step k some groups are in flight (PENDING and RUNNING, holding
