@@ -1,10 +1,6 @@
-"""The group store: every resident group, every partition's indexes and counters, and the
-memory of groups evicted in flight. It is the only code that writes any of them.
-
-Admission, the consumer and the buffer's facade read the store (its attributes are public to
-read) and change it only through its methods. Each method that may fail checks first and
-changes after, so a refused call leaves the store as it was.
-"""
+"""The group store: every resident group; through its parts, every partition's indexes and
+counters and the memory of groups ended in flight. Only its methods write any of them: the
+other parts read its attributes. A method that may fail checks first and changes after."""
 
 from __future__ import annotations
 
