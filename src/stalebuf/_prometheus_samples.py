@@ -183,9 +183,19 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
 
     @wraps(sample)
     async def observed_sample(
-        global_steps: int, batch_size: int, *, partition: str = "train", timeout: float | None = None
+        global_steps: int,
+        batch_size: int | None = None,
+        *,
+        token_budget: int | None = None,
+        partition: str = "train",
+        timeout: float | None = None,
     ) -> Any:
-        result = await sample(global_steps, batch_size, partition=partition, timeout=timeout)
+        if token_budget is None:  # (a buffer of another library may not take the keyword)
+            result = await sample(global_steps, batch_size, partition=partition, timeout=timeout)
+        else:
+            result = await sample(
+                global_steps, batch_size, token_budget=token_budget, partition=partition, timeout=timeout
+            )
         rows = pending.get(partition)
         if rows is None:
             rows = rows_for(partition)
@@ -200,8 +210,19 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
         previous["sample_nowait"] = buffer.__dict__.get("sample_nowait", _MISSING)
 
         @wraps(sample_nowait)
-        def observed_sample_nowait(global_steps: int, batch_size: int, *, partition: str = "train") -> Any:
-            result = sample_nowait(global_steps, batch_size, partition=partition)
+        def observed_sample_nowait(
+            global_steps: int,
+            batch_size: int | None = None,
+            *,
+            token_budget: int | None = None,
+            partition: str = "train",
+        ) -> Any:
+            if token_budget is None:
+                result = sample_nowait(global_steps, batch_size, partition=partition)
+            else:
+                result = sample_nowait(
+                    global_steps, batch_size, token_budget=token_budget, partition=partition
+                )
             rows = pending.get(partition)
             if rows is None:
                 rows = rows_for(partition)
