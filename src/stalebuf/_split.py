@@ -31,27 +31,32 @@ SPLIT_BY: tuple[SplitBy, ...] = ("group", "trajectory")
 #: The largest int numpy sums exactly: a larger total is summed in Python ints instead.
 _MAX_INT64 = 2**63 - 1
 _SHORT = reprlib.Repr()
-_SHORT.maxstring = 60
+_SHORT.maxstring = _SHORT.maxother = 60
+_SCALARS = (type(None), bool, float, str, bytes)
 
 
-def _shown(value: object) -> str:
-    """A short, safe description of a bad argument (a user object's repr is never called)."""
-    if type(value) is int:
-        bits = value.bit_length()
-        return repr(value) if bits <= 128 else f"an int of {bits} bits"
-    if type(value) is str:
-        return _SHORT.repr(value)
-    return f"a {type(value).__name__}"
+def _shown(value: object, typed: bool = True) -> str:
+    """A short, safe description of a bad argument: a builtin scalar with its type ("float
+    2.0"; an int without it unless ``typed``), anything else by its type alone (a user
+    object's repr is never called)."""
+    kind = type(value)
+    if kind is int:
+        bits = value.bit_length()  # type: ignore[attr-defined]
+        shown = repr(value) if bits <= 128 else f"an int of {bits} bits"
+        return f"int {shown}" if typed and bits <= 128 else shown
+    if kind in _SCALARS:
+        return f"{kind.__name__} {_SHORT.repr(value)}"
+    return f"a {kind.__name__}"
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    """``value`` as one of the strings ``choices`` (a str subclass counts by its value)."""
+    """``value`` as one of the strings ``choices`` (a str subclass counts by its plain value)."""
     listed = ", ".join(map(repr, choices))
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {listed}; got {_shown(value)}")
     text = str.__str__(value)
     if text not in choices:
-        raise ValueError(f"{name} must be one of {listed}; got {_shown(text)}")
+        raise ValueError(f"{name} must be one of {listed}; got {_SHORT.repr(text)}")
     return text
 
 
@@ -66,7 +71,7 @@ def check_split(n: object, cost: object, by: object) -> tuple[int, SplitCost, Sp
     if type(n) is not int:
         raise TypeError(f"n must be an int >= 1, got {_shown(n)}")
     if not 1 <= n <= _MAX_INT64:
-        raise ValueError(f"n must be an int >= 1 (and < 2**63), got {_shown(n)}")
+        raise ValueError(f"n must be an int >= 1 (and < 2**63), got {_shown(n, typed=False)}")
     checked_cost = _choice("cost", cost, COSTS)
     checked_by = _choice("by", by, SPLIT_BY)
     return n, checked_cost, checked_by  # type: ignore[return-value]
