@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from . import _token_arrays as arrays
 from ._group_records import Group, Trajectory, pack_runs
-from ._split import SplitBy, SplitCost, check_split, item_costs, lpt_parts
+from ._split import Costs, SplitBy, SplitCost, check_split, item_costs, lpt_parts
 
 #: The bytes of one packed (version, n_tokens) run.
 _RUN_BYTES = 16
@@ -253,8 +253,9 @@ def split_groups(batch: Batch, n: int, cost: SplitCost) -> list[Batch]:
     """``batch``'s groups split into ``n`` batches by the LPT rule (see :meth:`Batch.split`):
     each a copy of ``batch`` (every per-batch field kept) with its groups and their fields."""
     groups = batch.groups
-    if cost == "groups":
-        costs = [1] * len(groups)
+    costs: Costs
+    if cost == "groups":  # no trajectory read: lazily stored groups keep their records unbuilt
+        costs = np.ones(len(groups), dtype=np.int64)
     else:
         per_group = list(map(_trajectories_of, groups))
         tokens = list(map(_tokens_of, chain.from_iterable(per_group)))

@@ -18,9 +18,13 @@ from itertools import accumulate, pairwise, repeat
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
-__all__ = ["COSTS", "SPLIT_BY", "SplitBy", "SplitCost", "check_split", "item_costs", "lpt_parts"]
+__all__ = ["COSTS", "SPLIT_BY", "Costs", "SplitBy", "SplitCost", "check_split", "item_costs", "lpt_parts"]
 
+Int64s = npt.NDArray[np.int64]
+#: Item costs: an int64 array, or Python ints where int64 could overflow.
+Costs = Int64s | list[int]
 SplitCost = Literal["tokens", "quadratic", "groups"]
 SplitBy = Literal["group", "trajectory"]
 #: The costs ``split`` knows: tokens, tokens squared (attention-bound work), one per item.
@@ -77,15 +81,15 @@ def check_split(n: object, cost: object, by: object) -> tuple[int, SplitCost, Sp
     return n, checked_cost, checked_by  # type: ignore[return-value]
 
 
-def item_costs(tokens: Sequence[int], sizes: Sequence[int] | None, cost: SplitCost) -> list[int]:
-    """The cost of each item, as exact Python ints: of each group of ``sizes[i]`` consecutive
-    trajectories (``sizes`` None: each trajectory is an item) whose token counts are ``tokens``.
-    """
+def item_costs(tokens: Sequence[int], sizes: Sequence[int] | None, cost: SplitCost) -> Costs:
+    """The cost of each item: of each group of ``sizes[i]`` consecutive trajectories (``sizes``
+    None: each trajectory is an item) whose token counts are ``tokens``. Exact: int64 when
+    their total fits it, else Python ints."""
     count = len(tokens) if sizes is None else len(sizes)
     if cost == "groups":
-        return [1] * count
+        return np.ones(count, dtype=np.int64)
     if not tokens:
-        return [0] * count
+        return np.zeros(count, dtype=np.int64)
     array = np.array(tokens, dtype=np.int64)
     longest = int(array.max())
     per_item = longest * longest if cost == "quadratic" else longest
@@ -95,13 +99,15 @@ def item_costs(tokens: Sequence[int], sizes: Sequence[int] | None, cost: SplitCo
     if cost == "quadratic":
         array *= array
     if sizes is None:
-        costs: list[int] = array.tolist()
-        return costs
+        return array
+    if sizes.count(sizes[0]) == count:  # groups of one size, the usual case
+        sums: Int64s = array.reshape(count, sizes[0]).sum(axis=1)
+        return sums
     totals = np.zeros(len(tokens) + 1, dtype=np.int64)
     np.cumsum(array, out=totals[1:])
     bounds = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(np.asarray(sizes, dtype=np.int64), out=bounds[1:])
-    sums: list[int] = (totals[bounds[1:]] - totals[bounds[:-1]]).tolist()
+    sums = totals[bounds[1:]] - totals[bounds[:-1]]
     return sums
 
 
@@ -112,24 +118,32 @@ def _group_sums(values: list[int], sizes: Sequence[int]) -> list[int]:
     return [totals[b] - totals[a] for a, b in pairwise(bounds)]
 
 
-def lpt_parts(costs: Sequence[int], n: int) -> list[list[int]]:
-    """The items of each of ``n`` parts by the LPT rule (see the module docstring): ``n`` lists
-    of item indices, each in increasing order; a part no item reaches is empty."""
+def lpt_parts(costs: Costs, n: int) -> list[list[int]]:
+    """The items of each of ``n`` parts by the LPT rule (see the module docstring), given their
+    costs (``>= 0``; an int64 array must have a total int64 holds): ``n`` lists of item indices,
+    each in increasing order; a part no item reaches is empty."""
     count = len(costs)
     if not count:
         return [[] for _ in repeat(None, n)]
     # Each part's load and index as one int, load * n + part: the heap's least is the least
     # load, ties to the lowest part. The first k parts suffice for k items: while an item is
     # left, one of them has not been reached yet (load 0). int64 when no key can overflow it.
-    fits = (sum(costs) + 1) * n <= _MAX_INT64
-    if fits:
-        array = np.array(costs, dtype=np.int64)
-        order = np.argsort(-array, kind="stable")  # stable: equal costs keep batch order
-        array *= n
-        steps: list[int] = array[order].tolist()
+    if isinstance(costs, np.ndarray):
+        array = costs
+        total = int(array.sum())
     else:
-        ranked = sorted(range(count), key=costs.__getitem__, reverse=True)  # stable as well
-        steps = [costs[item] * n for item in ranked]
+        array = None
+        total = sum(costs)
+    fits = (total + 1) * n <= _MAX_INT64
+    if fits:
+        if array is None:
+            array = np.array(costs, dtype=np.int64)
+        order = np.argsort(-array, kind="stable")  # stable: equal costs keep batch order
+        steps: list[int] = (array[order] * n).tolist()
+    else:
+        exact: list[int] = costs.tolist() if isinstance(costs, np.ndarray) else list(costs)
+        ranked = sorted(range(count), key=exact.__getitem__, reverse=True)  # stable as well
+        steps = [exact[item] * n for item in ranked]
     heap = list(range(min(n, count)))
     replace = heapq.heapreplace
     # heapreplace returns the key it pops, the heap's least before the item's cost is added:
