@@ -79,7 +79,7 @@ from _helpers import (
     version_state,
 )
 from samplers import NewestFirst
-from stalebuf import Group, ReplayBuffer, SamplerConfig, Status
+from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
 from stalebuf.errors import (
     BufferClosedError,
     BufferFullError,
@@ -94,6 +94,7 @@ from stalebuf.errors import (
     UnknownGroupError,
 )
 from stalebuf.filters import min_trajectories, zero_variance
+from stalebuf.records import EMPTY_TAGS
 
 pytestmark = pytest.mark.anyio
 
@@ -1840,7 +1841,39 @@ CASES: tuple[Case, ...] = (
         "'code'",
         mixed=True,
     ),
+    # -- Batch.split (a batch the trainer holds: nothing in the buffer takes part) -------------
+    C("split-n-0", lambda c: split(c, 0), ValueError, "n must be an int >= 1.*got 0"),
+    C("split-n-negative", lambda c: split(c, -2), ValueError, "n must.*-2"),
+    C("split-n-bool", lambda c: split(c, True), TypeError, "n must be an int.*bool"),
+    C("split-n-float", lambda c: split(c, 2.0), TypeError, "n must be an int.*float"),
+    C("split-n-None", lambda c: split(c, None), TypeError, "n must be an int.*NoneType"),
+    C("split-n-numpy", lambda c: split(c, np.int64(2)), TypeError, "n must be an int.*int64"),
+    C("split-n-huge", lambda c: split(c, HUGE), ValueError, "n must.*bits"),
+    C("split-n-2**63", lambda c: split(c, 2**63), ValueError, "n must.*2\\*\\*63"),
+    C("split-n-evil-repr", lambda c: split(c, EvilRepr()), TypeError, "n must.*EvilRepr"),
+    C("split-n-positional-cost", lambda c: split(c, 2, "tokens"), TypeError, "positional"),
+    C("split-cost-unknown", lambda c: split(c, 2, cost="cubic"), ValueError, "cost must be one of.*'cubic'"),
+    C("split-cost-case", lambda c: split(c, 2, cost="Tokens"), ValueError, "cost.*'Tokens'"),
+    C("split-cost-None", lambda c: split(c, 2, cost=None), TypeError, "cost must be one of.*NoneType"),
+    C("split-cost-evil-repr", lambda c: split(c, 2, cost=EvilRepr()), TypeError, "cost.*EvilRepr"),
+    C("split-cost-huge-str", lambda c: split(c, 2, cost=HUGE_STR), ValueError, "cost.*'xxx"),
+    C("split-cost-surrogate", lambda c: split(c, 2, cost=SURROGATE), ValueError, "cost must be one of"),
+    C("split-by-unknown", lambda c: split(c, 2, by="token"), ValueError, "by must be one of.*'token'"),
+    C("split-by-groups", lambda c: split(c, 2, by="groups"), ValueError, "by.*'group', 'trajectory'"),
+    C("split-by-int", lambda c: split(c, 2, by=1), TypeError, "by must be one of.*int"),
+    C("split-by-bytes", lambda c: split(c, 2, by=b"group"), TypeError, "by.*bytes"),
 )
+
+
+def split(c: Ctx, *args: Any, **kwargs: Any) -> object:
+    """``Batch.split`` of a batch of two groups (3 and 5 tokens) built from records."""
+    trajectories = [
+        Trajectory(f"s{i}_0_0", 0, 0, EMPTY_TAGS, None, (), tokens) for i, tokens in enumerate((3, 5))
+    ]
+    groups = tuple(
+        Group(f"s{i}", "train", 5, Status.FINISHED, EMPTY_TAGS, (t,)) for i, t in enumerate(trajectories)
+    )
+    return Batch("train", 5, groups).split(*args, **kwargs)
 
 
 def raising_pairs() -> Iterator[tuple[int, int]]:
@@ -2105,7 +2138,17 @@ ACCEPTED: tuple[Accepted, ...] = (
         ["new_0_0", "new_1_0"],
         lambda buf: version_state(buf)["new"] == (5, [("new_0_0", ((1, 2),), 2), ("new_1_0", (), 4)]),
     ),
+    # Batch.split: more parts than groups, and a cost or by read as a str (numpy's str_ too)
+    A("split-more-parts-than-groups", lambda c: split_uids(c, 4), [["s1"], ["s0"], [], []]),
+    A("split-cost-numpy-str", lambda c: split_uids(c, 2, cost=np.str_("groups")), [["s0"], ["s1"]]),
+    A("split-by-numpy-str", lambda c: split_uids(c, 1, by=np.str_("trajectory")), [["s0_0_0", "s1_0_0"]]),
 )
+
+
+def split_uids(c: Ctx, *args: Any, **kwargs: Any) -> list[list[str]]:
+    """What :func:`split` returns, as the uids (or keys) of each part."""
+    parts: Any = split(c, *args, **kwargs)
+    return [[t.key for t in part] if isinstance(part, list) else part.uids for part in parts]
 
 
 @pytest.mark.parametrize("case", ACCEPTED, ids=[case.id for case in ACCEPTED])

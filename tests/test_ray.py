@@ -403,6 +403,33 @@ async def test_payloads_live_in_the_object_store_and_resolve_zero_copy(remote: R
 
 
 @pytest.mark.asyncio
+async def test_split_works_on_the_clients_batch(remote: RemoteReplayBuffer) -> None:
+    """Issue 24: ``Batch.split`` on what ``RemoteReplayBuffer.sample`` returns (payloads still
+    references), and each part resolves on its own."""
+    with anyio.fail_after(STEP_TIMEOUT):
+        await remote.put_group("a", ["a0", "a1"], global_steps=0, tokens=[30, 10])
+        await remote.put_group("b", ["b0"], global_steps=0, versions=[[(0, 35)]])
+        await remote.put_group("c", ["c0", "c1"], global_steps=0, tokens=[2, 3])
+        batch, _ = await remote.sample(0, 3)
+        assert type(batch) is Batch
+        assert batch.uids == ["a", "b", "c"]
+        parts = batch.split(2)  # costs 40, 35, 5: a -> 0, b -> 1, c -> 1
+        assert [part.uids for part in parts] == [["a"], ["b", "c"]]
+        assert all(type(part) is Batch for part in parts)
+        assert all(isinstance(ref, PayloadRef) for part in parts for ref in part.payloads)
+        assert (await resolve(parts[1])).payloads == ["b0", "c0", "c1"]
+        assert resolve_sync(parts[0]).payloads == ["a0", "a1"]
+        assert parts[1].token_counts.tolist() == [35, 2, 3]
+        # squared, one long trajectory weighs more: b 1225 -> 0, a 1000 -> 1, c 13 -> 1
+        assert [part.uids for part in batch.split(2, cost="quadratic")] == [["b"], ["a", "c"]]
+        by_trajectory = batch.split(2, by="trajectory")  # 35 | 30, then 10 -> 1, 3 -> 0, 2 -> 0
+        assert [[t.key for t in part] for part in by_trajectory] == [
+            ["b_0_0", "c_0_0", "c_1_0"],
+            ["a_0_0", "a_1_0"],
+        ]
+
+
+@pytest.mark.asyncio
 async def test_inline_payloads_travel_by_value() -> None:
     buffer = RemoteReplayBuffer(payloads="inline", status_log_interval=None)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import attrs
 import numpy as np
@@ -14,11 +14,12 @@ import numpy.typing as npt
 
 from . import _token_arrays as arrays
 from ._group_records import Group, Trajectory, pack_runs
+from ._split import Costs, SplitBy, SplitCost, check_split, item_costs, lpt_parts
 
 #: The bytes of one packed (version, n_tokens) run.
 _RUN_BYTES = 16
 _runs_of = itemgetter(7)  # Trajectory._runs
-_tokens_of = attrgetter("tokens")
+_tokens_of = itemgetter(6)  # Trajectory.tokens
 _start_of = attrgetter("start_version")
 _trajectories_of = attrgetter("trajectories")
 
@@ -31,6 +32,7 @@ __all__ = [
     "fresh_runs",
     "fresh_span",
     "new_batch",
+    "split_groups",
 ]
 
 
@@ -170,6 +172,43 @@ class Batch:
             mask = np.repeat(fresh_runs(self, versions, offsets), lengths)
         return mask, _token_offsets(lengths, offsets)
 
+    # -- balanced splits --------------------------------------------------------------------
+
+    @overload
+    def split(self, n: int, *, cost: SplitCost = "tokens", by: Literal["group"] = "group") -> list[Batch]: ...
+
+    @overload
+    def split(
+        self, n: int, *, cost: SplitCost = "tokens", by: Literal["trajectory"]
+    ) -> list[list[Trajectory]]: ...
+
+    def split(
+        self, n: int, *, cost: SplitCost = "tokens", by: SplitBy = "group"
+    ) -> list[Batch] | list[list[Trajectory]]:
+        """Split the batch into ``n`` parts of balanced cost, for ``n`` data-parallel ranks.
+
+        ``by="group"``: ``n`` batches (same partition, step, T, S and strategy; per-group
+        fields re-sliced) whose groups partition this batch's, whole groups kept together.
+        ``by="trajectory"``: ``n`` lists of trajectories, groups split (for a trainer that has
+        computed its advantages already). An item's cost: ``"tokens"`` (its tokens),
+        ``"quadratic"`` (the sum of its trajectories' tokens squared: attention-bound work)
+        or ``"groups"`` (1 each). The LPT rule assigns the items: largest cost first (ties in
+        batch order), each to the least-loaded part (ties to the lowest index). Its largest
+        part is within ``4/3 - 1/(3n)`` of the optimum, not optimal. Each part keeps batch
+        order; a part no item reaches is empty. Items of cost 0 (no ``tokens`` given) all go
+        to the lowest least-loaded part. O(k log k) for k items.
+
+        Raises:
+            TypeError: ``n`` is not an int (a bool is not), or ``cost`` or ``by`` is not a str.
+            ValueError: ``n`` is below 1, or ``cost`` or ``by`` is not one of those names.
+        """
+        n, cost, by = check_split(n, cost, by)
+        if by == "trajectory":
+            trajectories = self.trajectories
+            costs = item_costs(list(map(_tokens_of, trajectories)), None, cost)
+            return [[trajectories[i] for i in part] for part in lpt_parts(costs, n)]
+        return split_groups(self, n, cost)
+
     @staticmethod
     def padded(
         array: npt.ArrayLike, offsets: npt.ArrayLike, *, pad_to: int | None = None, fill: object = 0
@@ -208,6 +247,28 @@ def batch_runs(
     run_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum(counts, out=run_offsets[1:])
     return columns[0], columns[1], run_offsets, start_versions
+
+
+def split_groups(batch: Batch, n: int, cost: SplitCost) -> list[Batch]:
+    """``batch``'s groups split into ``n`` batches by the LPT rule (see :meth:`Batch.split`):
+    each a copy of ``batch`` (every per-batch field kept) with its groups and their fields."""
+    groups = batch.groups
+    costs: Costs
+    if cost == "groups":  # no trajectory read: lazily stored groups keep their records unbuilt
+        costs = np.ones(len(groups), dtype=np.int64)
+    else:
+        per_group = list(map(_trajectories_of, groups))
+        tokens = list(map(_tokens_of, chain.from_iterable(per_group)))
+        costs = item_costs(tokens, list(map(len, per_group)), cost)
+    thresholds = batch.group_thresholds
+    return [
+        attrs.evolve(
+            batch,
+            groups=tuple([groups[i] for i in part]),
+            group_thresholds=None if thresholds is None else tuple([thresholds[i] for i in part]),
+        )
+        for part in lpt_parts(costs, n)
+    ]
 
 
 def _token_offsets(run_lengths: arrays.Int64s, run_offsets: arrays.Int64s) -> arrays.Int64s:
