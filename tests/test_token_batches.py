@@ -385,3 +385,22 @@ async def test_a_status_line_names_the_token_budget(caplog: pytest.LogCaptureFix
         assert lines
         assert lines[0].startswith("sample(global_steps=0, token_budget=100) on partition 'train'")
         assert "short by 100 token(s)" in lines[0]
+
+
+async def test_a_restored_buffer_keeps_the_ready_tokens_and_samples_by_tokens_alike() -> None:
+    with anyio.fail_after(LIMIT):
+        buf = make(max_off_policy_threshold=4)
+        for uid, tokens in (("a", 60), ("b", 40), ("c", 30)):
+            await put(buf, uid, tokens)
+        await buf.put_group("v", ["x", "y"], global_steps=0, versions=[[(0, 5)], [(0, 15)]])
+        await buf.add_prompt("flying", global_steps=0)
+        await buf.put("flying", "z", tokens=70)
+        for in_flight in ("keep", "reissue", "evict"):
+            restored = ReplayBuffer.restore(
+                buf.checkpoint(), in_flight=in_flight, status_log_interval=None
+            ).buffer
+            assert ready_tokens(restored) == (150, 150)  # the in-flight group's 70 are not ready
+            batch, metrics = await restored.sample(0, token_budget=100)
+            assert batch.uids == ["a", "b"]
+            assert fill(metrics) == [100.0, 1.0, 0.0]
+            assert ready_tokens(restored) == (50, 50)

@@ -174,8 +174,7 @@ class PartitionState:
         # Tokens: resident, and the conservation law's terms (admitted == sampled + evicted +
         # reissued + resident); masked tokens are a subset of the sampled ones.
         self.tokens = self.admitted_tokens = self.sampled_tokens = self.masked_tokens = 0
-        self.evicted_tokens = self.reissued_tokens = 0
-        self.ready_tokens = 0  # of the groups in ``ready``: a token-budget sample's readiness, in O(1)
+        self.evicted_tokens = self.reissued_tokens = self.ready_tokens = 0  # ready: in ``ready``
 
     # -- in-flight groups -------------------------------------------------------------
 

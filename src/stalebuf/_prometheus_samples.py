@@ -178,8 +178,39 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
     pending = histograms.pending
     rows_for = histograms.rows_for
     fold = histograms.fold
-    sample = buffer.sample
+
+    def record(partition: str, result: Any) -> Any:
+        rows = pending.get(partition)
+        if rows is None:
+            rows = rows_for(partition)
+        rows.append(row_of(*result))
+        if len(rows) >= FOLD_AT:
+            fold(False)
+        return result
+
     previous = {"sample": buffer.__dict__.get("sample", _MISSING)}
+    installed: dict[str, Any] = {"sample": _observed_sample(buffer.sample, record)}
+    sample_nowait = getattr(buffer, "sample_nowait", None)
+    if sample_nowait is not None:
+        previous["sample_nowait"] = buffer.__dict__.get("sample_nowait", _MISSING)
+        installed["sample_nowait"] = _observed_sample_nowait(sample_nowait, record)
+    for name, method in installed.items():
+        setattr(buffer, name, method)
+
+    def untap() -> None:
+        for name, method in installed.items():
+            if buffer.__dict__.get(name) is not method:
+                continue  # wrapped again by someone else: leave the chain intact
+            if previous[name] is _MISSING:
+                delattr(buffer, name)
+            else:
+                setattr(buffer, name, previous[name])
+
+    return untap
+
+
+def _observed_sample(sample: Any, record: Callable[[str, Any], Any]) -> Callable[..., Any]:
+    """``sample`` wrapped to pass each result through ``record(partition, result)``."""
 
     @wraps(sample)
     async def observed_sample(
@@ -196,52 +227,26 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
             result = await sample(
                 global_steps, batch_size, token_budget=token_budget, partition=partition, timeout=timeout
             )
-        rows = pending.get(partition)
-        if rows is None:
-            rows = rows_for(partition)
-        rows.append(row_of(*result))
-        if len(rows) >= FOLD_AT:
-            fold(False)
-        return result
+        return record(partition, result)
 
-    installed: dict[str, Any] = {"sample": observed_sample}
-    sample_nowait = getattr(buffer, "sample_nowait", None)
-    if sample_nowait is not None:
-        previous["sample_nowait"] = buffer.__dict__.get("sample_nowait", _MISSING)
+    return observed_sample
 
-        @wraps(sample_nowait)
-        def observed_sample_nowait(
-            global_steps: int,
-            batch_size: int | None = None,
-            *,
-            token_budget: int | None = None,
-            partition: str = "train",
-        ) -> Any:
-            if token_budget is None:
-                result = sample_nowait(global_steps, batch_size, partition=partition)
-            else:
-                result = sample_nowait(
-                    global_steps, batch_size, token_budget=token_budget, partition=partition
-                )
-            rows = pending.get(partition)
-            if rows is None:
-                rows = rows_for(partition)
-            rows.append(row_of(*result))
-            if len(rows) >= FOLD_AT:
-                fold(False)
-            return result
 
-        installed["sample_nowait"] = observed_sample_nowait
-    for name, method in installed.items():
-        setattr(buffer, name, method)
+def _observed_sample_nowait(sample_nowait: Any, record: Callable[[str, Any], Any]) -> Callable[..., Any]:
+    """``sample_nowait`` wrapped to pass each result through ``record(partition, result)``."""
 
-    def untap() -> None:
-        for name, method in installed.items():
-            if buffer.__dict__.get(name) is not method:
-                continue  # wrapped again by someone else: leave the chain intact
-            if previous[name] is _MISSING:
-                delattr(buffer, name)
-            else:
-                setattr(buffer, name, previous[name])
+    @wraps(sample_nowait)
+    def observed_sample_nowait(
+        global_steps: int,
+        batch_size: int | None = None,
+        *,
+        token_budget: int | None = None,
+        partition: str = "train",
+    ) -> Any:
+        if token_budget is None:
+            result = sample_nowait(global_steps, batch_size, partition=partition)
+        else:
+            result = sample_nowait(global_steps, batch_size, token_budget=token_budget, partition=partition)
+        return record(partition, result)
 
-    return untap
+    return observed_sample_nowait

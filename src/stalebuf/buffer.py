@@ -864,8 +864,7 @@ class ReplayBuffer:
         partition: str = "train",
         timeout: float | None = None,
     ) -> tuple[Batch, dict[str, float]]:
-        """Wait for, remove and return a batch: exactly ``batch_size`` whole groups, or the groups
-        of up to ``token_budget`` tokens, oldest first.
+        """Wait for, remove and return exactly ``batch_size`` whole groups (or by tokens), oldest first.
 
         Before selecting, evicts what the config says to evict (stale groups under "drop",
         failed groups under ``failure_strategy="evict"``), reporting them to ``on_evict``.
@@ -875,13 +874,9 @@ class ReplayBuffer:
         evicts nor takes anything and queues behind it. Otherwise it evaluates once before
         waiting, so ``timeout=0`` means "check once, don't wait".
 
-        With ``token_budget=K`` instead (a group's size is the sum of its trajectories'
-        ``tokens``; a group put without ``tokens`` or ``versions`` counts 0): it returns once the
-        gate is open (as above), a group is sampleable and the sampleable groups hold at least
-        ``K`` tokens, and takes the longest prefix of the oldest-first order whose tokens are
-        ``<= K``, or, when the first group holding tokens is alone over ``K``, the prefix through
-        it (the metric ``{prefix}/batch/oversized_groups`` is then 1). See the docs' Token
-        budgets page.
+        With ``token_budget=K`` instead, once the gate is open and the sampleable groups hold
+        ``K`` tokens, it takes the longest oldest-first prefix within ``K`` (a first group alone
+        over ``K`` comes alone); see the docs' Token budgets page.
 
         Returns:
             The batch and its metrics (the docs' Trainers page lists every metric name).
@@ -890,8 +885,8 @@ class ReplayBuffer:
             TypeError, ValueError: ``global_steps`` is not an int >= 0, not exactly one of
                 ``batch_size`` and ``token_budget`` is given, an int >= 1 (both below 2**63),
                 ``partition`` is not a non-empty str, or ``timeout`` not None or a number >= 0.
-            ConfigError: a token budget with a policy that overrides ``select`` (or a subclass's
-                ``_select``), or on a partition with a task mixture; nothing changed.
+            ConfigError: a token budget with an overridden ``select`` (or ``_select``), or on a
+                partition with a task mixture; nothing changed.
             TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
             BufferClosedError: the buffer is or gets closed.
             WrongThreadError: called from another thread than the bound loop's.
