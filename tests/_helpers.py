@@ -54,6 +54,7 @@ __all__ = [
     "producer_ledger",
     "ready_order",
     "ready_steps",
+    "ready_tokens",
     "ready_uids",
     "resident_count",
     "resident_groups",
@@ -344,6 +345,17 @@ def ready_uids(buf: ReplayBuffer, partition: str = "train") -> list[str]:
     Reads the partition's index (the group store's ``partitions``): its ready buckets and step heap.
     """
     return [g.uid for g in _indexes(buf)[partition].ready.iter_groups()]
+
+
+def ready_tokens(buf: ReplayBuffer, partition: str = "train") -> tuple[int, int]:
+    """``(kept, counted)``: the partition's running total of its ready groups' tokens (what a
+    token-budget sample reads for its readiness) and the same total counted group by group.
+    Reads the partition's ``ready_tokens`` and its ready buckets."""
+    part = _indexes(buf).get(partition)
+    if part is None:
+        return 0, 0
+    counted = sum(t.tokens for group in part.ready.iter_groups() for t in group.trajectories)
+    return part.ready_tokens, counted
 
 
 def ready_order(buf: ReplayBuffer) -> dict[str, list[str]]:

@@ -78,6 +78,7 @@ from _helpers import (
     resident_uids,
     version_state,
 )
+from samplers import NewestFirst
 from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
 from stalebuf.errors import (
     BufferClosedError,
@@ -990,6 +991,55 @@ CASES: tuple[Case, ...] = (
         TimeoutError,
         "partition",
     ),
+    # token budgets (issue 24): exactly one of batch_size and token_budget, an int >= 1
+    C("tokens-0", lambda c: c.buf.sample(6, token_budget=0), ValueError, "token_budget.*0"),
+    C("tokens-negative", lambda c: c.buf.sample(6, token_budget=-3), ValueError, "token_budget.*-3"),
+    C("tokens-float", lambda c: c.buf.sample(6, token_budget=100.0), TypeError, "token_budget.*float"),
+    C("tokens-bool", lambda c: c.buf.sample(6, token_budget=True), TypeError, "token_budget.*bool"),
+    C("tokens-str", lambda c: c.buf.sample(6, token_budget="100"), TypeError, "token_budget.*str"),
+    C(
+        "tokens-huge",
+        lambda c: c.buf.sample(6, token_budget=HUGE, timeout=0),
+        ValueError,
+        "token_budget.*bits",
+    ),
+    C("tokens-2**63", lambda c: c.buf.sample(6, token_budget=2**63), ValueError, "token_budget"),
+    C(
+        "tokens-evil-repr",
+        lambda c: c.buf.sample(6, token_budget=EvilRepr()),
+        TypeError,
+        "token_budget.*EvilRepr",
+    ),
+    C("tokens-and-batch", lambda c: c.buf.sample(6, 2, token_budget=100), ValueError, "exactly one"),
+    C(
+        "tokens-and-batch-nowait",
+        lambda c: c.buf.sample_nowait(6, 2, token_budget=100),
+        ValueError,
+        "exactly one",
+    ),
+    C("tokens-neither-nowait", lambda c: c.buf.sample_nowait(6), ValueError, "exactly one.*None"),
+    C("tokens-nowait-0", lambda c: c.buf.sample_nowait(6, token_budget=0), ValueError, "token_budget.*0"),
+    C("tokens-bad-step", lambda c: c.buf.sample(-1, token_budget=100), ValueError, "global_steps.*-1"),
+    C(
+        "tokens-bad-partition",
+        lambda c: c.buf.sample(6, token_budget=100, partition=""),
+        ValueError,
+        "partition",
+    ),
+    C("tokens-bad-timeout", lambda c: c.buf.sample(6, token_budget=100, timeout=-1), ValueError, "timeout"),
+    C(
+        "tokens-closed",
+        lambda c: c.buf.sample(6, token_budget=100, timeout=0),
+        BufferClosedError,
+        "closed",
+        closed=True,
+    ),
+    C(
+        "tokens-select-override",
+        lambda c: NewestFirst(status_log_interval=None).sample_nowait(0, token_budget=100),
+        ConfigError,
+        "NewestFirst._select.*token budget",
+    ),
     C("count-step-huge", lambda c: c.buf.sampleable_count(10**400), ValueError, "global_steps"),
     C(
         "count-step-evil-repr",
@@ -1763,6 +1813,27 @@ CASES: tuple[Case, ...] = (
         mixed=True,
     ),
     C("mixed-sample-nowait-quota-0", lambda c: c.buf.sample_nowait(0, 1), ValueError, "'code'", mixed=True),
+    C(
+        "mixed-sample-tokens",
+        lambda c: c.buf.sample(0, token_budget=100, timeout=0),
+        ConfigError,
+        "task mixture.*token budget",
+        mixed=True,
+    ),
+    C(
+        "mixed-sample-nowait-tokens",
+        lambda c: c.buf.sample_nowait(0, token_budget=100),
+        ConfigError,
+        "task mixture",
+        mixed=True,
+    ),
+    C(
+        "mixed-sample-tokens-new-partition",
+        lambda c: c.buf.sample(0, token_budget=100, partition="aux", timeout=0),
+        ConfigError,
+        "'aux' has a task mixture",
+        mixed=True,
+    ),
     C(
         "mixed-sample-new-partition-quota-0",
         lambda c: c.buf.sample(0, 1, partition="aux", timeout=0),

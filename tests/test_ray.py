@@ -1405,6 +1405,11 @@ async def test_bad_sample_arguments_fail_on_the_client_like_the_local_buffer() -
         (ValueError, (0, 1), {"partition": ""}),
         (ValueError, (0, 1), {"timeout": -1}),
         (ValueError, (0, 1), {"timeout": float("nan")}),
+        (ValueError, (0,), {}),
+        (ValueError, (0, 1), {"token_budget": 5}),
+        (TypeError, (0,), {"token_budget": 1.5}),
+        (TypeError, (0,), {"token_budget": True}),
+        (ValueError, (0,), {"token_budget": 0}),
     ]
     try:
         with anyio.fail_after(STEP_TIMEOUT):
@@ -1627,6 +1632,11 @@ def test_protocol_records_round_trip_and_refuse_what_they_do_not_know() -> None:
         assert (type(decoded), decoded) == (type(op), op)
     request = SampleRequest("id", 1, 2, "train", 0.5)
     assert decode_sample(encode(request)) == request
+    by_tokens = SampleRequest("id", 1, None, "train", None, 100)
+    assert decode_sample(encode(by_tokens)) == by_tokens
+    # A request as protocol 7 sent it (no token_budget) is refused, not misread.
+    with pytest.raises(ProtocolError, match="same stalebuf"):
+        decode_sample(encode(request)[:-1])
     # (1, "a") and (2, "a", None, 0, 0, None): mark_running and put as protocol 4 sent them.
     olds = [(1, "a"), (2, "a", None, 0, 0, None)]
     for bad in [("put", "a"), (99, "a"), (1,), (1, "a", None, "extra"), [1, "a"], encode(request), *olds]:
@@ -1771,6 +1781,25 @@ async def test_versions_tokens_and_start_versions_travel_to_the_actor_and_back_i
                 2,
                 0,
             )
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_remote_sample_takes_a_token_budget_like_the_local_buffer() -> None:
+    """``sample(token_budget=K)`` travels to the actor: the longest prefix within K, its metrics."""
+    buffer = RemoteReplayBuffer(status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            for uid, tokens in (("a", 60), ("b", 40), ("c", 30)):
+                await buffer.put_group(uid, [uid], global_steps=0, tokens=[tokens])
+            batch, metrics = await buffer.sample(0, token_budget=100)
+            assert batch.uids == ["a", "b"]
+            keys = ("training/batch/tokens", "training/batch/fill", "training/batch/oversized_groups")
+            assert [metrics[key] for key in keys] == [100.0, 1.0, 0.0]
+            await expect(TimeoutError, buffer.sample(0, token_budget=100, timeout=0))  # 30 < 100
+            batch, _ = await buffer.sample(0, token_budget=10)  # "c" alone is over 10: it goes
+            assert batch.uids == ["c"]
     finally:
         buffer.kill()
 

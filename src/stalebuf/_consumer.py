@@ -31,7 +31,7 @@ from ._sample_report import SampleReport
 from ._sampleable import SampleableWaits
 from ._status_log import StatusLog, log_waiting, logger, next_due
 from ._store import GroupStore
-from ._validation import describe
+from ._token_batches import TokenBatches
 from ._waiting import LoopBinding, Waiter, drop_abandoned, park, park_with_deadline
 from .errors import BufferClosedError
 from .metrics import SampleMetrics
@@ -80,6 +80,7 @@ class Consumer:
         "status_interval",
         "status_log",
         "store",
+        "token_batches",
         "waiting",
     )
 
@@ -102,6 +103,7 @@ class Consumer:
         self.filters = bool(rules.filters)  # whether any group is ever filtered (read per group)
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.mixing = Mixing(store, rules)
+        self.token_batches = TokenBatches(store, admission, rules, self.eviction)
         self.explainer = Explainer(
             store, admission, rules, self.sampleable, self, self.mixing, status_interval
         )
@@ -175,7 +177,9 @@ class Consumer:
                 return
             head = waiters[0]
         try:
-            if part.task is None:
+            if head.token_budget is not None:
+                wake = self.token_batches.has_work(part, head.global_steps, head.token_budget)
+            elif part.task is None:
                 wake = self.rules.has_work_for(part, head.global_steps, head.batch_size)
             else:  # a task's cell: the batch is judged across its partition's cells
                 parent = self.store.partitions[part.name]
@@ -285,6 +289,8 @@ class Consumer:
         self.evaluations += 1
         if part.deadlines and self.deadlines.cut_overdue(part) and self.sampleable.waiting:
             self.sampleable.notify(part)  # cut groups are terminal: sampleable, maybe
+        if metrics.token_budget is not None:
+            return self.token_batches.evaluate(part, global_steps, metrics)
         if part.cells is not None:
             return self._evaluate_mixture(part, global_steps, batch_size, metrics)
         verdict = self.rules.quick_verdict(part, global_steps, batch_size)
@@ -377,6 +383,7 @@ class Consumer:
         binding = self.binding
         binding.bind()
         waiter = binding.new_waiter(global_steps, batch_size)
+        waiter.token_budget = metrics.token_budget
         waiter.started = started = waiter.now()  # (explain_wait reads how long it waited)
         interval = self.status_interval
         timer_logs = interval is not None and binding.on_asyncio
@@ -433,9 +440,7 @@ class Consumer:
 
         groups = await park_with_deadline(waiter, attempt, backend, deadline, log_line, next_log)
         if groups is None:
-            raise TimeoutError(
-                f"no batch of {waiter.batch_size} in partition {describe(part.name)} within {timeout} s"
-            )
+            raise waiter.timed_out(part.name, timeout)
         return groups
 
     async def _park_with_cuts(
@@ -484,9 +489,7 @@ class Consumer:
                 continue
             now = backend.current_time()
             if now >= deadline:
-                raise TimeoutError(
-                    f"no batch of {waiter.batch_size} in partition {describe(part.name)} within {timeout} s"
-                )
+                raise waiter.timed_out(part.name, timeout)
             waiter.rearm_if_cancelled()  # the scope's cancellation may have cancelled the signal
             if now >= next_log:
                 log_waiting(part, waiter, next_log - started, interval, self.explainer.reason)  # type: ignore[arg-type]

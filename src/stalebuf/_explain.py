@@ -91,17 +91,20 @@ class Explainer:
         )
         if head is None:
             return idle
-        steps, size = head.global_steps, head.batch_size
+        steps, size, budget = head.global_steps, head.batch_size, head.token_budget
         sampleable = self.sampleable.fresh(name, steps)
         held_by, held_at = _gate_holder(cells, steps, self.rules)
+        ready_tokens = sum(cell.ready_tokens for cell in cells)
         explanation = attrs.evolve(
             idle,
             waiting_samplers=waiting,
             global_steps=steps,
-            batch_size=size,
+            batch_size=size if budget is None else None,
+            token_budget=budget,
             waited_seconds=_waited(head),
             sampleable=sampleable,
             short_by=max(0, size - sampleable),
+            short_by_tokens=0 if budget is None else max(0, budget - ready_tokens),
             gate_held_by=held_by,
             gate_staleness=None if held_at is None else (steps - held_at + 1) / self.rules.sync_step,
         )
@@ -152,10 +155,15 @@ def _reason(explained: WaitExplanation, held_at: int | None) -> str:
             "FutureTagError): under admission control producers should dispatch at the clock "
             "(global_steps=None)"
         )
-    if e.short_by:
+    if e.short_by and e.token_budget is None:
         causes.append(
             f"the batch is short by {e.short_by} group(s): {e.sampleable} of {e.batch_size} sampleable "
             f"at global_steps={e.global_steps}, {e.in_flight} in flight"
+        )
+    if e.token_budget is not None and (e.short_by or e.short_by_tokens):
+        causes.append(
+            f"the batch of {e.token_budget} tokens is short by {e.short_by_tokens} token(s) "
+            f"({e.sampleable} group(s) sampleable at global_steps={e.global_steps}, {e.in_flight} in flight)"
         )
     if e.gate_held_by is not None:
         causes.append(

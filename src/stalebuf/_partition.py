@@ -33,14 +33,14 @@ BY_DISPATCH, BY_HEAD, BY_TAIL = 0, 1, 2
 GENERATION_WINDOW, MEDIAN_AFTER = 256, 16
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
-_status_of = attrgetter("status")
+_status_of, _tokens_of = attrgetter("status"), attrgetter("tokens")
 
 
 def group_tokens(group: Group) -> int:
     """The tokens of a terminal group (a lazily stored one has none: no version was given)."""
     if group.__class__ is LazyGroup:
         return 0
-    return sum(trajectory.tokens for trajectory in group._peek())
+    return sum(map(_tokens_of, group._peek()))  # C-level: a token batch reads every group's
 
 
 def _in_flight(in_flight: dict[int, dict[str, OpenGroup]], group: OpenGroup) -> bool:
@@ -97,6 +97,7 @@ class PartitionState:
         "name",
         "pending",
         "ready",
+        "ready_tokens",
         "recent_cuts",
         "reissued_groups",
         "reissued_tokens",
@@ -173,7 +174,7 @@ class PartitionState:
         # Tokens: resident, and the conservation law's terms (admitted == sampled + evicted +
         # reissued + resident); masked tokens are a subset of the sampled ones.
         self.tokens = self.admitted_tokens = self.sampled_tokens = self.masked_tokens = 0
-        self.evicted_tokens = self.reissued_tokens = 0
+        self.evicted_tokens = self.reissued_tokens = self.ready_tokens = 0  # ready: in ``ready``
 
     # -- in-flight groups -------------------------------------------------------------
 
@@ -289,6 +290,8 @@ class PartitionState:
             if self.evict_failures:
                 self.failed.append((step, group.seq, record))
                 return
+        if group.span is not None:
+            self.ready_tokens += group.span.tokens
         judge = self.judge
         if judge == BY_DISPATCH or (group.span is None and group.start_version == step):
             if self.judged is None:
@@ -349,6 +352,7 @@ class PartitionState:
         self.admitted_groups += 1
         self.admitted_trajectories += count
         self.trajectories += count
+        tokens = 0
         if group.__class__ is LazyGroup:
             head = tail = group.start_version
         else:
@@ -365,6 +369,7 @@ class PartitionState:
             if self.evict_failures:
                 self.failed.append((step, seq, group))
                 return
+        self.ready_tokens += tokens
         judge = self.judge
         key = step if judge == BY_DISPATCH else head if judge == BY_HEAD else tail
         if key == step and self.judged is None:  # the common case, without the call
@@ -452,6 +457,7 @@ class PartitionState:
         else:
             groups = self.ready.pop_steps(steps)
         trajectories, tokens = self._forget(groups)
+        self.ready_tokens -= tokens
         self.evicted_stale_trajectories += trajectories
         self.evicted_tokens += tokens
         self.evicted_stale_groups += len(groups)
@@ -465,6 +471,7 @@ class PartitionState:
         else:
             self.ready.take(chosen)
         trajectories, tokens = self._forget(chosen)
+        self.ready_tokens -= tokens
         self.sampled_trajectories += trajectories
         self.sampled_tokens += tokens
         self.sampled_groups += len(chosen)

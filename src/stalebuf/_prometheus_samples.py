@@ -178,14 +178,8 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
     pending = histograms.pending
     rows_for = histograms.rows_for
     fold = histograms.fold
-    sample = buffer.sample
-    previous = {"sample": buffer.__dict__.get("sample", _MISSING)}
 
-    @wraps(sample)
-    async def observed_sample(
-        global_steps: int, batch_size: int, *, partition: str = "train", timeout: float | None = None
-    ) -> Any:
-        result = await sample(global_steps, batch_size, partition=partition, timeout=timeout)
+    def record(partition: str, result: Any) -> Any:
         rows = pending.get(partition)
         if rows is None:
             rows = rows_for(partition)
@@ -194,23 +188,12 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
             fold(False)
         return result
 
-    installed: dict[str, Any] = {"sample": observed_sample}
+    previous = {"sample": buffer.__dict__.get("sample", _MISSING)}
+    installed: dict[str, Any] = {"sample": _observed_sample(buffer.sample, record)}
     sample_nowait = getattr(buffer, "sample_nowait", None)
     if sample_nowait is not None:
         previous["sample_nowait"] = buffer.__dict__.get("sample_nowait", _MISSING)
-
-        @wraps(sample_nowait)
-        def observed_sample_nowait(global_steps: int, batch_size: int, *, partition: str = "train") -> Any:
-            result = sample_nowait(global_steps, batch_size, partition=partition)
-            rows = pending.get(partition)
-            if rows is None:
-                rows = rows_for(partition)
-            rows.append(row_of(*result))
-            if len(rows) >= FOLD_AT:
-                fold(False)
-            return result
-
-        installed["sample_nowait"] = observed_sample_nowait
+        installed["sample_nowait"] = _observed_sample_nowait(sample_nowait, record)
     for name, method in installed.items():
         setattr(buffer, name, method)
 
@@ -224,3 +207,46 @@ def _wrap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], Non
                 setattr(buffer, name, previous[name])
 
     return untap
+
+
+def _observed_sample(sample: Any, record: Callable[[str, Any], Any]) -> Callable[..., Any]:
+    """``sample`` wrapped to pass each result through ``record(partition, result)``."""
+
+    @wraps(sample)
+    async def observed_sample(
+        global_steps: int,
+        batch_size: int | None = None,
+        *,
+        token_budget: int | None = None,
+        partition: str = "train",
+        timeout: float | None = None,
+    ) -> Any:
+        if token_budget is None:  # (a buffer of another library may not take the keyword)
+            result = await sample(global_steps, batch_size, partition=partition, timeout=timeout)
+        else:
+            result = await sample(
+                global_steps, batch_size, token_budget=token_budget, partition=partition, timeout=timeout
+            )
+        return record(partition, result)
+
+    return observed_sample
+
+
+def _observed_sample_nowait(sample_nowait: Any, record: Callable[[str, Any], Any]) -> Callable[..., Any]:
+    """``sample_nowait`` wrapped to pass each result through ``record(partition, result)``."""
+
+    @wraps(sample_nowait)
+    def observed_sample_nowait(
+        global_steps: int,
+        batch_size: int | None = None,
+        *,
+        token_budget: int | None = None,
+        partition: str = "train",
+    ) -> Any:
+        if token_budget is None:
+            result = sample_nowait(global_steps, batch_size, partition=partition)
+        else:
+            result = sample_nowait(global_steps, batch_size, token_budget=token_budget, partition=partition)
+        return record(partition, result)
+
+    return observed_sample_nowait

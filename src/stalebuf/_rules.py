@@ -27,9 +27,12 @@ from .policy import RuleHooks, StalenessPolicy, SubclassHooks, asks_defaults, ho
 from .records import Group, Status
 from .staleness import drop_span
 
-__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Rules"]
+__all__ = ["NEEDS_RULES", "NO_BATCH", "OLDEST_BATCH", "Refusal", "Rules"]
 
 _MISSING = object()
+
+#: The readiness rule's admission input: ``refuses(part, global_steps)`` (see token_batch_ready).
+Refusal = Callable[[PartitionState, int], bool]
 
 #: :meth:`Rules.quick_verdict`'s answers.
 NEEDS_RULES, NO_BATCH, OLDEST_BATCH = -1, 0, 1
@@ -394,6 +397,22 @@ class Rules:
             if oldest is not None and self.is_stale(global_steps, oldest, part):
                 return True
         return ready.count >= batch_size and self.gate_open(part, global_steps)
+
+    def token_batch_ready(
+        self, part: PartitionState, global_steps: int, budget: int, refuses: Refusal
+    ) -> bool:
+        """The readiness rule of a sample of ``budget`` tokens, asked after eviction (the ready
+        groups are then the sampleable ones): the wait gate is open, a group is sampleable, and
+        their tokens reach ``budget`` or ``refuses(part, global_steps)``: token admission would
+        refuse a clock-tagged in-flight group at tag ``max(clock, global_steps)`` now, so waiting
+        for more tokens could deadlock (asked only when the tokens fall short). O(1).
+
+        Raises:
+            Exception: whatever a policy hook raised.
+        """
+        if not part.ready.count or not self.gate_open(part, global_steps):
+            return False
+        return part.ready_tokens >= budget or refuses(part, global_steps)
 
     def choose_batch(
         self, part: PartitionState, global_steps: int, batch_size: int

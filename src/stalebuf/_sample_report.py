@@ -90,6 +90,11 @@ class SampleReport:
                 rendered[f"{prefix}/filter_groups/errors"] = float(errors)
         if part.cells is not None:
             rendered.update(self.mixing.metrics(part, prefix))
+        budget = metrics.token_budget
+        if budget is not None:  # a sample by tokens: how full its batch is
+            rendered[f"{prefix}/batch/tokens"] = float(metrics.batch_tokens)
+            rendered[f"{prefix}/batch/fill"] = metrics.batch_tokens / budget
+            rendered[f"{prefix}/batch/oversized_groups"] = float(metrics.oversized_groups)
         if (
             part.admitted_tokens
             if part.cells is None

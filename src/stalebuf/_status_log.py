@@ -60,11 +60,12 @@ def log_waiting(part: PartitionState, waiter: Waiter, waited: float, interval: f
     heads = [head for head in (cell.in_flight.oldest() for cell in cells) if head is not None]
     logger.log(
         level,
-        "sample(global_steps=%d, batch_size=%d) on partition %r has waited %.0f s: "
+        "sample(global_steps=%d, %s=%d) on partition %r has waited %.0f s: "
         "pending=%d running=%d finished=%d failure=%d ready=%d oldest_in_flight_step=%s; "
         "waiting because %s",
         waiter.global_steps,
-        waiter.batch_size,
+        "batch_size" if waiter.token_budget is None else "token_budget",
+        waiter.batch_size if waiter.token_budget is None else waiter.token_budget,
         part.name,
         waited,
         sum(cell.pending for cell in cells),

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_INT",
     "MIN_STATUS_LOG_INTERVAL",
     "a_bool",
+    "check_batch_request",
     "check_batch_size",
     "check_count",
     "check_generation_seconds",
@@ -244,6 +245,28 @@ def check_batch_size(value: object) -> int:
     if not 1 <= value <= MAX_INT:
         raise ValueError(f"batch_size must be an int >= 1 (and < 2**63), got {describe(value)}")
     return value
+
+
+def check_batch_request(batch_size: object, token_budget: object) -> None:
+    """Check that exactly one of ``batch_size`` and ``token_budget`` is given, an int in
+    ``[1, MAX_INT]`` (bool rejected).
+
+    Raises:
+        ValueError: neither or both given, ``batch_size`` not an int >= 1 (a ValueError, as it
+            always was), or ``token_budget`` out of range.
+        TypeError: ``token_budget`` is not an int.
+    """
+    if (batch_size is None) == (token_budget is None):
+        raise ValueError(
+            "give exactly one of batch_size and token_budget (an int >= 1), got "
+            f"batch_size={describe(batch_size)} and token_budget={describe(token_budget)}"
+        )
+    if token_budget is None:
+        check_batch_size(batch_size)
+    elif type(token_budget) is not int:
+        raise TypeError(f"token_budget must be an int >= 1, got {describe_typed(token_budget)}")
+    elif not 1 <= token_budget <= MAX_INT:
+        raise ValueError(f"token_budget must be an int >= 1 (and < 2**63), got {describe(token_budget)}")
 
 
 def check_count(value: object) -> int:

@@ -19,6 +19,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import AsyncBackend
 
+from ._validation import describe
 from .errors import BackendMismatchError, WrongThreadError
 
 __all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "ProducerWaits", "Waiter", "drop_abandoned", "park"]
@@ -32,7 +33,7 @@ class Waiter:
     Subclasses hold the backend's primitive; ``arm`` makes a fresh one before each park.
     """
 
-    __slots__ = ("batch_size", "cut_at", "global_steps", "log_due", "now", "started")
+    __slots__ = ("batch_size", "cut_at", "global_steps", "log_due", "now", "started", "token_budget")
 
     #: The running loop's clock (the backend's ``current_time``), for timing the wait.
     now: Callable[[], float]
@@ -46,6 +47,17 @@ class Waiter:
         # A sample waiting on a partition with group deadlines: when (monotonic()) its timer
         # will cut the first straggler.
         self.cut_at = math.inf
+        self.token_budget: int | None = None  # a sample by tokens: its budget (set by the caller)
+
+    def wanted(self) -> str:
+        """What the waiting call asks for, in words: ``"4"`` (groups) or ``"100 tokens"``."""
+        budget = self.token_budget
+        return str(self.batch_size) if budget is None else f"{budget} tokens"
+
+    def timed_out(self, partition: str, timeout: float | None) -> TimeoutError:
+        """The error of this sample, on ``partition``, when its ``timeout`` passed first."""
+        where = describe(partition)
+        return TimeoutError(f"no batch of {self.wanted()} in partition {where} within {timeout} s")
 
     def arm(self) -> None:
         """Prepare a fresh, unset signal for the next park."""

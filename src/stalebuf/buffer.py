@@ -820,10 +820,16 @@ class ReplayBuffer:
     # -- consumer ---------------------------------------------------------------------
 
     def sample_nowait(
-        self, global_steps: int, batch_size: int, *, partition: str = "train"
+        self,
+        global_steps: int,
+        batch_size: int | None = None,
+        *,
+        token_budget: int | None = None,
+        partition: str = "train",
     ) -> tuple[Batch, dict[str, float]]:
-        """Remove and return ``batch_size`` whole groups, oldest first, if a batch may be
-        returned now; the non-waiting core of :meth:`sample` (same rules and metrics).
+        """Remove and return a batch (``batch_size`` whole groups, or the groups of up to
+        ``token_budget`` tokens), oldest first, if one may be returned now; the non-waiting core
+        of :meth:`sample` (same rules and metrics).
 
         It first evicts what the config says to evict, reporting it to ``on_evict``. While a
         ``sample`` on the partition waits, it takes nothing (calls are served in order).
@@ -831,28 +837,34 @@ class ReplayBuffer:
         Raises:
             BatchNotReadyError: no batch may be returned now; only evictions happened.
             TypeError, ValueError: an argument is invalid (see :meth:`sample`).
+            ConfigError: a token budget with a policy that overrides ``select``, or on a
+                partition with a task mixture; nothing changed.
             BufferClosedError: the buffer is or gets closed.
             WrongThreadError: called from another thread than the bound loop's.
             StalebufError: the policy's ``select`` returned an invalid choice; nothing changed.
             Exception: whatever a policy hook or ``on_evict`` raised, with the buffer consistent.
         """
-        part = self.__check_sample(global_steps, batch_size, partition)
-        result = self.__consumer.sample_now(part, partition, global_steps, batch_size, SampleMetrics())
+        part = self.__check_sample(global_steps, batch_size, partition, token_budget)
+        metrics = SampleMetrics()
+        if token_budget is not None:  # by tokens: at least one group, as many as the budget holds
+            metrics.token_budget, batch_size = token_budget, 1
+        result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         if result is not None:
             return result
-        raise BatchNotReadyError(
-            f"no batch of {batch_size} may be returned from partition {checks.describe(partition)} now"
-        )
+        wanted = batch_size if token_budget is None else f"{token_budget} tokens"
+        where = checks.describe(partition)
+        raise BatchNotReadyError(f"no batch of {wanted} may be returned from partition {where} now")
 
     async def sample(
         self,
         global_steps: int,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
+        token_budget: int | None = None,
         partition: str = "train",
         timeout: float | None = None,
     ) -> tuple[Batch, dict[str, float]]:
-        """Wait for, remove and return exactly ``batch_size`` whole groups, oldest first.
+        """Wait for, remove and return exactly ``batch_size`` whole groups (or by tokens), oldest first.
 
         Before selecting, evicts what the config says to evict (stale groups under "drop",
         failed groups under ``failure_strategy="evict"``), reporting them to ``on_evict``.
@@ -862,13 +874,19 @@ class ReplayBuffer:
         evicts nor takes anything and queues behind it. Otherwise it evaluates once before
         waiting, so ``timeout=0`` means "check once, don't wait".
 
+        With ``token_budget=K`` instead, once the gate is open and the sampleable groups hold
+        ``K`` tokens, it takes the longest oldest-first prefix within ``K`` (a first group alone
+        over ``K`` comes alone); see the docs' Token budgets page.
+
         Returns:
             The batch and its metrics (the docs' Trainers page lists every metric name).
 
         Raises:
-            TypeError, ValueError: ``global_steps`` is not an int >= 0, ``batch_size`` not an
-                int >= 1 (both below 2**63), ``partition`` not a non-empty str, or ``timeout``
-                not None or a number >= 0.
+            TypeError, ValueError: ``global_steps`` is not an int >= 0, not exactly one of
+                ``batch_size`` and ``token_budget`` is given, an int >= 1 (both below 2**63),
+                ``partition`` is not a non-empty str, or ``timeout`` not None or a number >= 0.
+            ConfigError: a token budget with an overridden ``select`` (or ``_select``), or on a
+                partition with a task mixture; nothing changed.
             TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
             BufferClosedError: the buffer is or gets closed.
             WrongThreadError: called from another thread than the bound loop's.
@@ -882,26 +900,31 @@ class ReplayBuffer:
             # A call that may wait needs the bound backend: refuse another one before anything
             # changes. (One with timeout=0 never touches the backend, so any caller may check.)
             self.__store.binding.check_backend()
-        part = self.__check_sample(global_steps, batch_size, partition)
+        part = self.__check_sample(global_steps, batch_size, partition, token_budget)
         if part is None and timeout != 0:  # it may wait, and waiters queue on their partition
             part = self.__store.partition(partition)
         consumer, metrics = self.__consumer, SampleMetrics()
-        result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)
+        if token_budget is not None:  # by tokens: at least one group, as many as the budget holds
+            metrics.token_budget, batch_size = token_budget, 1
+        result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         if result is not None:
             return result
         if timeout == 0:
-            raise TimeoutError(f"no batch of {batch_size} ready in partition {checks.describe(partition)}")
+            wanted = batch_size if token_budget is None else f"{token_budget} tokens"
+            raise TimeoutError(f"no batch of {wanted} ready in partition {checks.describe(partition)}")
         assert part is not None  # created above for a call that may wait
-        groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)
+        groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)  # type: ignore[arg-type]
         return consumer.result(part, global_steps, groups, metrics, waited)
 
-    def __check_sample(self, global_steps: object, batch_size: object, partition: object) -> Any:
+    def __check_sample(
+        self, global_steps: object, batch_size: object, partition: object, token_budget: object = None
+    ) -> Any:
         """Validate a sample's arguments; return its partition (None if it does not exist yet)."""
         # Inlined fast checks; the helpers run (and raise) only when a value looks wrong.
         if type(global_steps) is not int or not 0 <= global_steps < 1 << 63:
             checks.check_step(global_steps)
-        if type(batch_size) is not int or not 1 <= batch_size < 1 << 63:
-            checks.check_batch_size(batch_size)
+        if token_budget is not None or type(batch_size) is not int or not 1 <= batch_size < 1 << 63:
+            checks.check_batch_request(batch_size, token_budget)
         store = self.__store
         part = store.partitions.get(partition) if type(partition) is str else None
         if part is None:
@@ -909,7 +932,9 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
-        if store.rules.tasks:
+        if token_budget is not None:
+            self.__consumer.token_batches.check(part, partition)  # type: ignore[arg-type]
+        elif store.rules.tasks:
             store.rules.check_batch_quotas(partition, batch_size, part)  # type: ignore[arg-type]
         return part
 

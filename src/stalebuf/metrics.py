@@ -137,6 +137,11 @@ class SampleMetrics:
     # Set when the batch is the oldest groups in order (ascending dispatch step), as the default
     # selection takes them: the first and last groups then hold the extreme steps.
     oldest_first = False
+    # A sample by tokens: its budget (None for a count of groups), and once its batch is taken,
+    # the batch's tokens and whether its one group alone was over the budget (0 or 1).
+    token_budget: int | None = None
+    batch_tokens = 0
+    oversized_groups = 0
 
     def add_dropped(self, groups: Sequence[Group], global_steps: int) -> None:
         """Count groups evicted as stale at ``global_steps``."""

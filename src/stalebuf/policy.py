@@ -34,7 +34,15 @@ from .config import SamplerConfig
 from .errors import ConfigError
 from .records import Group, Status
 
-__all__ = ["RuleHooks", "StalenessPolicy", "SubclassHooks", "asks_defaults", "hook_label", "select_label"]
+__all__ = [
+    "RuleHooks",
+    "StalenessPolicy",
+    "SubclassHooks",
+    "asks_defaults",
+    "hook_label",
+    "overridden_select",
+    "select_label",
+]
 
 
 class StalenessPolicy:
@@ -271,3 +279,14 @@ def select_label(rules: StalenessPolicy) -> str:
     if isinstance(rules, SubclassHooks):
         return f"{type(rules.owner).__qualname__}._select"
     return f"{type(rules).__qualname__}.select"
+
+
+def overridden_select(rules: StalenessPolicy) -> str | None:
+    """Name the selection ``rules`` runs when it is not the default rule (the oldest first): an
+    overridden ``select``, or a ``ReplayBuffer`` subclass's own ``_select``; else None."""
+    if isinstance(rules, SubclassHooks):
+        # The buffer's own _select asks ``base``: only a subclass that defines one overrides it.
+        if sum("_select" in vars(kind) for kind in type(rules.owner).__mro__) > 1:
+            return select_label(rules)
+        rules = rules.base
+    return None if asks_defaults(rules, ("select",)) else hook_label(rules, "select")

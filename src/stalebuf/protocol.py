@@ -149,12 +149,14 @@ class AsyncReplayBuffer(Protocol):
     async def sample(
         self,
         global_steps: int,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
+        token_budget: int | None = None,
         partition: str = "train",
         timeout: float | None = None,
     ) -> tuple[Batch, dict[str, float]]:
-        """Wait for, remove and return ``batch_size`` whole groups, oldest first, with metrics."""
+        """Wait for, remove and return ``batch_size`` whole groups, or the groups of up to
+        ``token_budget`` tokens (exactly one of the two), oldest first, with metrics."""
 
     async def wait_for_sampleable(
         self, global_steps: int, count: int, *, partition: str = "train", timeout: float | None = None

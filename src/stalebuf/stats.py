@@ -169,12 +169,16 @@ class WaitExplanation:
         reason: one human-readable sentence saying why the head waits (each cause that holds,
             most decisive first), or that no sample waits, or that it is about to get a batch.
         waiting_samplers: ``sample`` calls parked on the partition.
-        global_steps, batch_size: the head's arguments (None when no sample waits).
+        global_steps, batch_size: the head's arguments (None when no sample waits; ``batch_size``
+            None for a head that samples by tokens).
+        token_budget: the head's ``token_budget`` (None unless it samples by tokens).
         waited_seconds: how long the head has waited (0.0 when no sample waits).
         sampleable: groups a ``sample`` at the head's step could select now (what
             ``sampleable_count`` answers; 0 when no sample waits).
         short_by: how many more groups the head's batch needs, ``batch_size - sampleable``
-            (0 when enough are sampleable, or no sample waits).
+            (0 when enough are sampleable, or no sample waits; a head by tokens needs one).
+        short_by_tokens: how many more tokens a head by tokens needs, its budget minus the
+            tokens of the partition's ready groups (0 when they reach it, or for a count).
         in_flight: the partition's PENDING and RUNNING groups.
         gate_held_by: the uid of the in-flight group that keeps the wait gate closed for the
             head (``max_off_policy_strategy="wait"``: the oldest one in flight), else None.
@@ -194,9 +198,11 @@ class WaitExplanation:
     waiting_samplers: int = 0
     global_steps: int | None = None
     batch_size: int | None = None
+    token_budget: int | None = None
     waited_seconds: float = 0.0
     sampleable: int = 0
     short_by: int = 0
+    short_by_tokens: int = 0
     in_flight: int = 0
     gate_held_by: str | None = None
     gate_staleness: float | None = None

@@ -187,7 +187,11 @@ class BufferHost:
         task = ledger.start(
             request.request_id,
             lambda: buffer.sample(
-                request.global_steps, request.batch_size, partition=request.partition, timeout=request.timeout
+                request.global_steps,
+                request.batch_size,
+                token_budget=request.token_budget,
+                partition=request.partition,
+                timeout=request.timeout,
             ),
         )
         try:

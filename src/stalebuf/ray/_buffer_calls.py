@@ -336,12 +336,14 @@ class BufferCalls:
     async def sample(
         self,
         global_steps: int,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
+        token_budget: int | None = None,
         partition: str = "train",
         timeout: float | None = None,
     ) -> tuple[Batch, dict[str, float]]:
-        """Wait for, remove and return a batch of whole groups, as :meth:`ReplayBuffer.sample`.
+        """Wait for, remove and return a batch of whole groups (``batch_size`` of them, or those
+        of up to ``token_budget`` tokens), as :meth:`ReplayBuffer.sample`.
 
         Payloads in the batch are PayloadRefs (or ObjectRefs given by producers, or values in
         "inline" mode); ``await stalebuf.ray.resolve(batch)`` fetches them. ``timeout`` is
@@ -358,7 +360,7 @@ class BufferCalls:
             are raised by the client, before it contacts the actor); BufferUnavailableError when
             the actor is gone (also while waiting) or did not start within ``start_timeout``.
         """
-        result = await self._connection.sample(global_steps, batch_size, partition, timeout)
+        result = await self._connection.sample(global_steps, batch_size, partition, timeout, token_budget)
         for observer in self._observers:
             try:
                 observer(*result)

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from .._validation import (
-    check_batch_size,
+    check_batch_request,
     check_count,
     check_partition,
     check_step,
@@ -163,7 +163,12 @@ class ActorConnection:
         _tell(self.handle.abandon, token)
 
     async def sample(
-        self, global_steps: int, batch_size: int, partition: str, timeout: float | None
+        self,
+        global_steps: int,
+        batch_size: int | None,
+        partition: str,
+        timeout: float | None,
+        token_budget: int | None = None,
     ) -> tuple[Batch, dict[str, float]]:
         """Run ``sample`` in the actor under a fresh request id, and acknowledge what arrives.
 
@@ -176,14 +181,14 @@ class ActorConnection:
         if timeout is not None:
             timeout = check_timeout(timeout)
         check_step(global_steps)
-        check_batch_size(batch_size)
+        check_batch_request(batch_size, token_budget)
         check_partition(partition)
         if not self.gate.started:
             timeout = await self._wait_to_sample(timeout)
         request_id = self.new_token()
         handle = self.handle
         ref = handle.sample.remote(
-            encode(SampleRequest(request_id, global_steps, batch_size, partition, timeout))
+            encode(SampleRequest(request_id, global_steps, batch_size, partition, timeout, token_budget))
         )
         try:
             result: tuple[Batch, dict[str, float]] = await ref

@@ -59,7 +59,8 @@ __all__ = [
 #: 5: versions, tokens and start versions (MarkRunning, Put, PutGroup, OpenRollout).
 #: 6: PutGroup's generation_seconds (the producer's measure of the group's generation time).
 #: 7: filters (the actor's constructor) and ``task`` on the flow queries and sampleable_count.
-PROTOCOL_VERSION = 7
+#: 8: SampleRequest's token_budget (a sample by tokens).
+PROTOCOL_VERSION = 8
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
@@ -271,16 +272,18 @@ class EndRollout(NamedTuple):
 
 
 class SampleRequest(NamedTuple):
-    """``sample(global_steps, batch_size, partition=..., timeout=...)`` under a request id.
+    """``sample(global_steps, batch_size, token_budget=..., partition=..., timeout=...)`` under a
+    request id (exactly one of ``batch_size`` and ``token_budget`` is None).
 
     The id lets the client cancel this very call (see ``BufferHost.cancel_sample``).
     """
 
     request_id: str
     global_steps: int
-    batch_size: int
+    batch_size: int | None
     partition: str
     timeout: float | None
+    token_budget: int | None = None
 
 
 @attrs.frozen
