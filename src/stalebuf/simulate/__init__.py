@@ -40,7 +40,8 @@ prompts, with admission each worker serves one task. The result then says what t
 It runs on trio's virtual clock (``trio.testing.MockClock(autojump_threshold=0)``), so
 simulated hours take seconds, and every random draw is made in dispatch order (admission
 order, with admission) from one ``random.Random(seed)`` (the filter's pass draws from a second
-stream seeded from ``seed``), so a seed reproduces a run exactly,
+stream seeded from ``seed``; with tasks, each task draws from streams of its own, in its own
+dispatch order), so a seed reproduces a run exactly,
 whatever order trio's scheduler runs simultaneous tasks in. trio is imported only when a
 simulation runs.
 

@@ -38,7 +38,7 @@ ProgressCallback = Callable[[int, int], object]
 _Fate = Literal["trained", "stale", "failure", "filtered"]
 #: With filters under "wait", how often (in train steps) a waiting sample is asked again: see
 #: :meth:`_Run.sample`.
-_REASK = 1 / 30
+_REASK = 1 / 10
 #: The fate of a prompt evicted for each reason the buffer gives (any other: a failure).
 _EVICTED_AS: dict[str, _Fate] = {"stale": "stale", "filtered": "filtered"}
 
@@ -131,6 +131,11 @@ class _Run:
         # With tasks: each task's latency and group tags, and the task of each worker (admission).
         names = () if config.tasks is None else config.tasks.names
         self.latencies = {name: config.task_latency(name) for name in names}
+        # One stream per task: prompt k of a task draws the same whatever order trio admits
+        # producers of different tasks in (each task's are admitted in its own FIFO order).
+        self.task_rngs = {
+            name: random.Random(f"stalebuf simulate task {config.seed} {name}") for name in names
+        }
         self.task_tags = {name: {"task": name} for name in names}
         self.worker_tasks = _interleave(config.tasks.split(config.workers)) if config.tasks else []
         # With in-flight weight updates: the chunked decoding and the token counts.
@@ -141,15 +146,16 @@ class _Run:
     def new_prompt(self, uid: str, step: int, task: str | None = None) -> _Prompt:
         """Take a new prompt (of ``task``) from the dataset as ``uid``, tagged ``step``, and
         draw its fate."""
-        rng, config = self.rng, self.config
+        config = self.config
+        rng = self.rng if task is None else self.task_rngs[task]
         seconds = (config.latency if task is None else self.latencies[task]).sample(rng)
         fails = rng.random() < config.failure_rate
         fraction = rng.random()  # always drawn, so prompt k is the same whatever the failure rate
         prompt = _Prompt(uid, step, seconds, seconds * fraction if fails else None, task)
         if self.draws is not None:  # from a stream of its own: the same prompts whatever the rate
-            prompt.passes = self.draws.draw()
+            prompt.passes = self.draws.draw(task)
         if self.decoder is not None:
-            prompt.lengths = self.decoder.lengths(seconds)
+            prompt.lengths = self.decoder.lengths(seconds, task)
         self.dispatched.append(prompt)
         self.in_buffer[uid] = prompt
         self.max_resident = max(self.max_resident, len(self.in_buffer))
@@ -361,7 +367,38 @@ class _Run:
         prompts whatever the strategy, admission or pipeline settings: "long" cut from them
         means the same in every column of a report.
         """
-        return [prompt.seconds for prompt in self.dispatched[: self.config.steps * self.config.batch_size]]
+        config = self.config
+        if config.tasks is None:
+            return [prompt.seconds for prompt in self.dispatched[: config.steps * config.batch_size]]
+        # With tasks, each task's first prompts (its share of them): the order prompts of
+        # different tasks were dispatched in is trio's, each task's own order is not.
+        left = config.tasks.split(config.steps * config.batch_size)
+        lengths = []
+        for prompt in self.dispatched:
+            task = cast(str, prompt.task)
+            if left[task]:
+                left[task] -= 1
+                lengths.append(prompt.seconds)
+        return lengths
+
+    def in_order(self) -> list[_Prompt]:
+        """The prompts in dispatch order; with tasks, task by task, each in its own dispatch
+        order (the order prompts of different tasks were dispatched in is trio's, and float sums
+        depend on the order they add in)."""
+        if self.config.tasks is None:
+            return self.dispatched
+        rank = {name: index for index, name in enumerate(self.config.tasks.names)}
+        return sorted(self.dispatched, key=lambda prompt: rank[cast(str, prompt.task)])  # stable
+
+    def length_bias(self, trained: list[float]) -> LengthBias:
+        """The length bias of the ``trained`` lengths. With tasks both lists are sorted first:
+        the order prompts of different tasks were dispatched in is trio's, and a float mean
+        depends on the order it adds in."""
+        common = self.common_lengths()
+        if self.config.tasks is not None:
+            common.sort()
+            trained = sorted(trained)
+        return _length_bias(common, trained)
 
     def result(self, origin: float, end: float) -> SimulationResult:
         """Summarise the finished run."""
@@ -372,7 +409,8 @@ class _Run:
         resolved = dropped = failed = failed_resolved = 0
         ages: Counter[int] = Counter()
         trained_lengths: list[float] = []
-        for prompt in self.dispatched:
+        prompts = self.in_order()
+        for prompt in prompts:
             if prompt.done:
                 busy += prompt.spent
                 failed += prompt.failed
@@ -411,11 +449,11 @@ class _Run:
             admission_wait_fraction=min(1.0, waited / (config.workers * simulated)),
             max_resident_groups=self.max_resident,
             staleness=StalenessSummary.from_lags(ages, sync_step),
-            length_bias=_length_bias(self.common_lengths(), trained_lengths),
+            length_bias=self.length_bias(trained_lengths),
             steps=tuple(self.records),
-            tokens=None if self.ledger is None else self.ledger.summary(self.dispatched, end, simulated),
-            filters=filter_summary(self.dispatched) if config.filtering else None,
-            tasks=task_summaries(config, self.dispatched) if config.tasks is not None else None,
+            tokens=None if self.ledger is None else self.ledger.summary(prompts, end, simulated),
+            filters=filter_summary(prompts) if config.filtering else None,
+            tasks=task_summaries(config, prompts) if config.tasks is not None else None,
         )
 
 
