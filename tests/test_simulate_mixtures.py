@@ -60,7 +60,8 @@ def test_without_the_new_flags_nothing_new_is_printed_or_written(tmp_path: Path)
     for line in ("filter", "task", "trainer steps per simulated hour", "pass rate"):
         assert line not in report
     for result in results.values():
-        assert "filters" not in result and "tasks" not in result
+        assert "filters" not in result
+        assert "tasks" not in result
         for key in ("filter_pass_rate", "tasks", "mixture_policy"):
             assert key not in result["config"]
 
@@ -79,7 +80,8 @@ def test_a_pass_rate_of_one_is_the_default_run_byte_for_byte() -> None:
 
 def test_the_filter_rows_and_numbers(tmp_path: Path) -> None:
     report, results = run(*SMALL, "--filter-pass-rate", "0.5", tmp_path=tmp_path)
-    assert results is not None and list(results) == LABELS
+    assert results is not None
+    assert list(results) == LABELS
     assert "filter: zero_variance('score'), a finished group passes with probability 50.0%" in report
     for row in (
         "trainer steps per simulated hour",
@@ -109,7 +111,8 @@ def test_the_observed_pass_rate_is_the_configured_one() -> None:
             steps=150, batch_size=8, group_size=2, workers=16, admission=True, filter_pass_rate=rate
         )
         filters = simulate(config).filters
-        assert filters is not None and filters.judged_groups >= 1000
+        assert filters is not None
+        assert filters.judged_groups >= 1000
         sigma = math.sqrt(rate * (1 - rate) / filters.judged_groups)
         assert abs(filters.pass_rate - rate) <= 5 * sigma
 
@@ -158,7 +161,8 @@ def test_filtering_with_in_flight_updates() -> None:
 
 def test_the_tasks_rows_and_numbers(tmp_path: Path) -> None:
     report, results = run(*SMALL, "--tasks", TASKS, tmp_path=tmp_path)
-    assert results is not None and list(results) == LABELS
+    assert results is not None
+    assert list(results) == LABELS
     assert "    math: weight 0.5, 2 of 4 per batch, lognormal:3.4,1" in report
     assert "    code: weight 0.5, 2 of 4 per batch, lognormal:4,1.2" in report
     assert "task math: trained share (target 50.0%)" in report
@@ -183,7 +187,8 @@ def test_wait_keeps_the_shares_and_borrow_lends_to_the_fast_task(admission: bool
     common = {**SLOW_CODE, "admission": admission, "strategy": "drop", "threshold": 2}
     wait = simulate(SimulationConfig(mixture_policy="wait", **common))
     borrow = simulate(SimulationConfig(mixture_policy="borrow", **common))
-    assert wait.tasks is not None and borrow.tasks is not None
+    assert wait.tasks is not None
+    assert borrow.tasks is not None
     assert [t.trained_share for t in wait.tasks] == [0.5, 0.5]
     math_share, code_share = (t.trained_share for t in borrow.tasks)
     assert math_share > 0.5 > code_share
@@ -223,7 +228,8 @@ def test_tasks_and_a_filter_together_with_in_flight_updates() -> None:
         "--mixture-policy",
         "borrow",
     )
-    assert "\ntask a: trained share" in report and "\n  pass rate observed " in report
+    assert "\ntask a: trained share" in report
+    assert "\n  pass rate observed " in report
 
 
 # -- reproducibility -------------------------------------------------------------------------
@@ -336,9 +342,12 @@ def test_task_records_reject_bad_values(make: Any, needle: str) -> None:
 def test_the_help_lists_the_new_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "--filter-pass-rate P" in text and "(default: 1.0)" in text
-    assert "--tasks SPECS" in text and "NAME:WEIGHT[:LATENCY]" in text
-    assert "--mixture-policy {wait,borrow}" in text and "(default: wait)" in text
+    assert "--filter-pass-rate P" in text
+    assert "(default: 1.0)" in text
+    assert "--tasks SPECS" in text
+    assert "NAME:WEIGHT[:LATENCY]" in text
+    assert "--mixture-policy {wait,borrow}" in text
+    assert "(default: wait)" in text
 
 
 def test_format_report_puts_the_rows_of_both() -> None:
@@ -346,4 +355,5 @@ def test_format_report_puts_the_rows_of_both() -> None:
         steps=5, batch_size=2, group_size=2, workers=4, tasks=TaskMix.parse("a:1;b:1"), filter_pass_rate=0.5
     )
     report = format_report([simulate(config)])
-    assert "\ntask b:" in report and "\ngroups filtered" in report
+    assert "\ntask b:" in report
+    assert "\ngroups filtered" in report
