@@ -565,6 +565,9 @@ EVERY_FIELD: dict[str, tuple[list[str], object]] = {
     "in_flight_updates": (["--in-flight-updates"], True),
     "tokens_per_second": (["--tokens-per-second", "80"], 80.0),
     "chunk_tokens": (["--chunk-tokens", "64"], 64),
+    "filter_pass_rate": (["--filter-pass-rate", "0.5"], 0.5),
+    "tasks": (["--tasks", "a:2;b:1:fixed:3"], "a:2;b:1:fixed:3"),
+    "mixture_policy": (["--mixture-policy", "borrow"], "borrow"),
 }
 NOT_ON_THE_COMMAND_LINE: dict[str, str] = {}
 
@@ -573,8 +576,15 @@ def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -
     fields = {field.name for field in attrs.fields(SimulationConfig)}
     assert set(EVERY_FIELD) | set(NOT_ON_THE_COMMAND_LINE) == fields
     assert not set(EVERY_FIELD) & set(NOT_ON_THE_COMMAND_LINE)
-    # to_dict lists the settings of in-flight updates only when they are on.
-    defaults = {**SimulationConfig(in_flight_updates=True).to_dict(), "in_flight_updates": False}
+    # to_dict lists the settings of in-flight updates only when they are on, the filter's only
+    # when it filters, the mixture's only with tasks.
+    defaults = {
+        **SimulationConfig(in_flight_updates=True).to_dict(),
+        "in_flight_updates": False,
+        "filter_pass_rate": 1.0,
+        "tasks": None,
+        "mixture_policy": "wait",
+    }
     argv = [arg for args, _ in EVERY_FIELD.values() for arg in args]
     config = run_json(tmp_path, *argv)["results"]["wait+admission"]["config"]
     for name, (_, value) in EVERY_FIELD.items():

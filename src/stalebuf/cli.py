@@ -44,11 +44,13 @@ from .simulate._bounds import (
     MAX_TOKENS_PER_SECOND,
     MAX_TRAJECTORY_TOKENS,
     MAX_WORKERS,
+    MIN_FILTER_PASS_RATE,
 )
 from .simulate._config import PLAIN_STRATEGIES, Strategy
 from .simulate._help import DESCRIPTION, MODEL_HELP
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
+from .simulate._tasks import TaskMix
 
 __all__ = ["main"]
 
@@ -61,6 +63,10 @@ _STRATEGY_SETS = ("both", "all")
 #: The options that mean something only with ``--in-flight-updates``: given without it, they are
 #: refused rather than ignored.
 _IN_FLIGHT_OPTIONS = ("tokens_per_second", "chunk_tokens")
+#: The options that mean something only with ``--tasks``, refused without it likewise.
+_MIXTURE_OPTIONS = ("mixture_policy",)
+#: The options absent from the namespace unless given: the two above, and ``--tasks`` itself.
+_GIVEN_ONLY = (*_IN_FLIGHT_OPTIONS, *_MIXTURE_OPTIONS, "tasks")
 
 #: The ``simulate`` option of each SimulationConfig field, in ``--help`` order, as its
 #: ``(metavar, help)``: the flag is the field's name with dashes, and its default and type are the
@@ -98,6 +104,25 @@ _FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "train_step_seconds": ("SECONDS", "time one trainer step takes once it has its batch"),
     "failure_rate": ("P", "probability that a group's generation fails"),
     "failure_strategy": (None, "evict failed groups (and dispatch replacements) or train on them"),
+    "filter_pass_rate": (
+        "P",
+        "probability that a finished group passes the buffer's zero_variance filter (drawn per prompt "
+        "with --seed): below 1 the buffer is built with filters=[zero_variance('score')] and a group's "
+        "trajectories score all the same with probability 1 - P, so it is filtered as it finishes and "
+        f"frees its admission slot; at least {MIN_FILTER_PASS_RATE:g}, with group-size at least 2",
+    ),
+    "tasks": (
+        "SPECS",
+        "a mixed run: NAME:WEIGHT[:LATENCY] entries separated by ';', e.g. "
+        "'math:0.5:lognormal:3.4,1;code:0.5:lognormal:4.0,1.2' (LATENCY as for --latency, which a "
+        "task without one takes); the weights are the buffer's SamplerConfig.mixture (tag 'task'), "
+        "and the report adds each task's trained share and staleness",
+    ),
+    "mixture_policy": (
+        None,
+        "with --tasks: the buffer's mixture_policy, wait (every batch waits for each task's quota) or "
+        "borrow (a short task's quota is filled from the others, and paid back)",
+    ),
     "seed": ("N", "random seed"),
     "tokens_per_second": (
         "TPS",
@@ -134,6 +159,8 @@ def _parse_as(kind: object) -> dict[str, Any]:
         return {"choices": get_args(kind)}
     if kind is Latency:
         return {"type": _latency_option}
+    if TaskMix in get_args(kind):  # TaskMix | None
+        return {"type": _tasks_option}
     if kind in (int, float):
         return {"type": kind}
     raise TypeError(f"no command-line form for a SimulationConfig field of type {kind!r}")
@@ -142,6 +169,13 @@ def _parse_as(kind: object) -> dict[str, Any]:
 def _latency_option(text: str) -> Latency:
     try:
         return Latency.parse(text)
+    except StalebufError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tasks_option(text: str) -> TaskMix:
+    try:
+        return TaskMix.parse(text)
     except StalebufError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -168,8 +202,11 @@ def _build_parser() -> _Parser:
     types = get_type_hints(SimulationConfig)
     for name, (metavar, help_text) in _FIELD_OPTIONS.items():
         default = getattr(_DEFAULTS, name)
-        if name in _IN_FLIGHT_OPTIONS:  # absent unless given, so that one given alone is refused
-            default, help_text = argparse.SUPPRESS, f"{help_text} (default: {default:g})"
+        if name in _GIVEN_ONLY:  # absent unless given, so that one given alone is refused
+            if default is not None:
+                shown = f"{default:g}" if isinstance(default, float) else str(default)
+                help_text = f"{help_text} (default: {shown})"
+            default = argparse.SUPPRESS
         sim.add_argument(
             _flag(name), default=default, metavar=metavar, help=help_text, **_parse_as(types[name])
         )
@@ -323,6 +360,9 @@ def _configs(args: argparse.Namespace) -> list[SimulationConfig]:
             raise _UsageError(
                 f"stalebuf simulate: error: argument {_flag(name)}: only with --in-flight-updates"
             )
+    for name in _MIXTURE_OPTIONS:
+        if name in values and "tasks" not in values:
+            raise _UsageError(f"stalebuf simulate: error: argument {_flag(name)}: only with --tasks")
     strategies = _strategies(args.strategy, in_flight)
     admission = getattr(args, "admission", "on" if in_flight else "both")
     admissions = tuple(_ADMISSION.values()) if admission == "both" else (_ADMISSION[admission],)

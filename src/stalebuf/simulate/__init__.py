@@ -28,19 +28,33 @@ counts tokens (:class:`TokenSummary`): trained, masked and thrown away, their st
 groups measuring from the dispatch step would have dropped. Its strategies are drop, wait and
 mask.
 
+With ``filter_pass_rate`` below 1 (``--filter-pass-rate``) the buffer is built with the real
+``filters=[zero_variance("score")]``: each prompt draws whether its trajectories get distinct
+scores, so finished groups are filtered (evicted at once, their admission slot refunded) with
+probability ``1 - filter_pass_rate``. With ``tasks`` (``--tasks``) the buffer's
+``SamplerConfig.mixture`` is the tasks' weights: each group is tagged with its task and takes
+its task's generation time; without admission each task keeps its share of the dispatched
+prompts, with admission each worker serves one task. The result then says what the filter did
+(:class:`FilterSummary`) and what each task got (:class:`TaskSummary`).
+
 It runs on trio's virtual clock (``trio.testing.MockClock(autojump_threshold=0)``), so
 simulated hours take seconds, and every random draw is made in dispatch order (admission
-order, with admission) from one ``random.Random(seed)``, so a seed reproduces a run exactly,
+order, with admission) from one ``random.Random(seed)`` (the filter's pass draws from a second
+stream seeded from ``seed``; with tasks, each task draws from streams of its own, in its own
+dispatch order), so a seed reproduces a run exactly,
 whatever order trio's scheduler runs simultaneous tasks in. trio is imported only when a
 simulation runs.
 
 The package reads top-down: :mod:`._bounds` (what it accepts, and why), :mod:`._latency`
 (generation-time distributions, parametric, fitted or read from a file by :mod:`._empirical`),
-:mod:`._config` (the validated settings), :mod:`._weights` and :mod:`._decoding` (which weights
+:mod:`._tasks` (the tasks of a mixed run), :mod:`._config` (the validated settings),
+:mod:`._filter_draws` (the scores the filter judges), :mod:`._weights` and :mod:`._decoding` (which weights
 the workers serve when, and the versions of what they decode, with in-flight updates),
 :mod:`._model` (the simulation), :mod:`._result` (what a run returns), :mod:`._token_ledger`
-(where the tokens went, with in-flight updates), :mod:`._text` (the pieces of a text report),
-and :mod:`._report` and :mod:`._versions_report` (the text reports and the plot that
+(where the tokens went, with in-flight updates), :mod:`._mix_summary` (the filter's and each
+task's share), :mod:`._text` (the pieces of a text report),
+:mod:`._mix_report` (the rows of the filter and the tasks), and :mod:`._report` and
+:mod:`._versions_report` (the text reports and the plot that
 ``stalebuf simulate`` prints and writes).
 """
 
@@ -51,17 +65,30 @@ from ._config import SimulationConfig
 from ._latency import LATENCY_KINDS, Latency
 from ._model import simulate
 from ._report import format_report, write_plot
-from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord, TokenSummary
+from ._result import (
+    FilterSummary,
+    LengthBias,
+    SimulationResult,
+    StalenessSummary,
+    StepRecord,
+    TaskSummary,
+    TokenSummary,
+)
+from ._tasks import SimulatedTask, TaskMix
 
 __all__ = [
     "LATENCY_KINDS",
+    "FilterSummary",
     "Latency",
     "LengthBias",
     "MissingDependencyError",
+    "SimulatedTask",
     "SimulationConfig",
     "SimulationResult",
     "StalenessSummary",
     "StepRecord",
+    "TaskMix",
+    "TaskSummary",
     "TokenSummary",
     "format_report",
     "simulate",

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_TOKENS_PER_SECOND",
     "MAX_TRAJECTORY_TOKENS",
     "MAX_WORKERS",
+    "MIN_FILTER_PASS_RATE",
 ]
 
 #: The longest time, in seconds, a fixed or exponential latency, an empirical value or a train step
@@ -55,3 +56,7 @@ MAX_TRAJECTORY_TOKENS = 2**32
 #: The largest chunk, in tokens: a chunk of a whole trajectory (or more) is the engine that never
 #: takes new weights mid-generation.
 MAX_CHUNK_TOKENS = MAX_TRAJECTORY_TOKENS
+
+#: The lowest ``filter_pass_rate``: each trained group then costs up to 1 / 0.01 = 100 generated
+#: ones, and the simulator keeps a record of every one (``steps * batch_size / rate`` of them).
+MIN_FILTER_PASS_RATE = 0.01

@@ -23,8 +23,10 @@ from ._bounds import (
     MAX_STEP_TRAJECTORIES,
     MAX_TOKENS_PER_SECOND,
     MAX_WORKERS,
+    MIN_FILTER_PASS_RATE,
 )
 from ._latency import LATENCY_KINDS, Latency, LatencyKind
+from ._tasks import TaskMix
 
 __all__ = [
     "LATENCY_KINDS",
@@ -32,6 +34,7 @@ __all__ = [
     "FailureStrategy",
     "Latency",
     "LatencyKind",
+    "MixturePolicy",
     "SimulationConfig",
     "Strategy",
 ]
@@ -42,6 +45,9 @@ Strategy = Literal["drop", "wait", "mask"]
 PLAIN_STRATEGIES: tuple[Strategy, ...] = ("drop", "wait")
 # The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
 FailureStrategy = Literal["evict", "sample"]
+MixturePolicy = Literal["wait", "borrow"]
+#: The tag of a trajectory's score, which the run's ``zero_variance`` filter reads.
+SCORE_TAG = "score"
 
 
 def _int_in(label: str, low: int, high: int) -> Any:
@@ -62,6 +68,15 @@ def _as_float(value: object) -> object:
 #: The settings of in-flight weight updates: :meth:`SimulationConfig.to_dict` leaves them out
 #: when ``in_flight_updates`` is off.
 _IN_FLIGHT_FIELDS = ("in_flight_updates", "tokens_per_second", "chunk_tokens")
+#: The settings of a task mixture: :meth:`SimulationConfig.to_dict` leaves them out without one.
+_MIXTURE_FIELDS = ("tasks", "mixture_policy")
+
+
+def _check_tasks(_instance: object, _attribute: object, value: Any) -> None:
+    if value is not None and not isinstance(value, TaskMix):
+        raise ConfigError(
+            f"tasks must be None or a TaskMix (TaskMix.parse reads a spec), got {describe(value)}"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +118,21 @@ class SimulationConfig:
             most ``MAX_TRAJECTORY_TOKENS``), in ``(0, MAX_TOKENS_PER_SECOND]``.
         chunk_tokens: with ``in_flight_updates``, the tokens decoded between two looks at the
             weights version, in ``[1, MAX_CHUNK_TOKENS]``.
+        filter_pass_rate: the probability that a finished group passes the buffer's
+            ``zero_variance`` filter, in ``[MIN_FILTER_PASS_RATE, 1]`` (0.01 to 1): below 1, each
+            prompt draws at dispatch (from a stream of its own, seeded by ``seed``) whether its
+            trajectories get distinct scores or all the same, and the buffer, built with
+            ``filters=[zero_variance("score")]``, evicts the latter as they finish (``group_size``
+            must then be at least 2). At 1 no filter is installed: every group would pass.
+        tasks: None, or the tasks of a mixed run (:class:`~._tasks.TaskMix`): the buffer's
+            ``mixture`` is their weights, each group is tagged with its task and drawn from its
+            task's latency. Without admission each task keeps its share of the dispatched prompts
+            (at least its quota of a batch), a trained or evicted group being replaced by one of
+            its task; with admission the workers are split among the tasks by the same quotas,
+            each looping ``rollout()`` for its task. Each task's quota of ``batch_size`` (and with
+            admission, of ``workers``) must be at least 1.
+        mixture_policy: the buffer's ``mixture_policy``, "wait" or "borrow"; "borrow" only
+            with ``tasks``.
 
     Raises:
         ConfigError: on construction, for any invalid value (the message names the field), if
@@ -141,6 +171,15 @@ class SimulationConfig:
         validator=finite_in("tokens_per_second", 0.0, MAX_TOKENS_PER_SECOND, open_low=True),
     )
     chunk_tokens: int = attrs.field(default=256, validator=_int_in("chunk_tokens", 1, MAX_CHUNK_TOKENS))
+    filter_pass_rate: float = attrs.field(
+        default=1.0,
+        converter=_as_float,
+        validator=finite_in("filter_pass_rate", MIN_FILTER_PASS_RATE, 1.0),
+    )
+    tasks: TaskMix | None = attrs.field(default=None, validator=_check_tasks)
+    mixture_policy: MixturePolicy = attrs.field(
+        default="wait", validator=one_of("mixture_policy", get_args(MixturePolicy))
+    )
 
     @latency.validator
     def _check_latency(self, _attribute: object, value: object) -> None:
@@ -160,6 +199,29 @@ class SimulationConfig:
                 "at its dispatch step, so no group has both stale and fresh tokens and mask would be "
                 "drop without in-flight eviction"
             )
+        self._check_mixture_and_filter()
+
+    def _check_mixture_and_filter(self) -> None:
+        """The rules of the filter and the task mixture across fields."""
+        if self.filtering and self.group_size < 2:
+            raise ConfigError(
+                "filter_pass_rate below 1 needs group_size >= 2: zero_variance keeps every group of "
+                f"fewer than two trajectories, got group_size {self.group_size}"
+            )
+        if self.tasks is None:
+            if self.mixture_policy != "wait":
+                raise ConfigError(f"mixture_policy {self.mixture_policy!r} needs tasks (a mixture)")
+            return
+        counts = [("groups of a batch", "batch_size", self.batch_size)]
+        if self.admission:
+            counts.append(("workers", "workers", self.workers))
+        for what, field, number in counts:
+            for name, share in self.tasks.split(number).items():
+                if share == 0:
+                    raise ConfigError(
+                        f"tasks: task {name!r} gets none of the {number} {what} (largest remainder on "
+                        f"the weights): raise {field} or its weight"
+                    )
 
     @property
     def label(self) -> str:
@@ -179,8 +241,37 @@ class SimulationConfig:
             return None
         return self.threshold * self.parameter_sync_step * self.batch_size
 
+    @property
+    def filtering(self) -> bool:
+        """Whether the run filters groups: ``filter_pass_rate`` below 1."""
+        return self.filter_pass_rate < 1.0
+
+    def task_latency(self, name: str) -> Latency:
+        """Return the generation-time distribution of task ``name`` (its own, or ``latency``).
+
+        Raises:
+            KeyError: the run has no task ``name``.
+        """
+        if self.tasks is not None:
+            for task in self.tasks.tasks:
+                if task.name == name:
+                    return self.latency if task.latency is None else task.latency
+        raise KeyError(name)
+
+    def dispatch_split(self) -> dict[str, int]:
+        """Without admission, how many prompts each task keeps dispatched: its quota of
+        ``dispatch_budget``, and at least its quota of a batch (so that "wait" can always fill
+        it); empty without tasks."""
+        if self.tasks is None:
+            return {}
+        budget, batch = self.tasks.split(self.dispatch_budget), self.tasks.split(self.batch_size)
+        return {name: max(budget[name], batch[name]) for name in budget}
+
     def sampler_config(self) -> SamplerConfig:
         """Return the :class:`SamplerConfig` the simulated buffer is built with."""
+        mixture: dict[str, Any] = {}
+        if self.tasks is not None:
+            mixture = {"mixture": self.tasks.weights(), "mixture_policy": self.mixture_policy}
         return SamplerConfig(
             max_off_policy_threshold=self.threshold,
             max_off_policy_strategy=self.strategy,
@@ -188,16 +279,25 @@ class SimulationConfig:
             failure_strategy=self.failure_strategy,
             admission_batch_size=self.batch_size if self.admission else None,
             evict_stale_in_flight=self.admission and self.strategy == "drop",
+            **mixture,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the settings as JSON-ready values (the latency as its spec string); the
-        settings of in-flight updates only when they are on, so that a run without them writes
-        what it wrote before they existed."""
+        settings of in-flight updates only when they are on, the filter's only when it filters and
+        the mixture's only with tasks, so that a run without them writes what it wrote before
+        they existed."""
         values = attrs.asdict(self, recurse=False)
         if not self.in_flight_updates:
             for name in _IN_FLIGHT_FIELDS:
                 del values[name]
+        if not self.filtering:
+            del values["filter_pass_rate"]
+        if self.tasks is None:
+            for name in _MIXTURE_FIELDS:
+                del values[name]
+        else:
+            values["tasks"] = str(self.tasks)
         values["latency"] = str(self.latency)
         values["dispatch_budget"] = self.dispatch_budget
         values["capacity"] = self.capacity

@@ -38,7 +38,7 @@ class Decoder:
     """The rollout side of in-flight weight updates: each prompt's trajectory lengths, the
     weight pushes, and the versions of what a worker decoded."""
 
-    __slots__ = ("chunk", "group_size", "pushes", "rng", "sync_step", "tokens_per_second")
+    __slots__ = ("chunk", "group_size", "pushes", "rng", "sync_step", "task_rngs", "tokens_per_second")
 
     def __init__(self, config: SimulationConfig) -> None:
         self.chunk = config.chunk_tokens
@@ -48,11 +48,19 @@ class Decoder:
         self.pushes = WeightPushes()
         # A string seed is hashed the same way on every platform and Python version.
         self.rng = random.Random(f"stalebuf simulate trajectory lengths {config.seed}")
+        # With tasks, one stream per task, drawn in that task's own dispatch order (the order
+        # prompts of different tasks are dispatched in is trio's).
+        names = () if config.tasks is None else config.tasks.names
+        self.task_rngs = {
+            name: random.Random(f"stalebuf simulate trajectory lengths {config.seed} {name}")
+            for name in names
+        }
 
-    def lengths(self, seconds: float) -> tuple[int, ...]:
-        """Draw the token counts of a group generated in ``seconds``, its longest first."""
+    def lengths(self, seconds: float, task: str | None = None) -> tuple[int, ...]:
+        """Draw the token counts of a group (of ``task``) generated in ``seconds``, its longest
+        first."""
         longest = min(MAX_TRAJECTORY_TOKENS, max(1, round(seconds * self.tokens_per_second)))
-        draw = self.rng.random
+        draw = (self.rng if task is None else self.task_rngs[task]).random
         spread = 1.0 - SHORTEST
         others = [max(1, round(longest * (SHORTEST + spread * draw()))) for _ in range(self.group_size - 1)]
         return (longest, *others)

@@ -39,6 +39,22 @@ the model:
   and generates it. Under drop the buffer also evicts groups that turned stale
   in flight (evict_stale_in_flight), which cancels their rollout at once.
 
+filters and task mixtures:
+  --filter-pass-rate P builds the buffer with filters=[zero_variance('score')]:
+  each prompt draws at dispatch (with --seed) whether its trajectories score
+  all the same (probability 1 - P), and then its group is filtered as it
+  finishes: evicted at once, its admission slot refunded (without admission,
+  replaced from on_evict). The report adds steps per hour, the share filtered
+  and the pass rate observed.
+  --tasks 'math:0.5:lognormal:3.4,1;code:0.5:lognormal:4.0,1.2' is a mixed run:
+  the weights are the buffer's SamplerConfig.mixture, each group is tagged
+  task=NAME and draws its generation time from its task's latency (or
+  --latency). Without admission each task keeps its share of the dispatched
+  prompts; with admission the workers are split among the tasks by the same
+  quotas. --mixture-policy wait|borrow is the buffer's mixture_policy. The
+  report adds each task's trained share (against its quota of a batch) and
+  max staleness.
+
 empirical latencies:
   --latency empirical:PATH reads one number of seconds per line (blank lines
   skipped), or a JSON array of numbers if PATH ends in .json.

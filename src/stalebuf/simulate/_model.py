@@ -20,10 +20,12 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..errors import ConfigError, MissingDependencyError
-from ..records import EvictionEvent
+from ..records import Batch, EvictionEvent
 from ..staleness import age as staleness_age
 from ._config import SimulationConfig
 from ._decoding import Decoder
+from ._filter_draws import FilterDraws
+from ._mix_summary import filter_summary, task_summaries
 from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord
 from ._token_ledger import TokenLedger
 
@@ -33,6 +35,12 @@ if TYPE_CHECKING:
 __all__ = ["ProgressCallback", "simulate"]
 
 ProgressCallback = Callable[[int, int], object]
+_Fate = Literal["trained", "stale", "failure", "filtered"]
+#: With filters under "wait", how often (in train steps) a waiting sample is asked again: see
+#: :meth:`_Run.sample`.
+_REASK = 1 / 10
+#: The fate of a prompt evicted for each reason the buffer gives (any other: a failure).
+_EVICTED_AS: dict[str, _Fate] = {"stale": "stale", "filtered": "filtered"}
 
 
 class _Prompt:
@@ -46,17 +54,23 @@ class _Prompt:
         "fail_after",
         "failed",
         "fate",
+        "finished",
         "lengths",
+        "passes",
         "put_tokens",
         "seconds",
         "spent",
         "started",
+        "task",
         "trained_step",
         "uid",
     )
 
-    def __init__(self, uid: str, dispatch_step: int, seconds: float, fail_after: float | None) -> None:
+    def __init__(
+        self, uid: str, dispatch_step: int, seconds: float, fail_after: float | None, task: str | None
+    ) -> None:
         self.uid = uid
+        self.task = task  # with tasks: its task, its group's "task" tag
         self.dispatch_step = dispatch_step
         self.seconds = seconds  # its length: the full generation time
         self.fail_after = fail_after  # None: it finishes; else it fails after this long
@@ -64,7 +78,9 @@ class _Prompt:
         self.spent = 0.0  # generation time spent on it, once done
         self.done = False
         self.failed = False  # it failed part-way (not: it was evicted in flight before failing)
-        self.fate: Literal["trained", "stale", "failure"] | None = None
+        self.finished = False  # it finished generating: its group became FINISHED (and was judged)
+        self.passes = True  # when filtering: whether its trajectories get distinct scores
+        self.fate: _Fate | None = None
         self.trained_step = -1
         self.evicted_step = -1
         # With in-flight weight updates: its trajectories' token counts (the longest first), the
@@ -104,40 +120,65 @@ class _Run:
         self.rollouts = 0  # rollout() blocks entered, for their uids
         self.waits: list[float] = []  # each admitted prompt's wait for admission
         self.asking: dict[int, float] = {}  # worker -> since when it waits for admission
-        self.buffer = ReplayBuffer(config.sampler_config(), on_evict=self.on_evict, status_log_interval=None)
+        # Filtering: the real zero_variance filter, judging the scores drawn for each prompt.
+        self.draws = FilterDraws(config) if config.filtering else None
+        self.buffer = ReplayBuffer(
+            config.sampler_config(),
+            on_evict=self.on_evict,
+            status_log_interval=None,
+            filters=() if self.draws is None else self.draws.filters,
+        )
+        # With tasks: each task's latency and group tags, and the task of each worker (admission).
+        names = () if config.tasks is None else config.tasks.names
+        self.latencies = {name: config.task_latency(name) for name in names}
+        # One stream per task: prompt k of a task draws the same whatever order trio admits
+        # producers of different tasks in (each task's are admitted in its own FIFO order).
+        self.task_rngs = {
+            name: random.Random(f"stalebuf simulate task {config.seed} {name}") for name in names
+        }
+        self.task_tags = {name: {"task": name} for name in names}
+        self.worker_tasks = _interleave(config.tasks.split(config.workers)) if config.tasks else []
         # With in-flight weight updates: the chunked decoding and the token counts.
         self.decoder = Decoder(config) if config.in_flight_updates else None
         self.ledger = None if self.decoder is None else TokenLedger(config, self.decoder)
         self.produce = self.generate if self.decoder is None else self.decode
 
-    def new_prompt(self, uid: str, step: int) -> _Prompt:
-        """Take a new prompt from the dataset as ``uid``, tagged ``step``, and draw its fate."""
-        rng, config = self.rng, self.config
-        seconds = config.latency.sample(rng)
+    def new_prompt(self, uid: str, step: int, task: str | None = None) -> _Prompt:
+        """Take a new prompt (of ``task``) from the dataset as ``uid``, tagged ``step``, and
+        draw its fate."""
+        config = self.config
+        rng = self.rng if task is None else self.task_rngs[task]
+        seconds = (config.latency if task is None else self.latencies[task]).sample(rng)
         fails = rng.random() < config.failure_rate
         fraction = rng.random()  # always drawn, so prompt k is the same whatever the failure rate
-        prompt = _Prompt(uid, step, seconds, seconds * fraction if fails else None)
+        prompt = _Prompt(uid, step, seconds, seconds * fraction if fails else None, task)
+        if self.draws is not None:  # from a stream of its own: the same prompts whatever the rate
+            prompt.passes = self.draws.draw(task)
         if self.decoder is not None:
-            prompt.lengths = self.decoder.lengths(seconds)
+            prompt.lengths = self.decoder.lengths(seconds, task)
         self.dispatched.append(prompt)
         self.in_buffer[uid] = prompt
         self.max_resident = max(self.max_resident, len(self.in_buffer))
         return prompt
 
-    def dispatch(self, step: int) -> None:
-        """Without admission: add a new prompt tagged ``step`` to the buffer and queue it."""
-        prompt = self.new_prompt(f"p{len(self.dispatched)}", step)
-        self.buffer.add_prompt_nowait(prompt.uid, global_steps=step)
+    def dispatch(self, step: int, task: str | None = None) -> None:
+        """Without admission: add a new prompt (of ``task``) tagged ``step`` to the buffer and
+        queue it."""
+        prompt = self.new_prompt(f"p{len(self.dispatched)}", step, task)
+        tags = None if task is None else self.task_tags[task]
+        self.buffer.add_prompt_nowait(prompt.uid, global_steps=step, tags=tags)
         self.send.send_nowait(prompt)
 
     def on_evict(self, event: EvictionEvent) -> None:
-        """Record the evicted groups; without admission, dispatch one fresh prompt for each."""
+        """Record the evicted groups; without admission, dispatch one fresh prompt for each (of
+        its task)."""
+        fate = _EVICTED_AS.get(event.reason, "failure")
         for group in event.groups:
             prompt = self.in_buffer.pop(group.uid)
-            prompt.fate = "stale" if event.reason == "stale" else "failure"
+            prompt.fate = fate
             prompt.evicted_step = event.global_steps
             if not self.config.admission:
-                self.dispatch(event.global_steps)
+                self.dispatch(event.global_steps, prompt.task)
         if event.reason == "stale":
             self.step_dropped += len(event.groups)
 
@@ -152,9 +193,15 @@ class _Run:
             await self.sleep(prompt.fail_after)
             n = int(n * prompt.fail_after / prompt.seconds)
             prompt.failed = True
-        for session in range(n):
-            put(None, session_id=session)
-        return not prompt.failed
+        if self.draws is None:
+            for session in range(n):
+                put(None, session_id=session)
+        else:  # scored: the buffer's zero_variance filter judges the group as it finishes
+            tags = self.draws.tags(prompt.passes)
+            for session in range(n):
+                put(None, session_id=session, tags=tags[session])
+        prompt.finished = not prompt.failed
+        return prompt.finished
 
     async def decode(self, prompt: _Prompt, put: Callable[..., object]) -> bool:
         """With in-flight weight updates: decode the group in chunks (see :mod:`._decoding`) and
@@ -172,11 +219,16 @@ class _Run:
             prompt.failed = True
         prompt.decoded = decoded
         segments = decoder.segments(start, prompt.seconds, lengths, decoded)
+        tags = None if self.draws is None else self.draws.tags(prompt.passes)
         for session, (tokens, versions) in enumerate(zip(lengths, segments, strict=True)):
             if tokens <= decoded:
-                put(None, session_id=session, versions=versions)
+                if tags is None:
+                    put(None, session_id=session, versions=versions)
+                else:
+                    put(None, session_id=session, versions=versions, tags=tags[session])
                 prompt.put_tokens += tokens
-        return not prompt.failed
+        prompt.finished = not prompt.failed
+        return prompt.finished
 
     def settle(self, prompt: _Prompt) -> None:
         """Record that a worker is done with ``prompt`` (finished, failed or evicted in flight)."""
@@ -206,16 +258,18 @@ class _Run:
         Entering the block waits until the buffer admits a group; a group evicted in flight
         has its body cancelled, so the worker moves on at once.
         """
+        task = self.worker_tasks[index] if self.worker_tasks else None
+        tags = None if task is None else self.task_tags[task]
         while True:
             uid = f"r{self.rollouts}"
             self.rollouts += 1
             self.asking[index] = self.now()
             prompt: _Prompt | None = None
             try:
-                async with self.buffer.rollout(uid) as group:
+                async with self.buffer.rollout(uid, tags=tags) as group:
                     # Admitted just now, in this step of the loop: draw the prompt in admission order.
                     self.waits.append(self.now() - self.asking.pop(index))
-                    prompt = self.new_prompt(uid, group.global_steps)
+                    prompt = self.new_prompt(uid, group.global_steps, task)
                     if not await self.produce(prompt, group.put_nowait):
                         raise _GenerationFailed  # the block marks the group FAILED
             except _GenerationFailed:
@@ -225,29 +279,30 @@ class _Run:
 
     async def trainer(self, origin: float) -> None:
         """Sample, refill (without admission), train; ``steps`` times."""
-        config, buffer = self.config, self.buffer
+        config = self.config
         refill = not config.admission
         if refill:
-            for _ in range(config.dispatch_budget):
-                self.dispatch(0)
+            tasks: list[str | None] = [*_interleave(config.dispatch_split())]
+            for task in tasks or [None] * config.dispatch_budget:
+                self.dispatch(0, task)
         for step in range(config.steps):
             # Let every task due at this instant run first, so that a group finishing exactly
             # when a train step ends is in the buffer whatever order trio runs them in.
             await anyio.lowlevel.checkpoint()
             self.step_dropped = 0
             sample_start = self.now() - origin
-            batch, _metrics = await buffer.sample(step, config.batch_size)
+            batch = await self.sample(step)
             train_start = self.now() - origin
             if self.ledger is not None:
                 self.ledger.sampled(batch)
                 self.ledger.decoder.trained(step, self.now() + config.train_step_seconds)
-            for group in batch:
-                prompt = self.in_buffer.pop(group.uid)
+            trained = [self.in_buffer.pop(group.uid) for group in batch]
+            for prompt in trained:
                 prompt.fate = "trained"
                 prompt.trained_step = step
             if refill:
-                for _ in range(len(batch)):
-                    self.dispatch(step)
+                for prompt in trained:
+                    self.dispatch(step, prompt.task)
             await self.sleep(config.train_step_seconds)
             train_end = self.now() - origin
             self.records.append(
@@ -262,6 +317,26 @@ class _Run:
             )
             if self.progress is not None:
                 self.progress(step + 1, config.steps)
+
+    async def sample(self, step: int) -> Batch:
+        """``sample(step, batch_size)`` on the buffer; when filtering under "wait", asked again
+        every ``_REASK`` of a train step while it waits.
+
+        Why: the buffer does not wake a sample held by the wait gate of an in-flight group when
+        that group finishes and is filtered (``Consumer.finish`` evicts it without notifying the
+        partition; reported as a core defect), so without this the run could wait forever. A
+        sample woken late by this is late by at most ``_REASK * train_step_seconds``.
+        """
+        config, buffer = self.config, self.buffer
+        if not (config.filtering and config.strategy == "wait"):
+            return (await buffer.sample(step, config.batch_size))[0]
+        while True:
+            try:
+                return (
+                    await buffer.sample(step, config.batch_size, timeout=_REASK * config.train_step_seconds)
+                )[0]
+            except TimeoutError:
+                continue
 
     async def main(self) -> tuple[float, float]:
         """Run the workers and the trainer; return the virtual start and end times."""
@@ -292,7 +367,38 @@ class _Run:
         prompts whatever the strategy, admission or pipeline settings: "long" cut from them
         means the same in every column of a report.
         """
-        return [prompt.seconds for prompt in self.dispatched[: self.config.steps * self.config.batch_size]]
+        config = self.config
+        if config.tasks is None:
+            return [prompt.seconds for prompt in self.dispatched[: config.steps * config.batch_size]]
+        # With tasks, each task's first prompts (its share of them): the order prompts of
+        # different tasks were dispatched in is trio's, each task's own order is not.
+        left = config.tasks.split(config.steps * config.batch_size)
+        lengths = []
+        for prompt in self.dispatched:
+            task = cast(str, prompt.task)
+            if left[task]:
+                left[task] -= 1
+                lengths.append(prompt.seconds)
+        return lengths
+
+    def in_order(self) -> list[_Prompt]:
+        """The prompts in dispatch order; with tasks, task by task, each in its own dispatch
+        order (the order prompts of different tasks were dispatched in is trio's, and float sums
+        depend on the order they add in)."""
+        if self.config.tasks is None:
+            return self.dispatched
+        rank = {name: index for index, name in enumerate(self.config.tasks.names)}
+        return sorted(self.dispatched, key=lambda prompt: rank[cast(str, prompt.task)])  # stable
+
+    def length_bias(self, trained: list[float]) -> LengthBias:
+        """The length bias of the ``trained`` lengths. With tasks both lists are sorted first:
+        the order prompts of different tasks were dispatched in is trio's, and a float mean
+        depends on the order it adds in."""
+        common = self.common_lengths()
+        if self.config.tasks is not None:
+            common.sort()
+            trained = sorted(trained)
+        return _length_bias(common, trained)
 
     def result(self, origin: float, end: float) -> SimulationResult:
         """Summarise the finished run."""
@@ -303,7 +409,8 @@ class _Run:
         resolved = dropped = failed = failed_resolved = 0
         ages: Counter[int] = Counter()
         trained_lengths: list[float] = []
-        for prompt in self.dispatched:
+        prompts = self.in_order()
+        for prompt in prompts:
             if prompt.done:
                 busy += prompt.spent
                 failed += prompt.failed
@@ -342,10 +449,19 @@ class _Run:
             admission_wait_fraction=min(1.0, waited / (config.workers * simulated)),
             max_resident_groups=self.max_resident,
             staleness=StalenessSummary.from_lags(ages, sync_step),
-            length_bias=_length_bias(self.common_lengths(), trained_lengths),
+            length_bias=self.length_bias(trained_lengths),
             steps=tuple(self.records),
-            tokens=None if self.ledger is None else self.ledger.summary(self.dispatched, end, simulated),
+            tokens=None if self.ledger is None else self.ledger.summary(prompts, end, simulated),
+            filters=filter_summary(prompts) if config.filtering else None,
+            tasks=task_summaries(config, prompts) if config.tasks is not None else None,
         )
+
+
+def _interleave(counts: dict[str, int]) -> list[str]:
+    """Each name ``counts[name]`` times, spread evenly: the k-th of ``n`` at position
+    ``(k + 1/2) / n`` (ties by name), so every prefix holds each name about in proportion."""
+    slots = [((k + 0.5) / n, name) for name, n in counts.items() for k in range(n)]
+    return [name for _, name in sorted(slots)]
 
 
 def _length_bias(dispatched: list[float], trained: list[float]) -> LengthBias:

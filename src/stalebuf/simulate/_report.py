@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingDependencyError
+from ._mix_report import mix_rows
 from ._result import SimulationResult, StalenessSummary
 from ._text import Row, duration, header, percent, seconds, table
 from ._versions_report import format_versions_report
@@ -52,6 +53,7 @@ def format_report(results: Sequence[SimulationResult]) -> str:
             lambda r: percent(r.length_bias.long_share_trained),
         ),
         ("  vs dispatched (1.00x = no bias)", lambda r: f"{r.length_bias.ratio:.2f}x"),
+        *mix_rows(results),
     ]
     lines = [*header(results), *table(results, rows)]
     if len(results) >= 2:

@@ -14,7 +14,15 @@ import numpy as np
 
 from ._config import SimulationConfig
 
-__all__ = ["LengthBias", "SimulationResult", "StalenessSummary", "StepRecord", "TokenSummary"]
+__all__ = [
+    "FilterSummary",
+    "LengthBias",
+    "SimulationResult",
+    "StalenessSummary",
+    "StepRecord",
+    "TaskSummary",
+    "TokenSummary",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -176,6 +184,62 @@ class TokenSummary:
 
 
 @attrs.frozen(kw_only=True)
+class FilterSummary:
+    """What the buffer's zero-variance filter did, in a run with ``filter_pass_rate`` below 1.
+
+    Attributes:
+        judged_groups: groups that finished generating, each judged by the filter once.
+        filtered_groups: of those, the groups the filter evicted (reason ``"filtered"``); the
+            buffer's own ``evicted_filtered_groups``.
+        pass_rate: ``1 - filtered_groups / judged_groups``, the observed pass rate (0.0 when
+            nothing was judged).
+        filtered_fraction: ``filtered_groups`` over the groups resolved (trained or evicted).
+        filtered_generation_fraction: generation time spent on filtered groups over generation
+            time spent on all resolved groups.
+    """
+
+    judged_groups: int
+    filtered_groups: int
+    pass_rate: float
+    filtered_fraction: float
+    filtered_generation_fraction: float
+
+
+@attrs.frozen(kw_only=True)
+class TaskSummary:
+    """One task of a mixed run, as the trainer received it.
+
+    Attributes:
+        name: the task.
+        target_share: its quota of a batch over the batch size, ``q(B) / B``: the share each
+            batch gives it under "wait".
+        dispatched_groups: its prompts dispatched (refills included).
+        trained_groups: its groups the trainer received.
+        trained_share: ``trained_groups`` over all trained groups.
+        staleness: the staleness of its trained groups.
+    """
+
+    name: str
+    target_share: float
+    dispatched_groups: int
+    trained_groups: int
+    trained_share: float
+    staleness: StalenessSummary
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return every number as JSON-ready values (the histogram as a list of objects)."""
+        values = attrs.asdict(self, recurse=False)
+        values["staleness"] = _staleness_dict(self.staleness, "groups")
+        return values
+
+
+def _staleness_dict(summary: StalenessSummary, unit: str) -> dict[str, Any]:
+    values = attrs.asdict(summary)
+    values["histogram"] = [{"staleness": s, unit: n} for s, n in summary.histogram]
+    return values
+
+
+@attrs.frozen(kw_only=True)
 class SimulationResult:
     """The outcome of :func:`simulate`; every number refers to the simulated (virtual) clock.
 
@@ -204,6 +268,8 @@ class SimulationResult:
         length_bias: long prompts among trained versus dispatched groups.
         steps: one record per trainer step: the trainer's busy/idle timeline.
         tokens: with in-flight weight updates, where the generated tokens went; else None.
+        filters: with ``filter_pass_rate`` below 1, what the filter did; else None.
+        tasks: with ``tasks``, one summary per task, in the order given; else None.
     """
 
     config: SimulationConfig
@@ -226,14 +292,16 @@ class SimulationResult:
     length_bias: LengthBias
     steps: tuple[StepRecord, ...]
     tokens: TokenSummary | None = None
+    filters: FilterSummary | None = None
+    tasks: tuple[TaskSummary, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return every number as JSON-ready values (the steps as parallel lists; ``tokens``
-        only with in-flight updates)."""
+        only with in-flight updates, ``filters`` only when filtering, ``tasks`` only with tasks)."""
         values: dict[str, Any] = {
             field.name: getattr(self, field.name)
             for field in attrs.fields(SimulationResult)
-            if field.name not in ("config", "staleness", "length_bias", "steps", "tokens")
+            if field.name not in ("config", "staleness", "length_bias", "steps", "tokens", "filters", "tasks")
         }
         staleness = attrs.asdict(self.staleness)
         staleness["histogram"] = [{"staleness": s, "groups": n} for s, n in self.staleness.histogram]
@@ -247,4 +315,6 @@ class SimulationResult:
                 for field in attrs.fields(StepRecord)
             },
             **({} if self.tokens is None else {"tokens": self.tokens.to_dict()}),
+            **({} if self.filters is None else {"filters": attrs.asdict(self.filters)}),
+            **({} if self.tasks is None else {"tasks": {task.name: task.to_dict() for task in self.tasks}}),
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._config import Latency
+from ._config import Latency, SimulationConfig
 from ._result import SimulationResult
 
 __all__ = ["Row", "count", "duration", "header", "percent", "seconds", "table", "tokens"]
@@ -70,15 +70,47 @@ def _dispatch_lines(results: Sequence[SimulationResult]) -> list[str]:
     if any(not r.config.admission for r in results):
         lines.append(
             f"  without admission: {count(c.dispatch_budget, 'prompt')} kept dispatched "
-            f"(dispatch-ahead {c.dispatch_ahead:g})"
+            f"(dispatch-ahead {c.dispatch_ahead:g}){_by_task(c.dispatch_split())}"
         )
     if any(r.config.admission for r in results):
+        per_step = f"at most {count(c.batch_size, 'group')} per dispatch step"
+        workers = ""
+        if c.tasks is not None:
+            per_step += _by_task(c.tasks.split(c.batch_size))
+            workers = f", workers{_by_task(c.tasks.split(c.workers))}"
         lines.append(
-            "  with admission: each worker loops rollout(); "
-            f"at most {count(c.batch_size, 'group')} per dispatch step, "
+            f"  with admission: each worker loops rollout(){workers}; {per_step}, "
             f"{c.threshold * c.parameter_sync_step * c.batch_size} resident (T*S*B)"
         )
     return lines
+
+
+def _by_task(counts: dict[str, int]) -> str:
+    """`` (math 16, code 16)``, or nothing without tasks."""
+    return f" ({', '.join(f'{name} {n}' for name, n in counts.items())})" if counts else ""
+
+
+def _generation_lines(c: SimulationConfig) -> list[str]:
+    """Describe the generation time per group: one line, or with tasks, one per task."""
+    if c.tasks is None:
+        return [f"  generation time per group: {_describe_latency(c.latency)}"]
+    quotas = c.tasks.split(c.batch_size)
+    lines = [f"  tasks (mixture_policy {c.mixture_policy}), generation time per group:"]
+    for task in c.tasks.tasks:
+        lines.append(
+            f"    {task.name}: weight {task.weight:g}, {quotas[task.name]} of {c.batch_size} per batch, "
+            f"{_describe_latency(c.task_latency(task.name))}"
+        )
+    return lines
+
+
+def _filter_lines(c: SimulationConfig) -> list[str]:
+    if not c.filtering:
+        return []
+    return [
+        f"  filter: zero_variance('score'), a finished group passes with probability "
+        f"{percent(c.filter_pass_rate)}"
+    ]
 
 
 def header(results: Sequence[SimulationResult], *extra: str) -> list[str]:
@@ -90,7 +122,8 @@ def header(results: Sequence[SimulationResult], *extra: str) -> list[str]:
         f"  threshold T={c.threshold}, parameter_sync_step S={c.parameter_sync_step}, "
         f"train step {seconds(c.train_step_seconds)}, failure rate {percent(c.failure_rate)} "
         f"({c.failure_strategy}), seed {c.seed}",
-        f"  generation time per group: {_describe_latency(c.latency)}",
+        *_generation_lines(c),
+        *_filter_lines(c),
         *_dispatch_lines(results),
         *extra,
         "",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ._mix_report import mix_rows
 from ._result import SimulationResult, TokenSummary
 from ._text import Row, duration, header, percent, seconds, table, tokens
 
@@ -69,6 +70,7 @@ def format_versions_report(results: Sequence[SimulationResult]) -> str:
         (f"long prompts (>= {long_seconds}) in trained", lambda r: percent(r.length_bias.long_share_trained)),
         ("  vs dispatched (1.00x = no bias)", lambda r: f"{r.length_bias.ratio:.2f}x"),
         ("trained groups stale by p, fresh by head", _p_would_drop),
+        *mix_rows(results),
     ]
     lines = [*header(results, *_pushes(results)), *table(results, rows)]
     if len(results) >= 2:
