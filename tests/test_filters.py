@@ -342,6 +342,40 @@ async def test_a_filtered_group_frees_its_slot_and_wakes_the_waiting_producer_of
         assert_conserved(buf)
 
 
+@pytest.mark.parametrize("on_evict_raises", [False, True])
+async def test_a_filtered_group_that_held_the_wait_gate_wakes_the_parked_sample(
+    on_evict_raises: bool,
+) -> None:
+    """Defect (found by the filter simulation): finishing an in-flight group that a filter then
+    evicted never woke a ``sample`` parked on the wait gate that group held, so the trainer
+    hung although a batch was ready; also when ``on_evict`` raises from the finishing call."""
+
+    def report(event: EvictionEvent) -> None:
+        if on_evict_raises:
+            raise RuntimeError("on_evict failed")
+
+    buf = build([zero_variance("s")], report, max_off_policy_threshold=2, max_off_policy_strategy="wait")
+    with anyio.fail_after(LIMIT):
+        buf.add_prompt_nowait("old", global_steps=0)
+        buf.mark_running_nowait("old")
+        await buf.put_group("new", ["a", "b"], global_steps=1, trajectory_tags=[{"s": 0}, {"s": 1}])
+        async with anyio.create_task_group() as tg:
+            sampler = await start_call(tg, lambda: buf.sample(1, 1))
+            assert not sampler.done, "the in-flight 'old' (s = 2 at step 1) must hold the gate"
+            for index in (0, 1):
+                buf.put_nowait("old", "x", index=index, tags={"s": 7})
+            if on_evict_raises:
+                with pytest.raises(RuntimeError, match="on_evict failed"):
+                    buf.mark_finished_nowait("old")
+            else:
+                buf.mark_finished_nowait("old")  # all scores equal: filtered, the gate opens
+            await settle()
+            assert sampler.returned, "the parked sample was not woken when the gate opened"
+        batch, _ = sampler.result
+        assert [g.uid for g in batch.groups] == ["new"]
+        assert_conserved(buf)
+
+
 async def test_with_admission_producers_keep_going_until_b_groups_per_step_survive() -> None:
     """The point of the refund: at b=2 with half the groups filtered, four groups fit in step 0."""
     buf = build([zero_variance("r")], max_off_policy_threshold=1, admission_batch_size=2)

@@ -104,9 +104,8 @@ class Consumer:
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.mixing = Mixing(store, rules)
         self.token_batches = TokenBatches(store, admission, rules, self.eviction)
-        self.explainer = Explainer(
-            store, admission, rules, self.sampleable, self, self.mixing, status_interval
-        )
+        sampleable, mixing = self.sampleable, self.mixing
+        self.explainer = Explainer(store, admission, rules, sampleable, self, mixing, status_interval)
         self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)
         self.status_interval = status_interval
         self.status_log: StatusLog | None = None
@@ -142,6 +141,7 @@ class Consumer:
             self.notify(store.end(group, status, clock, measured, record))
         else:
             store.filter_out(group, measured)
+            self.notify(part)  # it may have held the wait gate; before on_evict, which may raise
             self.filtered(part, (record,))
 
     def judge(self, part: PartitionState, record: Group) -> bool:

@@ -36,9 +36,6 @@ __all__ = ["ProgressCallback", "simulate"]
 
 ProgressCallback = Callable[[int, int], object]
 _Fate = Literal["trained", "stale", "failure", "filtered"]
-#: With filters under "wait", how often (in train steps) a waiting sample is asked again: see
-#: :meth:`_Run.sample`.
-_REASK = 1 / 10
 #: The fate of a prompt evicted for each reason the buffer gives (any other: a failure).
 _EVICTED_AS: dict[str, _Fate] = {"stale": "stale", "filtered": "filtered"}
 
@@ -319,24 +316,8 @@ class _Run:
                 self.progress(step + 1, config.steps)
 
     async def sample(self, step: int) -> Batch:
-        """``sample(step, batch_size)`` on the buffer; when filtering under "wait", asked again
-        every ``_REASK`` of a train step while it waits.
-
-        Why: the buffer does not wake a sample held by the wait gate of an in-flight group when
-        that group finishes and is filtered (``Consumer.finish`` evicts it without notifying the
-        partition; reported as a core defect), so without this the run could wait forever. A
-        sample woken late by this is late by at most ``_REASK * train_step_seconds``.
-        """
-        config, buffer = self.config, self.buffer
-        if not (config.filtering and config.strategy == "wait"):
-            return (await buffer.sample(step, config.batch_size))[0]
-        while True:
-            try:
-                return (
-                    await buffer.sample(step, config.batch_size, timeout=_REASK * config.train_step_seconds)
-                )[0]
-            except TimeoutError:
-                continue
+        """``sample(step, batch_size)`` on the buffer: the batch."""
+        return (await self.buffer.sample(step, self.config.batch_size))[0]
 
     async def main(self) -> tuple[float, float]:
         """Run the workers and the trainer; return the virtual start and end times."""
