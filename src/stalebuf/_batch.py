@@ -236,6 +236,12 @@ def batch_runs(
     start_versions = np.repeat(starts, sizes)
     pieces = list(map(_runs_of, chain.from_iterable(per_group)))
     if b"" in pieces:  # put without versions: its tokens count at the group's start version
+        if not any(pieces):  # none holds versions (tokens= only): one run each, no packing
+            counted = np.fromiter(map(_tokens_of, chain.from_iterable(per_group)), np.int64, len(pieces))
+            held = counted > 0
+            run_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+            np.cumsum(held, out=run_offsets[1:])
+            return start_versions[held], counted[held], run_offsets, start_versions
         tokens = map(_tokens_of, chain.from_iterable(per_group))
         pieces = [
             packed or (pack_runs(((int(start), count),)) if count else b"")
