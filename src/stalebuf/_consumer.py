@@ -161,8 +161,11 @@ class Consumer:
 
         Runs on a producer's path after its state change: a policy hook that raises here must
         not turn the completed call into an error, so the error is logged and the waiter
-        woken, to raise it from its own ``sample``.
+        woken, to raise it from its own ``sample``. Under token caps a group that became terminal
+        settled its reservation: admission wakes the head producer first if the refund admits it.
         """
+        if part.ledger is not None:  # the token-admission hook (a no-op when no producer waits)
+            self.admission.refunded(part)
         if self.sampleable.waiting:  # first: its calls count before the woken sample takes
             self.sampleable.notify(part)
         waiters = self.waiting.get(part.name)

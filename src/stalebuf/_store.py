@@ -208,6 +208,11 @@ class GroupStore:
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
+        part = self.partitions[group.partition]
+        if part.cells is not None:  # a task mixture: the group's task's cell
+            part = part.cells[group.task]  # type: ignore[index]
+        if tokens and part.ledger is not None:  # max_tokens_per_group, before any change
+            part.ledger.check_put(uid, 0 if group.span is None else group.span.tokens, tokens)
         trajectories[key] = _tuple_new(
             Trajectory,
             (
@@ -221,9 +226,6 @@ class GroupStore:
                 pack_runs(segments) if segments else b"",
             ),
         )
-        part = self.partitions[group.partition]
-        if part.cells is not None:  # a task mixture: the group's task's cell
-            part = part.cells[group.task]  # type: ignore[index]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
         if tokens or group.span is not None:
