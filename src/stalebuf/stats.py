@@ -76,6 +76,11 @@ class PartitionStats:
             kept: filters fail open).
         tasks: under a task mixture, one :class:`TaskStats` per task (empty otherwise, and in
             ``BufferStats.total``).
+        resident_tokens: tokens of the resident *terminal* groups (``tokens`` less those of the
+            groups in flight).
+        reserved_tokens: under ``admission_token_budget`` or ``max_resident_tokens``,
+            ``max_tokens_per_group`` for each resident in-flight group (0 otherwise); the residency
+            cap bounds ``resident_tokens + reserved_tokens``.
 
     Conservation, for groups:
     ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart +
@@ -116,6 +121,8 @@ class PartitionStats:
     evicted_filtered_groups: int = 0
     evicted_filtered_trajectories: int = 0
     filter_errors: int = 0
+    resident_tokens: int = 0
+    reserved_tokens: int = 0
     tasks: Mapping[str, TaskStats] = attrs.field(factory=dict, converter=_task_copy)
 
     @property
