@@ -48,7 +48,10 @@ PROFILES = {
         max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     ),
     "thorough": settings(
-        max_examples=1000, stateful_step_count=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+        max_examples=1000,
+        stateful_step_count=100,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
     ),
 }
 PROFILE = os.environ.get("STALEBUF_HYPOTHESIS_PROFILE", "ci")
@@ -282,8 +285,8 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
         try:
             call()
         except Exception as exc:
-            assert error is not None, f"refused: {exc!r}"
-            assert type(exc) is error, f"{exc!r}, expected {error.__name__}"
+            assert error is not None, f"refused: {exc!r}"  # noqa: PT017
+            assert type(exc) is error, f"{exc!r}, expected {error.__name__}"  # noqa: PT017
             assert self.b.stats() == before, "a refused call changed the buffer"
             return False
         assert error is None, f"admitted, expected {error.__name__}"
@@ -332,7 +335,10 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
         requested = self.m.clock if explicit else None
         total = sum(tokens)
         error = ValueError if total > self.m.per_group else self.m.refusal(requested, total)
-        call = lambda: self.b.put_group_nowait(uid, [None] * len(tokens), tokens=tokens, global_steps=requested)  # noqa: E731
+
+        def call() -> object:
+            return self.b.put_group_nowait(uid, [None] * len(tokens), tokens=tokens, global_steps=requested)
+
         if self.attempt(call, error):
             self.m.admit(uid, requested, terminal=True, tokens=total)
 

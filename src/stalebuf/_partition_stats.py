@@ -93,7 +93,7 @@ def partition_stats(
         evicted_tokens=part.evicted_tokens,
         reissued_tokens=part.reissued_tokens,
         resident_tokens=_terminal_tokens(part),
-        reserved_tokens=0 if part.ledger is None else part.ledger.reserved,
+        reserved_tokens=part.ledger.reserved if part.ledger is not None and part.ledger.gates else 0,
     )
 
 
