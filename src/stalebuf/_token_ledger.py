@@ -128,8 +128,9 @@ class TokenLedger:
             ValueError: ``held + adding > max_tokens_per_group``.
         """
         if held + adding > self.per_group:
+            parts = f" ({held} + {adding})" if held else ""
             raise ValueError(
-                f"group {describe(uid)} would hold {held + adding} tokens ({held} + {adding}), more than "
+                f"group {describe(uid)} would hold {held + adding} tokens{parts}, more than "
                 f"max_tokens_per_group={self.per_group}"
             )
 
