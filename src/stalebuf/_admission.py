@@ -18,7 +18,7 @@ from ._rules import Rules
 from ._status_log import logger
 from ._store import GroupStore
 from ._token_admission import TokenQueries
-from ._token_ledger import TokenLedger
+from ._token_ledger import UNBOUNDED, TokenLedger
 from ._validation import describe
 from ._waiting import LoopBinding, ProducerWaits, Waiter, park
 from .errors import BufferClosedError, BufferFullError, FutureTagError, TagClosedError
@@ -258,14 +258,19 @@ class Admission:
             The errors of :meth:`tag_for`.
         """
         ledger: TokenLedger = part.ledger  # type: ignore[assignment]  # gated without a cap
-        tagged = ledger.budget is not None
-        if tagged and tag > clock:
+        budget = ledger.budget
+        if budget is not None and tag > clock:
             raise self._ahead(name, tag, clock, head)
-        last_sampled, span = self.sampled.get(name, -1), part.span
+        last_sampled, span, rules = self.sampled.get(name, -1), part.span, self.rules
         queue = self.queues.get(part.key)
         if not head and queue is not None and queue.producers:
-            self._queued(queue, name, tag, requested if tagged else None, last_sampled, span)
-        if tagged and self.rules.closed_for_good(name, tag, last_sampled, span):
+            self._queued(queue, name, tag, requested if budget is not None else None, last_sampled, span)
+        if budget is not None and (
+            tag
+            < last_sampled + 2 - span  # closed_for_good inline (its default: admits is never overridden here)
+            if rules.plain_admission
+            else rules.closed_for_good(name, tag, last_sampled, span)
+        ):
             if requested is not None:
                 closed = _closed_error(name, tag, last_sampled)
                 raise closed if head else self._refused(name, tag, closed)
@@ -273,7 +278,13 @@ class Admission:
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now (it is "
                 "stale at the next sample): dispatch after the next sample"
             )
-        ledger.check_room(name, tag, need)
+        # TokenLedger.room inline (this runs per group); check_room raises with the message.
+        room = UNBOUNDED if budget is None else budget - ledger.at.get(tag, 0)  # type: ignore[union-attr]
+        cap = ledger.resident_cap
+        if cap is not None and cap - ledger.reserved - ledger.settled < room:
+            room = cap - ledger.reserved - ledger.settled
+        if room < (ledger.per_group if need is None else need):
+            ledger.check_room(name, tag, need)
         return tag
 
     def cells(
@@ -459,7 +470,8 @@ class Admission:
         """Tokens of ``part`` were refunded (a group's reservation settled to its own tokens):
         wake its head producer if it may be admitted now (every tag's: a residency refund, or
         a tag's, wakes the one FIFO head, which passes the turn on once admitted)."""
-        if part.gated:
+        queue = self.queues.get(part.key)
+        if queue is not None and queue.producers and part.gated:  # (the common case: nobody waits)
             self._wake_queue(part)
 
     def close(self) -> None:

@@ -124,23 +124,20 @@ class Consumer:
             Exception: what ``on_evict`` raised reporting a filtered group (it is evicted all
                 the same), or StalebufError when its refills keep being filtered.
         """
-        store = self.store
-        if status is not _FINISHED or not self.filters:  # the common case, without a call
-            self.notify(store.end(group, status, clock, measured, None, timed))
-            return
-        part = store.cell_of(group)
-        if part.exempt:
-            self.notify(store.end(group, status, clock, measured, None, timed))
-            return
-        record = terminal_record(group, status, clock, timed)
-        keep = self.filtering.keeps(part, record)
-        if store.groups.get(group.uid) is not group:  # a filter ended the group itself
-            return
-        if keep:
-            self.notify(store.end(group, status, clock, measured, record))
-        else:
-            store.filter_out(group, measured)
-            self.filtered(part, (record,))
+        store, record = self.store, None
+        if status is _FINISHED and self.filters and not (part := store.cell_of(group)).exempt:
+            record = terminal_record(group, status, clock, timed)
+            keep = self.filtering.keeps(part, record)
+            if store.groups.get(group.uid) is not group:  # a filter ended the group itself
+                return
+            if not keep:
+                store.filter_out(group, measured)
+                self.filtered(part, (record,))
+                return
+        part = store.end(group, status, clock, measured, record, timed)
+        if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
+            self.admission.refunded(part)
+        self.notify(part)
 
     def judge(self, part: PartitionState, record: Group) -> bool:
         """Run the filters on ``record`` (FINISHED, of ``part``); whether it is kept (never raises)."""
@@ -161,11 +158,8 @@ class Consumer:
 
         Runs on a producer's path after its state change: a policy hook that raises here must
         not turn the completed call into an error, so the error is logged and the waiter
-        woken, to raise it from its own ``sample``. Under token caps a group that became terminal
-        settled its reservation: admission wakes the head producer first if the refund admits it.
+        woken, to raise it from its own ``sample``.
         """
-        if part.ledger is not None:  # the token-admission hook (a no-op when no producer waits)
-            self.admission.refunded(part)
         if self.sampleable.waiting:  # first: its calls count before the woken sample takes
             self.sampleable.notify(part)
         waiters = self.waiting.get(part.name)

@@ -64,8 +64,10 @@ class GroupWriter:
         group = self.store.admit(uid, step, part, tags)
         if part.deadlines:
             self.consumer.admitted(part)
-        if part.evict_in_flight or part.ledger is not None:
+        if part.evict_in_flight:
             self.consumer.notify(self.store.cell_of(group))
+        elif part.ledger is not None and self.consumer.waiting.get(part.name):
+            self.consumer.notify(part)  # (``part`` is the group's cell: no mixture under token caps)
 
     def end_watched(self, group: OpenGroup, finished: bool) -> bool:
         """Finish (or fail) ``group`` if that very group is still in flight; return whether it did."""

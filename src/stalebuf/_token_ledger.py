@@ -71,14 +71,24 @@ class TokenLedger:
 
     def reserve(self, step: int) -> None:
         """An in-flight group was admitted at ``step``: reserve ``M`` there."""
-        self.reserved += self.per_group
-        self._shift(step, self.per_group)
+        per_group = self.per_group
+        self.reserved += per_group
+        at = self.at
+        if at is not None:  # _shift inline: this runs per group
+            at[step] = at.get(step, 0) + per_group
 
     def settle(self, step: int, tokens: int) -> None:
         """An in-flight group of ``step`` became terminal with ``tokens``: refund ``M - tokens``."""
-        self.reserved -= self.per_group
+        per_group = self.per_group
+        self.reserved -= per_group
         self.settled += tokens
-        self._shift(step, tokens - self.per_group)
+        at = self.at
+        if at is not None:  # _shift inline: this runs per group (a step keeps a reservation's M > 0 ...
+            count = at[step] + tokens - per_group  # ... until it settles: present here)
+            if count:
+                at[step] = count
+            else:
+                del at[step]
 
     def unreserve(self, step: int) -> None:
         """An in-flight group of ``step`` left the buffer (evicted or filtered): refund ``M``."""

@@ -442,7 +442,10 @@ class ReplayBuffer:
         if status is _FINISHED and consumer.filters:
             consumer.finish(group, status, clock)  # the filters judge it first
         else:
-            consumer.notify(store.end(group, status, clock))
+            part = store.end(group, status, clock)
+            if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
+                self.__admission.refunded(part)
+            consumer.notify(part)
 
     def put_group_nowait(
         self,
