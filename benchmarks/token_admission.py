@@ -94,13 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  {name:34s} median {statistics.median(values) * 1e6:7.3f} µs/group, "
             f"min {min(values) * 1e6:7.3f}; paired difference {paired:+.3f} µs"
         )
-    extra = statistics.median(
-        value - other for value, other in zip(times["token admission"], base, strict=True)
-    ) * 1e6
-    if args.quick:
-        verdict = "not judged (--quick)"
-    else:
-        verdict = "PASS" if extra <= TARGET_US else "FAIL"
+    extra = (
+        statistics.median(value - other for value, other in zip(times["token admission"], base, strict=True))
+        * 1e6
+    )
+    verdict = "not judged (--quick)" if args.quick else "PASS" if extra <= TARGET_US else "FAIL"
     print(f"token admission adds {extra:+.3f} µs/group (target <= {TARGET_US} µs): {verdict}")
     return 1 if verdict == "FAIL" else 0
 

@@ -392,3 +392,21 @@ def test_a_restore_carries_the_reservations_exactly(mode: str) -> None:
         assert (restored.free_tokens(), restored.full()) == (buf.free_tokens(), buf.full()) == (30, True)
     assert restored.capacity_tokens() == buf.capacity_tokens() == 150
     assert_conserved(restored)
+
+
+@pytest.mark.parametrize("codec", [False, True])
+async def test_a_checkpoint_file_keeps_the_token_fields_and_omits_them_when_unset(
+    codec: bool, tmp_path: Any
+) -> None:
+    options: dict[str, Any] = {"payload_codec": (lambda p: repr(p).encode(), bytes.decode)} if codec else {}
+    buf = tokens_buffer(max_resident_tokens=150)
+    buf.put_group_nowait("done", [1], tokens=[10])
+    buf.add_prompt_nowait("flying")
+    await buf.save(tmp_path / "tokens.ckpt", **options)
+    restored = ReplayBuffer.restore(tmp_path / "tokens.ckpt", in_flight="keep", **options).buffer
+    assert restored.config == buf.config
+    assert ledger(restored) == ledger(buf) == (10, 60, 10)
+    plain = make(max_off_policy_threshold=2)
+    await plain.save(tmp_path / "plain.ckpt", **options)
+    assert b"max_tokens_per_group" not in (tmp_path / "plain.ckpt").read_bytes()  # older releases read it
+    assert ReplayBuffer.restore(tmp_path / "plain.ckpt", **options).buffer.config == plain.config

@@ -161,31 +161,9 @@ class GroupWriter:
         if counted is not None:
             rows = tuple((*row, *count) for row, count in zip(rows, counted, strict=True))
         store = self.store
+        measured = uid in store.groups  # in flight before this call: its generation time is real
         added = 0 if counted is None else sum(count[1] for count in counted)
-        group: OpenGroup | Group | None = store.groups.get(uid)
-        measured = group is not None  # in flight before this call: its generation time is real
-        if group is not None:
-            group = store.open_group(uid, "put a group into")
-            _check_same_group(group, global_steps, partition, keys)
-            ledger = store.cell_of(group).ledger
-            if ledger is not None:  # max_tokens_per_group
-                ledger.check_put(uid, 0 if group.span is None else group.span.tokens, added)
-        elif uid in store.evicted_in_flight:  # only add_prompt may start such a uid afresh
-            store.open_group(uid, "put a group into")  # raises GroupEvictedError
-            raise AssertionError("unreachable")
-        else:
-            part = store.partitions.get(partition)
-            if store.rules.tasks:  # its task's cell (ValueError before any change: no task)
-                part = store.cell(partition, group_tags)
-            if added:
-                _check_new_tokens(store, part, partition, uid, added)
-            step = (
-                granted
-                if granted is not None
-                else self.admission.tag_for(partition, part, global_steps, need=added)
-            )
-            # Everything is valid: from here on nothing raises, so the group lands whole.
-            group = store.admit(uid, step, part or store.partition(partition), group_tags)
+        group = self._group_for(uid, global_steps, partition, group_tags, keys, granted, added)
         if start is not None:
             store.set_start_version(group, start)
         store.fill(group, rows)
@@ -195,6 +173,44 @@ class GroupWriter:
             group, terminal, self.admission.clocks.get(partition, 0), measured, timed=seconds
         )
         return keys
+
+    def _group_for(
+        self,
+        uid: str,
+        global_steps: int | None,
+        partition: str,
+        tags: Mapping[str, Any],
+        keys: list[str],
+        granted: int | None,
+        added: int,
+    ) -> OpenGroup:
+        """The in-flight group a :meth:`put` of ``keys`` (``added`` tokens, every argument
+        checked) fills: the one in flight, or a new one admitted at ``granted`` or by admission.
+
+        Raises:
+            The errors of :meth:`put` about the group: its state, admission, its tokens.
+        """
+        store = self.store
+        group: OpenGroup | Group | None = store.groups.get(uid)
+        if group is not None:
+            group = store.open_group(uid, "put a group into")
+            _check_same_group(group, global_steps, partition, keys)
+            ledger = store.cell_of(group).ledger
+            if ledger is not None:  # max_tokens_per_group
+                ledger.check_put(uid, 0 if group.span is None else group.span.tokens, added)
+            return group
+        if uid in store.evicted_in_flight:  # only add_prompt may start such a uid afresh
+            store.open_group(uid, "put a group into")  # raises GroupEvictedError
+            raise AssertionError("unreachable")
+        part = store.partitions.get(partition)
+        if store.rules.tasks:  # its task's cell (ValueError before any change: no task)
+            part = store.cell(partition, tags)
+        if added:
+            _check_new_tokens(store, part, partition, uid, added)
+        if granted is None:
+            granted = self.admission.tag_for(partition, part, global_steps, need=added)
+        # Everything is valid: from here on nothing raises, so the group lands whole.
+        return store.admit(uid, granted, part or store.partition(partition), tags)
 
     @staticmethod
     def tokens_needed(count: int, versions: object, tokens: object) -> int:

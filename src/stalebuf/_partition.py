@@ -146,8 +146,8 @@ class PartitionState:
         # Resident groups per dispatch step, kept only under admission control. Every group
         # leaves through _forget or _release, which decrement it: it cannot drift from the truth.
         self.resident_at: dict[int, int] | None = None if self.cap is None else {}
-        self.ledger = None if exempt else ledger  # every transition below keeps it too
-        self.gated = self.cap is not None or (self.ledger is not None and self.ledger.gates)
+        self.ledger = ledger = None if exempt else ledger  # every transition below keeps it too
+        self.gated = self.cap is not None or (ledger is not None and ledger.gates)
         # Group deadlines (only when the rules give this partition any): the in-flight groups by
         # when their deadline clock started (a lazily cleaned heap), the generation times of the
         # last 256 groups that finished uncut in flight, and the cuts since the last batch.
@@ -159,18 +159,15 @@ class PartitionState:
         self._sorted_generation: list[float] = []
         self.recent_cuts: list[float] = [0, 0, 0.0]  # groups, trajectories, generation seconds
         self.cut_groups = self.cut_trajectories = 0
-        self.pending = self.running = self.finished = self.failure = 0
-        self.trajectories = 0
+        self.pending = self.running = self.finished = self.failure = self.trajectories = 0
         self.admitted_groups = self.admitted_trajectories = 0
         self.sampled_groups = self.sampled_trajectories = 0
-        self.evicted_stale_groups = self.evicted_stale_trajectories = 0
+        self.evicted_stale_groups = self.evicted_stale_trajectories = self.evicted_in_flight_groups = 0
         self.evicted_failure_groups = self.evicted_failure_trajectories = 0
-        self.evicted_in_flight_groups = 0
         self.evicted_filtered_groups = self.evicted_filtered_trajectories = 0
         self.evicted_restart_groups = self.evicted_restart_trajectories = 0
         self.reissued_groups = self.reissued_trajectories = 0
-        # Tokens: resident, and the conservation law's terms (admitted == sampled + evicted +
-        # reissued + resident); masked tokens are a subset of the sampled ones.
+        # Tokens: resident, and the conservation law's terms; masked ones are a subset of the sampled.
         self.tokens = self.admitted_tokens = self.sampled_tokens = self.masked_tokens = 0
         self.evicted_tokens = self.reissued_tokens = 0
 

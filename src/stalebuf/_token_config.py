@@ -16,7 +16,20 @@ from typing import Any
 from ._validation import int_at_least
 from .errors import ConfigError
 
-__all__ = ["check_token_admission", "optional_tokens"]
+__all__ = ["TOKEN_FIELDS", "check_token_admission", "drop_unset_token_fields", "optional_tokens"]
+
+#: The token fields, all None by default.
+TOKEN_FIELDS = ("admission_token_budget", "max_tokens_per_group", "max_resident_tokens")
+
+
+def drop_unset_token_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Remove the token fields that are None from a config's ``fields`` (in place; returned):
+    a checkpoint of a buffer without token caps then holds what releases before them wrote, and
+    they read it (a missing field takes its default)."""
+    for name in TOKEN_FIELDS:
+        if fields.get(name, 0) is None:
+            del fields[name]
+    return fields
 
 
 def optional_tokens(label: str) -> Any:

@@ -652,7 +652,7 @@ class ReplayBuffer:
             raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
-        writer = self.__writer
+        need = (writer := self.__writer).tokens_needed(len(payloads), versions, tokens)  # token caps
 
         def admit(tag: int) -> list[str]:
             self.__check_usable()
@@ -672,7 +672,6 @@ class ReplayBuffer:
             )
 
         cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
-        need = writer.tokens_needed(len(payloads), versions, tokens)  # checked by the call above
         return await self.__admission.wait_for_slot(cell, global_steps, admit, need)
 
     def rollout(

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import attrs
 
 from ._mixture_config import MIXTURE_POLICIES, check_mixture, to_mixture, to_task_thresholds
-from ._token_config import check_token_admission, optional_tokens
+from ._token_config import check_token_admission, drop_unset_token_fields, optional_tokens
 from ._validation import describe, finite_in, int_at_least, one_of
 from .errors import ConfigError
 
@@ -281,7 +281,7 @@ class SamplerConfig:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: rebuilt through the constructor (and so validated again)."""
-        fields = attrs.asdict(self, recurse=False)
+        fields = drop_unset_token_fields(attrs.asdict(self, recurse=False))
         fields["sampler_kwargs"] = dict(self.sampler_kwargs)
         fields["task_thresholds"] = dict(self.task_thresholds)
         if self.mixture is not None:
