@@ -93,7 +93,8 @@ STATS: dict[str, dict[str, int]] = {
     "resume": {**_COMMON, "pending": 3, "trajectories": 7, "tokens": 18, "evicted_tokens": 2,
              "resident_tokens": 5},
     "reissue": {**_COMMON, "pending": 3, "trajectories": 3, "tokens": 5, "evicted_tokens": 2,
-                "resident_tokens": 5, "reissued_groups": 3, "reissued_trajectories": 4, "reissued_tokens": 13},
+                "resident_tokens": 5, "reissued_groups": 3, "reissued_trajectories": 4,
+                "reissued_tokens": 13},
     "evict": {**_COMMON, "trajectories": 3, "tokens": 5, "evicted_tokens": 15, "resident_tokens": 5,
               "evicted_restart_groups": 3, "evicted_restart_trajectories": 4},
 }  # fmt: skip
