@@ -410,3 +410,10 @@ async def test_a_checkpoint_file_keeps_the_token_fields_and_omits_them_when_unse
     await plain.save(tmp_path / "plain.ckpt", **options)
     assert b"max_tokens_per_group" not in (tmp_path / "plain.ckpt").read_bytes()  # older releases read it
     assert ReplayBuffer.restore(tmp_path / "plain.ckpt", **options).buffer.config == plain.config
+
+
+def test_explain_wait_says_admission_is_full_for_want_of_tokens() -> None:
+    buf = tokens_buffer()
+    assert not buf.explain_wait().admission_full
+    buf.add_prompt_nowait("a")  # 40 left < M
+    assert buf.explain_wait().admission_full

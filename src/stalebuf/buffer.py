@@ -901,7 +901,7 @@ class ReplayBuffer:
         Raises:
             TypeError, ValueError: ``global_steps`` is not an int >= 0, ``batch_size`` not an
                 int >= 1 (both below 2**63), ``partition`` not a non-empty str, or ``timeout``
-                not None or a number >= 0.
+                not None or a number >= 0; ValueError for a count batch under token admission.
             TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
             BufferClosedError: the buffer is or gets closed.
             WrongThreadError: called from another thread than the bound loop's.

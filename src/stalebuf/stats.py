@@ -191,8 +191,8 @@ class WaitExplanation:
             ahead of the dispatch clock (FutureTagError). Producers that stop on these errors
             leave a waiting sample without groups.
         closed_tag: the ``global_steps`` the latest of those calls asked for (None if none).
-        admission_full: admission control has no free slot at the dispatch clock's step now
-            (False without admission control).
+        admission_full: admission control has no free slot at the dispatch clock's step now, or
+            under token caps no room for ``max_tokens_per_group`` there (False without either).
         waiting_producers: producer calls waiting for an admission slot on the partition.
     """
 
