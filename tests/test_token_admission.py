@@ -417,3 +417,19 @@ def test_explain_wait_says_admission_is_full_for_want_of_tokens() -> None:
     assert not buf.explain_wait().admission_full
     buf.add_prompt_nowait("a")  # 40 left < M
     assert buf.explain_wait().admission_full
+
+
+def test_prometheus_exports_the_reserved_and_terminal_tokens() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from stalebuf.prometheus import register
+
+    buf = tokens_buffer()
+    buf.add_prompt_nowait("a")
+    buf.put_group_nowait("b", [1], tokens=[7])
+    registry = CollectorRegistry()
+    register(buf, registry)
+    text = generate_latest(registry).decode()
+    assert 'stalebuf_reserved_tokens{partition="train"} 60.0' in text
+    assert 'stalebuf_terminal_tokens{partition="train"} 7.0' in text
+    assert 'stalebuf_resident_tokens{partition="train"} 7.0' in text
