@@ -25,6 +25,7 @@ from stalebuf._stored import map_payloads
 
 # The producer wait ledger itself, for the tests that drive it directly (tests/test_admission_waiting.py).
 from stalebuf._waiting import ProducerWaits, Waiter
+from stalebuf.metrics import SampleMetrics
 
 __all__ = [
     "EVICTED_UIDS_REMEMBERED",
@@ -512,3 +513,21 @@ def _groups(buf: ReplayBuffer) -> Mapping[str, Any]:
 def _indexes(buf: ReplayBuffer) -> Mapping[str, PartitionState]:
     partitions: Mapping[str, PartitionState] = _store(buf).partitions
     return partitions
+
+
+def refuses_token_group(buf: ReplayBuffer, tag: int, partition: str = "train") -> bool:
+    """Admission's token-batch readiness seam: would a clock-tagged add_prompt be refused at ``tag``."""
+    refused: bool = _admission(buf).tokens.refuses_group(_indexes(buf).get(partition), partition, tag)
+    return refused
+
+
+def whitebox_sample(
+    buf: ReplayBuffer, g: int, count: int, partition: str = "train"
+) -> tuple[Batch, dict[str, float]] | None:
+    """What ``sample_nowait(g, count)`` does, past the facade's argument checks: a stand-in for a
+    token-budget sample (which picks ``count`` itself) until the buffer has one; None if no batch."""
+    part = _indexes(buf).get(partition)
+    result: tuple[Batch, dict[str, float]] | None = _consumer(buf).sample_now(
+        part, partition, g, count, SampleMetrics()
+    )
+    return result

@@ -77,11 +77,13 @@ class Variant:
     # Save after the producer's tick that follows batch k, not before it: the filters' counts
     # since the last batch are then not 0 (the resumed run starts after that tick).
     tick_before_save: bool = False
+    token_cap: bool = False  # max_tokens_per_group and max_resident_tokens (issue 24)
 
     @property
     def id(self) -> str:
         extra = ("-versions" if self.versions else "") + ("-resume" if self.in_flight == "resume" else "")
         extra += (f"-mix-{self.mixture}" if self.mixture else "") + ("-filters" if self.filters else "")
+        extra += "-token-cap" if self.token_cap else ""
         return f"{self.strategy}-{'admission' if self.admission else 'open'}-{self.backend}{extra}"
 
     def config(self) -> SamplerConfig:
@@ -95,6 +97,7 @@ class Variant:
             admission_batch_size=self.batch_size if self.admission else None,
             evict_stale_in_flight=self.strategy == "drop",
             **mixture,
+            **(TOKEN_CAP if self.token_cap else {}),
         )
 
     def group_filters(self) -> list[Callable[[Group], bool]]:
@@ -117,7 +120,7 @@ MIXED_SEEDS = (
     ("drop", True, "wait", True, False, "reissue", 38),
     ("drop", True, "borrow", True, False, "reissue", 41),
     ("drop", False, "borrow", True, False, "reissue", 4),
-    ("wait", False, "borrow", True, False, "resume", 0),
+    ("wait", False, "borrow", True, False, "resume", 1),
     ("mask", False, "wait", False, True, "reissue", 0),
     ("drop", False, None, True, True, "resume", 2),
 )
@@ -125,6 +128,15 @@ MIXED_SEEDS = (
 # Seeds chosen so that at step k some groups are in flight (PENDING and RUNNING, holding
 # trajectories) and, after it, every rule fires (the test checks it, so a change of the scenario
 # that loses this fails loudly rather than passing vacuously).
+#: (strategy, admission, in_flight, seed) of the variants with a token cap (issue 24): M bounds the
+#: largest group the producer makes (4 trajectories of at most 120 tokens), and the residency cap
+#: holds 5 reservations, so it refuses prompts and reservations cross the checkpoint.
+TOKEN_CAP_SEEDS = (
+    ("wait", False, "resume", 3),
+    ("drop", True, "reissue", 12),
+)
+TOKEN_CAP = {"max_tokens_per_group": 480, "max_resident_tokens": 2400}
+
 VARIANTS: tuple[Variant, ...] = (
     tuple(
         Variant(strategy, admission, backend, seed=seed)
@@ -154,6 +166,11 @@ VARIANTS: tuple[Variant, ...] = (
             tick_before_save=filters,
         )
         for strategy, admission, mixture, filters, versions, in_flight, seed in MIXED_SEEDS
+        for backend in ("asyncio", "trio")
+    )
+    + tuple(  # with max_tokens_per_group and max_resident_tokens: reservations cross the checkpoint
+        Variant(strategy, admission, backend, seed, versions=True, in_flight=in_flight, token_cap=True)
+        for strategy, admission, in_flight, seed in TOKEN_CAP_SEEDS
         for backend in ("asyncio", "trio")
     )
 )

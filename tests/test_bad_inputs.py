@@ -51,6 +51,18 @@ m0, m1    train      FINISHED, task "math"
 c0        train      RUNNING, task "code"
 v0        val        FINISHED, no task (exempt partition: no quotas)
 ========  =========  ==========================================================
+
+Rows marked ``tokens=True`` run against a fourth buffer under token admission (T=2, drop,
+``admission_token_budget=100``, ``max_tokens_per_group=60``, ``max_resident_tokens=150``; see
+:func:`populated_tokens`): step 0 counts 90 tokens (10 left), 90 are resident in all:
+
+========  =========  ==========================================================
+uid       partition  state
+========  =========  ==========================================================
+ta        train      RUNNING at step 0, 10 tokens put (reserves 60)
+tb        train      FINISHED at step 0 (put_group, 30 tokens)
+vfin      val        FINISHED (exempt partition: never gated)
+========  =========  ==========================================================
 """
 
 from __future__ import annotations
@@ -79,7 +91,7 @@ from _helpers import (
     version_state,
 )
 from samplers import NewestFirst
-from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, Status, Trajectory
+from stalebuf import Batch, Group, ReplayBuffer, SamplerConfig, StalenessPolicy, Status, Trajectory
 from stalebuf.errors import (
     BufferClosedError,
     BufferFullError,
@@ -118,6 +130,7 @@ class Case:
     closed: bool = False  # close the buffer before the call (and before the snapshot)
     flow: bool = False  # run against populated_flow() instead of populated()
     mixed: bool = False  # run against populated_mixed() instead of populated()
+    tokens: bool = False  # run against populated_tokens() instead of populated()
 
 
 def write(ctx: Ctx, name: str, source: str) -> str:
@@ -225,6 +238,20 @@ def mix(**config: Any) -> SamplerConfig:
     """A config with a two-task mixture and ``config``."""
     config.setdefault("mixture", {"math": 2, "code": 1})
     return SamplerConfig(**config)
+
+
+def tok(**config: Any) -> SamplerConfig:
+    """A token-admission config (T=2, K=100, M=60) with ``config``."""
+    fields: dict[str, Any] = {"max_off_policy_threshold": 2, "admission_token_budget": 100}
+    fields["max_tokens_per_group"] = 60
+    return SamplerConfig(**{**fields, **config})
+
+
+class CountingAdmits(StalenessPolicy):
+    """A policy whose ``admits`` counts groups: refused under token admission."""
+
+    def admits(self, tag: int, resident_at_tag: int, last_sampled: int, cap: int, partition: str) -> bool:
+        return True
 
 
 C = Case
@@ -1862,6 +1889,157 @@ CASES: tuple[Case, ...] = (
     C("split-by-groups", lambda c: split(c, 2, by="groups"), ValueError, "by.*'group', 'trajectory'"),
     C("split-by-int", lambda c: split(c, 2, by=1), TypeError, "by must be one of.*int"),
     C("split-by-bytes", lambda c: split(c, 2, by=b"group"), TypeError, "by.*bytes"),
+    # -- token admission (issue 24): config -----------------------------------------------------
+    C("token-budget-0", lambda c: tok(admission_token_budget=0), ConfigError, "admission_token_budget.*0"),
+    C(
+        "token-budget-bool",
+        lambda c: tok(admission_token_budget=True),
+        ConfigError,
+        "admission_token_budget.*True",
+    ),
+    C(
+        "token-budget-str",
+        lambda c: tok(admission_token_budget="100"),
+        ConfigError,
+        "admission_token_budget.*'100'",
+    ),
+    C("token-m-0", lambda c: SamplerConfig(max_tokens_per_group=0), ConfigError, "max_tokens_per_group.*0"),
+    C(
+        "token-m-float",
+        lambda c: SamplerConfig(max_tokens_per_group=2.0),
+        ConfigError,
+        "max_tokens_per_group.*2.0",
+    ),
+    C(
+        "token-resident-negative",
+        lambda c: SamplerConfig(max_tokens_per_group=1, max_resident_tokens=-5),
+        ConfigError,
+        "max_resident_tokens.*-5",
+    ),
+    C(
+        "token-budget-without-m",
+        lambda c: SamplerConfig(admission_token_budget=100),
+        ConfigError,
+        "needs max_tokens_per_group",
+    ),
+    C(
+        "token-m-above-budget",
+        lambda c: tok(max_tokens_per_group=101),
+        ConfigError,
+        "must be <= admission_token_budget",
+    ),
+    C("token-budget-and-groups", lambda c: tok(admission_batch_size=4), ConfigError, "exclusive"),
+    C(
+        "token-budget-no-threshold",
+        lambda c: tok(max_off_policy_threshold=None),
+        ConfigError,
+        "admission_token_budget needs a max_off_policy_threshold",
+    ),
+    C(
+        "token-resident-without-m",
+        lambda c: SamplerConfig(max_resident_tokens=100),
+        ConfigError,
+        "max_resident_tokens needs max_tokens_per_group",
+    ),
+    C(
+        "token-resident-below-m",
+        lambda c: SamplerConfig(max_tokens_per_group=10, max_resident_tokens=9),
+        ConfigError,
+        "must be >= max_tokens_per_group",
+    ),
+    C("token-budget-mixture", lambda c: tok(mixture={"a": 1, "b": 1}), ConfigError, "task mixture"),
+    C(
+        "token-mapping-0",
+        lambda c: SamplerConfig.from_mapping({"max_tokens_per_group": 0}),
+        ConfigError,
+        "max_tokens_per_group",
+    ),
+    C(
+        "token-policy-admits",
+        lambda c: ReplayBuffer(tok(), policy=CountingAdmits(tok())),
+        ConfigError,
+        "CountingAdmits overrides admits",
+    ),
+    # -- token admission: calls (against populated_tokens) ------------------------------------
+    C(
+        "token-put-past-m",
+        lambda c: c.buf.put_nowait("ta", "x", session_id=1, tokens=51),
+        ValueError,
+        "61 tokens.*max_tokens_per_group=60",
+        tokens=True,
+    ),
+    C(
+        "token-put-versions-past-m",
+        lambda c: c.buf.put_nowait("ta", "x", session_id=1, versions=[(0, 40), (1, 11)]),
+        ValueError,
+        "max_tokens_per_group=60",
+        tokens=True,
+    ),
+    C(
+        "token-put-async-past-m",
+        lambda c: c.buf.put("ta", "x", session_id=1, tokens=51),
+        ValueError,
+        "max_tokens_per_group=60",
+        tokens=True,
+    ),
+    C(
+        "token-group-into-past-m",
+        lambda c: c.buf.put_group_nowait("ta", ["x"], global_steps=0, session_ids=[1], tokens=[51]),
+        ValueError,
+        "max_tokens_per_group=60",
+        tokens=True,
+    ),
+    C(
+        "token-group-new-past-m",
+        lambda c: c.buf.put_group_nowait("new", ["x", "y"], tokens=[40, 21]),
+        ValueError,
+        "61 tokens, more than max_tokens_per_group=60",
+        tokens=True,
+    ),
+    C(
+        "token-group-new-past-m-async",
+        lambda c: c.buf.put_group("new", ["x", "y"], tokens=[40, 21]),
+        ValueError,
+        "max_tokens_per_group=60",
+        tokens=True,
+    ),
+    C(
+        "token-full-add-prompt",
+        lambda c: c.buf.add_prompt_nowait("new"),
+        BufferFullError,
+        "room for 10 more tokens at dispatch step 0",
+        tokens=True,
+    ),
+    C(
+        "token-full-put-group",
+        lambda c: c.buf.put_group_nowait("new", ["x"], tokens=[11]),
+        BufferFullError,
+        "the group needs 11",
+        tokens=True,
+    ),
+    C(
+        "token-future-tag",
+        lambda c: c.buf.add_prompt_nowait("new", global_steps=1),
+        FutureTagError,
+        "ahead of its dispatch clock",
+        tokens=True,
+    ),
+    C(
+        "token-count-sample",
+        lambda c: c.buf.sample_nowait(0, 1),
+        ValueError,
+        "admission counts tokens",
+        tokens=True,
+    ),
+    C(
+        "token-count-sample-async",
+        lambda c: c.buf.sample(0, 1, timeout=0),
+        ValueError,
+        "admission counts tokens",
+        tokens=True,
+    ),
+    C("token-free-tokens-partition", lambda c: c.buf.free_tokens(""), ValueError, "partition", tokens=True),
+    C("token-capacity-tokens-type", lambda c: c.buf.capacity_tokens(7), TypeError, "partition", tokens=True),
 )
 
 
@@ -1945,6 +2123,17 @@ async def populated_flow() -> ReplayBuffer:
     return buf
 
 
+async def populated_tokens() -> ReplayBuffer:
+    """The buffer of the ``tokens=True`` rows (see the module docstring)."""
+    buf = ReplayBuffer(tok(max_resident_tokens=150), status_log_interval=None)
+    buf.add_prompt_nowait("ta")  # reserves 60 at step 0
+    buf.mark_running_nowait("ta")
+    buf.put_nowait("ta", "a0", tokens=10)
+    buf.put_group_nowait("tb", ["b0"], tokens=[30])  # 90 at step 0: 10 left there
+    buf.put_group_nowait("vfin", ["v0"], partition="val")
+    return buf
+
+
 async def populated_mixed() -> ReplayBuffer:
     """The buffer of the ``mixed=True`` rows (see the module docstring)."""
     config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=3, mixture={"math": 2, "code": 1})
@@ -1975,7 +2164,15 @@ def rows(cases: tuple[Case, ...]) -> list[Any]:
 @pytest.mark.parametrize("case", rows(CASES))
 async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) -> None:
     with anyio.fail_after(LIMIT):
-        buf = await (populated_mixed() if case.mixed else populated_flow() if case.flow else populated())
+        buf = await (
+            populated_tokens()
+            if case.tokens
+            else populated_mixed()
+            if case.mixed
+            else populated_flow()
+            if case.flow
+            else populated()
+        )
         if case.closed:
             buf.close()
         before = full_snapshot(buf)
@@ -1987,7 +2184,12 @@ async def test_bad_input_raises_and_changes_nothing(case: Case, tmp_path: Path) 
         assert len(str(info.value)) <= MAX_MESSAGE, f"a message of {len(str(info.value))} characters"
         assert full_snapshot(buf) == before, "a failed call changed the buffer"
         # the buffer still works for legal calls afterwards
-        if case.mixed and not case.closed:
+        if case.tokens and not case.closed:
+            buf.mark_finished_nowait("ta")  # settles to 10: 40 at step 0
+            assert (buf.free_tokens(), buf.stats().partitions["train"].resident_tokens) == (60, 40)
+            buf.add_prompt_nowait("after")
+            assert_conserved(buf)
+        elif case.mixed and not case.closed:
             buf.mark_finished_nowait("c0")
             batch, _ = await buf.sample(0, 3, timeout=0)
             assert batch.uids == ["m0", "m1", "c0"]  # math 2, code 1

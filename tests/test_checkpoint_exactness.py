@@ -4,7 +4,9 @@ uninterrupted run trains.
 For each variant (drop and wait, with and without admission control, asyncio and trio; and,
 issue 22, with versions and tokens under drop, wait and mask, restored by reissuing or by
 resuming the partial groups; and, issue 23, with group filters, one of which raises, and with a
-task mixture under both policies, restored with the filters given again) the test process runs
+task mixture under both policies, restored with the filters given again; and, issue 24, with
+``max_tokens_per_group`` and ``max_resident_tokens``, whose reservations cross the checkpoint)
+the test process runs
 the seeded scenario of ``_resume_scenario`` from step 1 to n, saving the buffer (and the
 producer's state) to a file at the end of step k (after the producer's next tick, with filters).
 One fresh process (``_resume_worker.py``) then restores every step-k file, regenerates the
@@ -239,5 +241,9 @@ def test_the_scenario_exercises_the_rules_after_the_checkpoint(
         tasks = original["final_stats"]["partitions"]["train"]["tasks"]
         at_k_tasks = original["checkpoint_stats"]["partitions"]["train"]["tasks"]
         assert all(tasks[task]["sampled"] > at_k_tasks[task]["sampled"] for task in tasks), tasks
+    if variant.token_cap:  # the residency cap refuses prompts; reservations cross the checkpoint
+        assert original["producer"]["refused"] > original["checkpoint_producer"]["refused"]
+        assert original["checkpoint_stats"]["partitions"]["train"]["reserved_tokens"] > 0
+        assert original["checkpoint_stats"]["partitions"]["train"]["resident_tokens"] > 0
     if variant.mixture == "borrow":  # a balance that is not 0 crosses the checkpoint
         assert any(ledgers["balances"]), ledgers

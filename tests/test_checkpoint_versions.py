@@ -88,12 +88,15 @@ _COMMON = {"admitted_groups": 7, "admitted_trajectories": 10, "sampled_groups": 
            "admitted_tokens": 26, "sampled_tokens": 6, "masked_tokens": 4}  # fmt: skip
 #: The counters of "train" that are not 0, per in_flight mode.
 STATS: dict[str, dict[str, int]] = {
-    "keep": {**_COMMON, "pending": 1, "running": 2, "trajectories": 7, "tokens": 18, "evicted_tokens": 2},
-    "resume": {**_COMMON, "pending": 3, "trajectories": 7, "tokens": 18, "evicted_tokens": 2},
+    "keep": {**_COMMON, "pending": 1, "running": 2, "trajectories": 7, "tokens": 18, "evicted_tokens": 2,
+             "resident_tokens": 5},
+    "resume": {**_COMMON, "pending": 3, "trajectories": 7, "tokens": 18, "evicted_tokens": 2,
+             "resident_tokens": 5},
     "reissue": {**_COMMON, "pending": 3, "trajectories": 3, "tokens": 5, "evicted_tokens": 2,
-                "reissued_groups": 3, "reissued_trajectories": 4, "reissued_tokens": 13},
-    "evict": {**_COMMON, "trajectories": 3, "tokens": 5, "evicted_tokens": 15, "evicted_restart_groups": 3,
-              "evicted_restart_trajectories": 4},
+                "resident_tokens": 5, "reissued_groups": 3, "reissued_trajectories": 4,
+                "reissued_tokens": 13},
+    "evict": {**_COMMON, "trajectories": 3, "tokens": 5, "evicted_tokens": 15, "resident_tokens": 5,
+              "evicted_restart_groups": 3, "evicted_restart_trajectories": 4},
 }  # fmt: skip
 
 

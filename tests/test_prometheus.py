@@ -71,6 +71,8 @@ PER_PARTITION = (
     ("stalebuf_masked_tokens_total", "masked_tokens"),
     ("stalebuf_evicted_tokens_total", "evicted_tokens"),
     ("stalebuf_reissued_tokens_total", "reissued_tokens"),
+    ("stalebuf_terminal_tokens", "resident_tokens"),
+    ("stalebuf_reserved_tokens", "reserved_tokens"),
 )
 
 
@@ -186,7 +188,7 @@ async def test_every_gauge_and_counter_equals_its_stats_field() -> None:
     assert moved >= {"admitted_groups", "sampled_groups", "evicted_stale_groups", "evicted_failure_groups",
                      "evicted_in_flight_groups", "reissued_groups", "reissued_trajectories",
                      "waiting_samplers", "waiting_producers", "pending", "finished", "capacity",
-                     "tokens"}  # fmt: skip
+                     "tokens", "resident_tokens"}  # fmt: skip
 
 
 def vars_of(item: PartitionStats) -> dict[str, Any]:

@@ -836,6 +836,28 @@ async def test_admission_waits_in_the_actor_in_order_and_a_cancelled_wait_adds_n
 
 
 @pytest.mark.asyncio
+async def test_the_token_flow_queries_ask_the_actor() -> None:
+    config = SamplerConfig(max_off_policy_threshold=2, admission_token_budget=100, max_tokens_per_group=60)
+    buffer = RemoteReplayBuffer(config, status_log_interval=None)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            assert [await buffer.free_tokens(), await buffer.capacity_tokens(), await buffer.full()] == [
+                100,
+                200,
+                False,
+            ]
+            await buffer.add_prompt_nowait("a")
+            assert [await buffer.free_tokens(), await buffer.full()] == [40, True]
+            error = await expect(BufferFullError, buffer.add_prompt_nowait("b"))
+            assert "room for 40 more tokens" in str(error)
+            assert (await buffer.stats()).partitions["train"].reserved_tokens == 60
+            assert [await buffer.free_tokens("val"), await buffer.capacity_tokens("val")] == [None, None]
+            await expect(ValueError, buffer.free_tokens(""))
+    finally:
+        buffer.kill()
+
+
+@pytest.mark.asyncio
 async def test_nowait_producers_raise_buffer_full_error_and_flow_queries_are_coroutines() -> None:
     config = SamplerConfig(max_off_policy_threshold=2, admission_batch_size=2)
     buffer = RemoteReplayBuffer(config, status_log_interval=None)

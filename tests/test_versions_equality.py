@@ -157,7 +157,16 @@ ops = st.one_of(
 )
 
 TOKEN_FIELDS = frozenset(
-    ("tokens", "admitted_tokens", "sampled_tokens", "masked_tokens", "evicted_tokens", "reissued_tokens")
+    (
+        "tokens",
+        "admitted_tokens",
+        "sampled_tokens",
+        "masked_tokens",
+        "evicted_tokens",
+        "reissued_tokens",
+        "resident_tokens",
+        "reserved_tokens",
+    )
 )
 
 

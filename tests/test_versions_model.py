@@ -310,6 +310,7 @@ class Model:
             failure=sum(x.status is Status.FAILURE for x in mine),
             trajectories=sum(len(x.trajs) for x in mine),
             tokens=sum(x.tokens() for x in mine),
+            resident_tokens=sum(x.tokens() for x in mine if x.terminal),  # issue 24: terminal groups' only
             capacity=None if cap is None else cap * self.span,
             **self.counters[partition],
         )

@@ -17,6 +17,8 @@ from ._partition import PartitionState
 from ._rules import Rules
 from ._status_log import logger
 from ._store import GroupStore
+from ._token_admission import TokenQueries
+from ._token_ledger import UNBOUNDED, TokenLedger
 from ._validation import describe
 from ._waiting import LoopBinding, ProducerWaits, Waiter, park
 from .errors import BufferClosedError, BufferFullError, FutureTagError, TagClosedError
@@ -62,6 +64,22 @@ class ProducerQueue:
             self.waits.leave(producers.popleft(), None)
 
 
+def _ahead_error(name: str, tag: int, clock: int) -> FutureTagError:
+    return FutureTagError(
+        f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
+        f"{clock} (the largest global_steps a sample was called with): under admission control "
+        "a group is tagged at most the clock; dispatch at the clock (global_steps=None)"
+    )
+
+
+def _closable(part: PartitionState, requested: int | None) -> int | None:
+    """``requested`` if ``part``'s admission tags groups by step (a group cap, or token admission),
+    so that it may close for good; else None (``max_resident_tokens`` alone checks no tag)."""
+    if part.cap is None and (part.ledger is None or part.ledger.budget is None):
+        return None
+    return requested
+
+
 def _closed_error(name: str, tag: int, last_sampled: int) -> TagClosedError:
     return TagClosedError(
         f"dispatch step {tag} of partition {describe(name)} is closed for good: a group tagged {tag} "
@@ -81,9 +99,11 @@ class Admission:
             (``explain_wait`` reports them).
         queues: the waiting producers, by ``PartitionState.key`` (a partition's name, or
             ``(name, task)`` for a task of a mixture: one FIFO per task).
+        tokens: the token-cap queries (:class:`~stalebuf._token_admission.TokenQueries`:
+            ``free_tokens``, ``capacity_tokens``, ``full``, ``refuses_group``), reading the clocks.
     """
 
-    __slots__ = ("binding", "clocks", "queues", "refused", "rules", "sampled", "store")
+    __slots__ = ("binding", "clocks", "queues", "refused", "rules", "sampled", "store", "tokens")
 
     def __init__(self, store: GroupStore, rules: Rules, binding: LoopBinding) -> None:
         self.store = store
@@ -93,6 +113,7 @@ class Admission:
         self.sampled: dict[str, int] = {}
         self.refused: dict[str, tuple[int, int]] = {}
         self.queues: dict[str | tuple[str, str], ProducerQueue] = {}
+        self.tokens = TokenQueries(rules, self.clocks, self.sampled)
 
     def queue(self, key: str | tuple[str, str]) -> ProducerQueue:
         """Return the producer queue of ``key`` (a partition's or a task's), creating it."""
@@ -146,14 +167,22 @@ class Admission:
     # -- the rule ---------------------------------------------------------------------
 
     def tag_for(
-        self, name: str, part: PartitionState | None, requested: int | None, *, head: bool = False
+        self,
+        name: str,
+        part: PartitionState | None,
+        requested: int | None,
+        *,
+        head: bool = False,
+        need: int | None = None,
     ) -> int:
         """Return the dispatch step a group added now gets (``requested``, or the clock).
+        ``need``: the tokens it counts under token caps (None: an in-flight group's reservation,
+        ``max_tokens_per_group``; a group written terminal counts its own).
 
         Raises:
-            BufferFullError: admission control has no slot at that step for it now (or other
-                producers wait first and ``head`` is False); TagClosedError if ``requested`` can
-                never open, FutureTagError if it is ahead of the clock.
+            BufferFullError: admission control has no slot (or token room) at that step for it
+                now (or other producers wait first and ``head`` is False); TagClosedError if
+                ``requested`` can never open, FutureTagError if it is ahead of the clock.
             StalebufError: the policy's ``admission_batch_size`` answered nonsense.
             Exception: whatever the policy's ``admits`` raised.
         """
@@ -162,29 +191,24 @@ class Admission:
         if part is None:  # not created yet: nothing is resident there, nobody waits
             cap = self.rules.admission_cap(name)
             if cap is None:
+                rules = self.rules
+                budget = rules.config.admission_token_budget  # token admission tags as groups' does
+                if tag > clock and budget is not None and not rules.policy.is_exempt(name):
+                    raise self._ahead(name, tag, clock, head)
                 return tag
-            resident, last_sampled, queue, span = 0, -1, None, self.rules.span
+            resident, last_sampled, queue, span, ledger = 0, -1, None, self.rules.span, None
         else:
             cap = part.cap
             if cap is None:
-                return tag
+                return self._token_tag(name, part, clock, tag, requested, head, need) if part.gated else tag
             # What resident_at_step and last_sampled() answer, read inline: this runs per group.
             resident = part.resident_at.get(tag, 0) if part.resident_at is not None else 0
             last_sampled = self.sampled.get(name, -1)
-            queue, span = self.queues.get(part.key), part.span
+            queue, span, ledger = self.queues.get(part.key), part.span, part.ledger
         if tag > clock:
-            ahead = FutureTagError(
-                f"dispatch step {tag} of partition {describe(name)} is ahead of its dispatch clock "
-                f"{clock} (the largest global_steps a sample was called with): under admission control "
-                "a group is tagged at most the clock; dispatch at the clock (global_steps=None)"
-            )
-            raise ahead if head else self._refused(name, tag, ahead)
+            raise self._ahead(name, tag, clock, head)
         if not head and queue is not None and queue.producers:
-            queue.drop_abandoned()
-            if queue.producers:
-                if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
-                    raise self._refused(name, tag, _closed_error(name, tag, last_sampled))
-                raise BufferFullError(f"producers are waiting for admission to partition {describe(name)}")
+            self._queued(queue, name, tag, requested, last_sampled, span)
         if not self.rules.admits(tag, resident, last_sampled, cap, name, span):
             if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
                 closed = _closed_error(name, tag, last_sampled)
@@ -193,6 +217,74 @@ class Admission:
                 f"partition {describe(name)} admits no more groups at dispatch step {tag} now "
                 f"({resident} resident there, at most {cap} per step)"
             )
+        if ledger is not None and ledger.gates:  # max_resident_tokens under group admission
+            ledger.check_room(name, tag, need)
+        return tag
+
+    def _ahead(self, name: str, tag: int, clock: int, head: bool) -> BufferFullError:
+        """The error refusing ``tag``, ahead of the ``clock`` (counted unless for the head)."""
+        ahead = _ahead_error(name, tag, clock)
+        return ahead if head else self._refused(name, tag, ahead)
+
+    def _queued(
+        self, queue: ProducerQueue, name: str, tag: int, requested: int | None, last_sampled: int, span: int
+    ) -> None:
+        """Refuse a producer that is not the head while live producers wait in ``queue``.
+
+        Raises:
+            TagClosedError: ``requested`` is closed for good (counted); else BufferFullError.
+        """
+        queue.drop_abandoned()
+        if queue.producers:
+            if requested is not None and self.rules.closed_for_good(name, tag, last_sampled, span):
+                raise self._refused(name, tag, _closed_error(name, tag, last_sampled))
+            raise BufferFullError(f"producers are waiting for admission to partition {describe(name)}")
+
+    def _token_tag(
+        self,
+        name: str,
+        part: PartitionState,
+        clock: int,
+        tag: int,
+        requested: int | None,
+        head: bool,
+        need: int | None,
+    ) -> int:
+        """:meth:`tag_for` of a partition under token caps only (no group cap): the tag rules of
+        group admission under ``admission_token_budget`` (none under ``max_resident_tokens``
+        alone), then room for ``need`` tokens at ``tag``.
+
+        Raises:
+            The errors of :meth:`tag_for`.
+        """
+        ledger: TokenLedger = part.ledger  # type: ignore[assignment]  # gated without a cap
+        budget = ledger.budget
+        if budget is not None and tag > clock:
+            raise self._ahead(name, tag, clock, head)
+        last_sampled, span, rules = self.sampled.get(name, -1), part.span, self.rules
+        queue = self.queues.get(part.key)
+        if not head and queue is not None and queue.producers:
+            self._queued(queue, name, tag, requested if budget is not None else None, last_sampled, span)
+        if budget is not None and (
+            tag
+            < last_sampled + 2 - span  # closed_for_good inline (its default: admits is never overridden here)
+            if rules.plain_admission
+            else rules.closed_for_good(name, tag, last_sampled, span)
+        ):
+            if requested is not None:
+                closed = _closed_error(name, tag, last_sampled)
+                raise closed if head else self._refused(name, tag, closed)
+            raise BufferFullError(
+                f"partition {describe(name)} admits no more groups at dispatch step {tag} now (it is "
+                "stale at the next sample): dispatch after the next sample"
+            )
+        # TokenLedger.room inline (this runs per group); check_room raises with the message.
+        room = UNBOUNDED if budget is None else budget - ledger.at.get(tag, 0)  # type: ignore[union-attr]
+        cap = ledger.resident_cap
+        if cap is not None and cap - ledger.reserved - ledger.settled < room:
+            room = cap - ledger.reserved - ledger.settled
+        if room < (ledger.per_group if need is None else need):
+            ledger.check_room(name, tag, need)
         return tag
 
     def cells(
@@ -253,10 +345,11 @@ class Admission:
     # -- waiting for a slot -------------------------------------------------------------
 
     async def wait_for_slot(
-        self, part: PartitionState, requested: int | None, admit: Callable[[int], _T]
+        self, part: PartitionState, requested: int | None, admit: Callable[[int], _T], need: int | None = None
     ) -> _T:
         """Park in ``part``'s producer queue until a slot at the requested step (or the clock's)
-        opens, then call ``admit(step)`` at once, in the same step of the loop.
+        opens, then call ``admit(step)`` at once, in the same step of the loop (``need``: the
+        tokens the group counts under token caps, as for :meth:`tag_for`).
 
         Raises:
             BufferClosedError: the buffer was closed meanwhile.
@@ -267,7 +360,8 @@ class Admission:
         binding, name, rules, span = self.binding, part.name, self.rules, part.span
         binding.check_backend()
         binding.bind()
-        waiter = binding.new_waiter(-1 if requested is None else requested, 0)
+        # A producer's waiter carries its tag (-1: the clock's) and its tokens (-1: a reservation).
+        waiter = binding.new_waiter(-1 if requested is None else requested, -1 if need is None else need)
         queue = self.queue(part.key)
 
         def attempt() -> _Admitted[_T] | None:
@@ -276,20 +370,19 @@ class Admission:
             if queue.producers[0] is not waiter:
                 return None
             try:
-                tag = self.tag_for(name, part, requested, head=True)
+                tag = self.tag_for(name, part, requested, head=True, need=need)
             except BufferFullError as exc:
-                if requested is None or not rules.closed_for_good(
-                    name, requested, self.last_sampled(name), span
-                ):
+                last_sampled = self.last_sampled(name)
+                if closable is None or not rules.closed_for_good(name, closable, last_sampled, span):
                     return None
-                self._refused(name, requested, exc)  # a sample closed its tag while it waited
+                self._refused(name, closable, exc)  # a sample closed its tag while it waited
                 raise
             return _Admitted(admit(tag))
 
-        last = self.last_sampled(name)
-        if requested is not None and rules.closed_for_good(name, requested, last, span):
+        last, closable = self.last_sampled(name), _closable(part, requested)
+        if closable is not None and rules.closed_for_good(name, closable, last, span):
             raise self._refused(
-                name, requested, _closed_error(name, requested, last)
+                name, closable, _closed_error(name, closable, last)
             )  # waiting would be forever
         queue.waits.park(waiter, waiter.now())
         queue.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
@@ -355,12 +448,14 @@ class Admission:
             return
         head = queue.producers[0]
         requested = None if head.global_steps < 0 else head.global_steps
+        need = None if head.batch_size < 0 else head.batch_size
         try:
-            self.tag_for(name, part, requested, head=True)
+            self.tag_for(name, part, requested, head=True, need=need)
         except BufferFullError:
+            closable = _closable(part, requested)
             try:
-                closed = requested is not None and self.rules.closed_for_good(
-                    name, requested, self.last_sampled(name), part.span
+                closed = closable is not None and self.rules.closed_for_good(
+                    name, closable, self.last_sampled(name), part.span
                 )
             except Exception:  # woken, it asks again and raises it from its own call
                 logger.exception("a staleness policy hook raised while checking a waiting producer")
@@ -370,6 +465,14 @@ class Admission:
         except Exception:
             logger.exception("a staleness policy hook raised while checking a waiting producer")
         head.wake()
+
+    def refunded(self, part: PartitionState) -> None:
+        """Tokens of ``part`` were refunded (a group's reservation settled to its own tokens):
+        wake its head producer if it may be admitted now (every tag's: a residency refund, or
+        a tag's, wakes the one FIFO head, which passes the turn on once admitted)."""
+        queue = self.queues.get(part.key)
+        if queue is not None and queue.producers and part.gated:  # (the common case: nobody waits)
+            self._wake_queue(part)
 
     def close(self) -> None:
         """Wake every waiting producer (each raises BufferClosedError from its own call)."""

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import attrs
 
 from ._stored import peek_trajectories
+from ._token_config import drop_unset_token_fields
 from ._validation import check_tags, describe, describe_error
 from .checkpoint import (
     FILTER_COUNTERS,
@@ -50,7 +51,7 @@ def write_plain(
             something other than bytes.
         Exception: whatever ``write_frame`` or ``chunks`` raise (the file's write stopping).
     """
-    config = attrs.asdict(checkpoint.config)
+    config = drop_unset_token_fields(attrs.asdict(checkpoint.config))
     config["exempt_partitions"] = sorted(config["exempt_partitions"])
     config["sampler_kwargs"] = dict(config["sampler_kwargs"])
     config["task_thresholds"] = dict(config["task_thresholds"])

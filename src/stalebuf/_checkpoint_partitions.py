@@ -18,8 +18,9 @@ import attrs
 from ._checkpoint_fields import copied, field, invalid, sequence, whole
 from ._filtering import PASS_RATE_WINDOW
 from ._mixture import SHARE_WINDOW
-from ._partition import GENERATION_WINDOW, group_tokens
+from ._partition import GENERATION_WINDOW
 from ._stored import count_trajectories
+from ._token_ledger import group_tokens
 from ._validation import MAX_INT, check_partition, describe
 from .checkpoint import (
     COUNTERS,

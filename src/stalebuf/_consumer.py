@@ -103,7 +103,7 @@ class Consumer:
         self.filters = bool(rules.filters)  # whether any group is ever filtered (read per group)
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.mixing = Mixing(store, rules)
-        self.token_batches = TokenBatches(store, admission, rules, self.eviction)
+        self.token_batches = TokenBatches(store, admission, rules, self.eviction, admission.tokens.refuses_at)
         sampleable, mixing = self.sampleable, self.mixing
         self.explainer = Explainer(store, admission, rules, sampleable, self, mixing, status_interval)
         self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)
@@ -125,24 +125,21 @@ class Consumer:
             Exception: what ``on_evict`` raised reporting a filtered group (it is evicted all
                 the same), or StalebufError when its refills keep being filtered.
         """
-        store = self.store
-        if status is not _FINISHED or not self.filters:  # the common case, without a call
-            self.notify(store.end(group, status, clock, measured, None, timed))
-            return
-        part = store.cell_of(group)
-        if part.exempt:
-            self.notify(store.end(group, status, clock, measured, None, timed))
-            return
-        record = terminal_record(group, status, clock, timed)
-        keep = self.filtering.keeps(part, record)
-        if store.groups.get(group.uid) is not group:  # a filter ended the group itself
-            return
-        if keep:
-            self.notify(store.end(group, status, clock, measured, record))
-        else:
-            store.filter_out(group, measured)
-            self.notify(part)  # it may have held the wait gate; before on_evict, which may raise
-            self.filtered(part, (record,))
+        store, record = self.store, None
+        if status is _FINISHED and self.filters and not (part := store.cell_of(group)).exempt:
+            record = terminal_record(group, status, clock, timed)
+            keep = self.filtering.keeps(part, record)
+            if store.groups.get(group.uid) is not group:  # a filter ended the group itself
+                return
+            if not keep:
+                store.filter_out(group, measured)
+                self.notify(part)  # it may have held the wait gate; before on_evict, which may raise
+                self.filtered(part, (record,))
+                return
+        part = store.end(group, status, clock, measured, record, timed)
+        if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
+            self.admission.refunded(part)
+        self.notify(part)
 
     def judge(self, part: PartitionState, record: Group) -> bool:
         """Run the filters on ``record`` (FINISHED, of ``part``); whether it is kept (never raises)."""

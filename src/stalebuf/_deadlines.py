@@ -83,8 +83,9 @@ class Deadlines:
         filtered: list[Group] = []
         for group, status in outcomes:
             self._cut(part, group, status, clock, seconds, filtered)
-        if filtered:
+        if filtered or part.ledger is not None:  # slots freed, or reservations settled (refunds)
             self.admission.wake(part.name)
+        if filtered:
             self.filtering.report(EvictionEvent(part.name, "filtered", tuple(filtered), clock))
         return len(outcomes)
 

@@ -86,7 +86,7 @@ class Explainer:
             in_flight=sum(cell.pending + cell.running for cell in cells),
             closed_tag_refusals=refusals,
             closed_tag=refused_tag,
-            admission_full=admission.free_slots(part, name) == 0,
+            admission_full=admission.free_slots(part, name) == 0 or admission.tokens.full(part, name),
             waiting_producers=admission.waiting(name),
         )
         if head is None:

@@ -58,13 +58,16 @@ class GroupWriter:
 
     def add_prompt(self, uid: str, step: int, part: PartitionState, tags: Mapping[str, Any]) -> None:
         """Admit a new PENDING group at ``step`` (checked arguments, slot granted); a parked
-        sample of a partition with deadlines sets its cut timer for it, and one that evicts in
-        flight evicts it if it is stale already at its step."""
+        sample of a partition with deadlines sets its cut timer for it, one that evicts in
+        flight evicts it if it is stale already at its step, and one under token caps hears of
+        its reservation (the token-batch readiness rule asks whether the next would be refused)."""
         group = self.store.admit(uid, step, part, tags)
         if part.deadlines:
             self.consumer.admitted(part)
         if part.evict_in_flight:
             self.consumer.notify(self.store.cell_of(group))
+        elif part.ledger is not None and self.consumer.waiting.get(part.name):
+            self.consumer.notify(part)  # (``part`` is the group's cell: no mixture under token caps)
 
     def end_watched(self, group: OpenGroup, finished: bool) -> bool:
         """Finish (or fail) ``group`` if that very group is still in flight; return whether it did."""
@@ -99,8 +102,8 @@ class GroupWriter:
         seconds = 0.0 if generation_seconds is None else check_generation_seconds(generation_seconds) or 0.0
         clock = self.admission.clocks.get(part.name, 0)
         step = clock if global_steps is None else global_steps
-        if part.cap is not None:
-            step = self.admission.tag_for(part.name, part, global_steps)
+        if part.gated:  # (no tokens on this path: a token cap counts the group as 0)
+            step = self.admission.tag_for(part.name, part, global_steps, need=0)
         stored = payloads if type(payloads) is tuple else tuple(payloads)
         consumer, store = self.consumer, self.store
         record = None
@@ -158,21 +161,9 @@ class GroupWriter:
         if counted is not None:
             rows = tuple((*row, *count) for row, count in zip(rows, counted, strict=True))
         store = self.store
-        group: OpenGroup | Group | None = store.groups.get(uid)
-        measured = group is not None  # in flight before this call: its generation time is real
-        if group is not None:
-            group = store.open_group(uid, "put a group into")
-            _check_same_group(group, global_steps, partition, keys)
-        elif uid in store.evicted_in_flight:  # only add_prompt may start such a uid afresh
-            store.open_group(uid, "put a group into")  # raises GroupEvictedError
-            raise AssertionError("unreachable")
-        else:
-            part = store.partitions.get(partition)
-            if store.rules.tasks:  # its task's cell (ValueError before any change: no task)
-                part = store.cell(partition, group_tags)
-            step = granted if granted is not None else self.admission.tag_for(partition, part, global_steps)
-            # Everything is valid: from here on nothing raises, so the group lands whole.
-            group = store.admit(uid, step, part or store.partition(partition), group_tags)
+        measured = uid in store.groups  # in flight before this call: its generation time is real
+        added = 0 if counted is None else sum(count[1] for count in counted)
+        group = self._group_for(uid, global_steps, partition, group_tags, keys, granted, added)
         if start is not None:
             store.set_start_version(group, start)
         store.fill(group, rows)
@@ -182,6 +173,51 @@ class GroupWriter:
             group, terminal, self.admission.clocks.get(partition, 0), measured, timed=seconds
         )
         return keys
+
+    def _group_for(
+        self,
+        uid: str,
+        global_steps: int | None,
+        partition: str,
+        tags: Mapping[str, Any],
+        keys: list[str],
+        granted: int | None,
+        added: int,
+    ) -> OpenGroup:
+        """The in-flight group a :meth:`put` of ``keys`` (``added`` tokens, every argument
+        checked) fills: the one in flight, or a new one admitted at ``granted`` or by admission.
+
+        Raises:
+            The errors of :meth:`put` about the group: its state, admission, its tokens.
+        """
+        store = self.store
+        group: OpenGroup | Group | None = store.groups.get(uid)
+        if group is not None:
+            group = store.open_group(uid, "put a group into")
+            _check_same_group(group, global_steps, partition, keys)
+            ledger = store.cell_of(group).ledger
+            if ledger is not None:  # max_tokens_per_group
+                ledger.check_put(uid, 0 if group.span is None else group.span.tokens, added)
+            return group
+        if uid in store.evicted_in_flight:  # only add_prompt may start such a uid afresh
+            store.open_group(uid, "put a group into")  # raises GroupEvictedError
+            raise AssertionError("unreachable")
+        part = store.partitions.get(partition)
+        if store.rules.tasks:  # its task's cell (ValueError before any change: no task)
+            part = store.cell(partition, tags)
+        if added:
+            _check_new_tokens(store, part, partition, uid, added)
+        if granted is None:
+            granted = self.admission.tag_for(partition, part, global_steps, need=added)
+        # Everything is valid: from here on nothing raises, so the group lands whole.
+        return store.admit(uid, granted, part or store.partition(partition), tags)
+
+    @staticmethod
+    def tokens_needed(count: int, versions: object, tokens: object) -> int:
+        """The tokens a new group of ``count`` trajectories with these (checked) ``versions`` and
+        ``tokens`` arguments of ``put_group`` counts under token caps."""
+        counted = check_group_versions(count, versions, tokens)
+        return 0 if counted is None else sum(each[1] for each in counted)
 
     def put_back(self, group: Group) -> bool:
         """Put a sampled ``group`` back as it was (its generation time too), without a new
@@ -231,6 +267,26 @@ def _terminal_status(status: object) -> Status:
             f"status must be Status.FINISHED or Status.FAILURE (or its value), got {describe(status)}"
         )
     return terminal
+
+
+def _check_new_tokens(
+    store: GroupStore, part: PartitionState | None, partition: str, uid: str, tokens: int
+) -> None:
+    """Refuse a new group of ``tokens`` tokens past ``max_tokens_per_group`` (in a partition
+    that is not exempt; ``part``: the partition or its task's cell, None if unused).
+
+    Raises:
+        ValueError: as said.
+    """
+    if part is not None:
+        if part.ledger is not None:
+            part.ledger.check_put(uid, 0, tokens)
+        return
+    limit = store.rules.config.max_tokens_per_group
+    if limit is not None and tokens > limit and not store.rules.policy.is_exempt(partition):
+        raise ValueError(
+            f"group {describe(uid)} would hold {tokens} tokens, more than max_tokens_per_group={limit}"
+        )
 
 
 def _check_same_group(group: OpenGroup, global_steps: int | None, partition: str, keys: list[str]) -> None:

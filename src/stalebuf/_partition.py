@@ -1,8 +1,7 @@
 """What the group store keeps for one partition: its indexes, its failed groups, its counters.
 
-A :class:`PartitionState` only records what happened; it never decides what should happen
-(that is the rule book's job), never waits (the consumer and admission own the queues), and
-is written only by the group store that owns it.
+A :class:`PartitionState` only records what happened (the rule book decides, the consumer and
+admission own the queues); only the group store that owns it writes it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from ._judged_index import JudgedEntry, JudgedIndex
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
 from ._stored import count_trajectories, stored_trajectories
+from ._token_ledger import TokenLedger, group_tokens
 from ._versions import record_span
 from .records import Group, Status
 
@@ -33,14 +33,7 @@ BY_DISPATCH, BY_HEAD, BY_TAIL = 0, 1, 2
 GENERATION_WINDOW, MEDIAN_AFTER = 256, 16
 
 _PENDING, _FINISHED, _FAILURE = Status.PENDING, Status.FINISHED, Status.FAILURE
-_status_of, _tokens_of = attrgetter("status"), attrgetter("tokens")
-
-
-def group_tokens(group: Group) -> int:
-    """The tokens of a terminal group (a lazily stored one has none: no version was given)."""
-    if group.__class__ is LazyGroup:
-        return 0
-    return sum(map(_tokens_of, group._peek()))  # C-level: a token batch reads every group's
+_status_of = attrgetter("status")
 
 
 def _in_flight(in_flight: dict[int, dict[str, OpenGroup]], group: OpenGroup) -> bool:
@@ -59,7 +52,8 @@ class PartitionState:
     admission control it keeps ``resident_at``, the resident groups per dispatch step, which
     admission reads. In-flight groups are indexed by their head; ready groups by dispatch step,
     plus ``judged`` (a :class:`~stalebuf._judged_index.JudgedIndex`) while some ready group is
-    judged by another version than its dispatch step.
+    judged by another version than its dispatch step. ``ledger`` (a ``TokenLedger``, or None) counts
+    tokens for the token caps; ``gated``: whether admission control or a token cap applies.
     """
 
     __slots__ = (
@@ -88,11 +82,13 @@ class PartitionState:
         "failed",
         "failure",
         "finished",
+        "gated",
         "generation",
         "in_flight",
         "judge",
         "judged",
         "key",
+        "ledger",
         "masked_tokens",
         "name",
         "pending",
@@ -128,6 +124,7 @@ class PartitionState:
         threshold: int | None = None,
         span: int = 1,
         task: str | None = None,
+        ledger: TokenLedger | None = None,
     ) -> None:
         self.name = name
         # A partition of a task mixture is a parent with one cell (a PartitionState of its
@@ -150,29 +147,25 @@ class PartitionState:
         # Resident groups per dispatch step, kept only under admission control. Every group
         # leaves through _forget or _release, which decrement it: it cannot drift from the truth.
         self.resident_at: dict[int, int] | None = None if self.cap is None else {}
+        self.ledger = ledger = None if exempt else ledger  # every transition below keeps it too
+        self.gated = self.cap is not None or (ledger is not None and ledger.gates)
         # Group deadlines (only when the rules give this partition any): the in-flight groups by
         # when their deadline clock started (a lazily cleaned heap), the generation times of the
         # last 256 groups that finished uncut in flight, and the cuts since the last batch.
         self.deadlines = deadlines and not exempt
         self.starts: list[tuple[float, int, OpenGroup]] = []
         self.generation: deque[float] = deque(maxlen=GENERATION_WINDOW)
-        # The same times kept sorted: the median in O(1), each new time in O(window) memmove
-        # (a sort of the window per finish cost 13 µs while a sample waited).
+        # Kept sorted too: the median in O(1) (sorting the window per finish cost 13 µs).
         self._sorted_generation: list[float] = []
         self.recent_cuts: list[float] = [0, 0, 0.0]  # groups, trajectories, generation seconds
-        self.cut_groups = self.cut_trajectories = 0
-        self.pending = self.running = self.finished = self.failure = 0
-        self.trajectories = 0
-        self.admitted_groups = self.admitted_trajectories = 0
-        self.sampled_groups = self.sampled_trajectories = 0
-        self.evicted_stale_groups = self.evicted_stale_trajectories = 0
+        self.pending = self.running = self.finished = self.failure = self.trajectories = self.cut_groups = 0
+        self.cut_trajectories = self.admitted_groups = self.admitted_trajectories = self.sampled_groups = 0
+        self.sampled_trajectories = 0
+        self.evicted_stale_groups = self.evicted_stale_trajectories = self.evicted_in_flight_groups = 0
         self.evicted_failure_groups = self.evicted_failure_trajectories = 0
-        self.evicted_in_flight_groups = 0
-        self.evicted_filtered_groups = self.evicted_filtered_trajectories = 0
-        self.evicted_restart_groups = self.evicted_restart_trajectories = 0
-        self.reissued_groups = self.reissued_trajectories = 0
-        # Tokens: resident, and the conservation law's terms (admitted == sampled + evicted +
-        # reissued + resident); masked tokens are a subset of the sampled ones.
+        self.evicted_filtered_groups = self.evicted_filtered_trajectories = self.evicted_restart_groups = 0
+        self.evicted_restart_trajectories = self.reissued_groups = self.reissued_trajectories = 0
+        # Tokens: resident, and the conservation law's terms; masked ones are a subset of the sampled.
         self.tokens = self.admitted_tokens = self.sampled_tokens = self.masked_tokens = 0
         self.evicted_tokens = self.reissued_tokens = self.ready_tokens = 0  # ready: in ``ready``
 
@@ -187,6 +180,8 @@ class PartitionState:
         resident_at = self.resident_at
         if resident_at is not None:
             resident_at[step] = resident_at.get(step, 0) + 1
+        if self.ledger is not None:
+            self.ledger.reserve(step)
 
     def move(self, group: OpenGroup, head: int) -> None:
         """File the in-flight ``group`` under its new ``head`` (a put or a start version moved it)."""
@@ -283,6 +278,8 @@ class PartitionState:
             self.running -= 1
         step = group.dispatch_step
         self.in_flight.remove(group.head, group.uid)
+        if self.ledger is not None:  # its reservation settles to its tokens (admission wakes producers)
+            self.ledger.settle(step, 0 if group.span is None else group.span.tokens)
         if record.status is _FINISHED:
             self.finished += 1
         else:
@@ -310,7 +307,7 @@ class PartitionState:
         else:
             self.running -= 1
         self.in_flight.remove(group.head, group.uid)
-        self._release(group.dispatch_step)
+        self._release(group.dispatch_step, self.ledger)
         count = len(group.trajectories)
         tokens = 0 if group.span is None else group.span.tokens
         self.trajectories -= count
@@ -359,6 +356,8 @@ class PartitionState:
             head, tail, tokens = record_span(group.start_version, group._peek())
             self.tokens += tokens
             self.admitted_tokens += tokens
+            if self.ledger is not None:
+                self.ledger.add(step, tokens)
         resident_at = self.resident_at
         if resident_at is not None:
             resident_at[step] = resident_at.get(step, 0) + 1
@@ -387,7 +386,7 @@ class PartitionState:
                 tokens += group.span.tokens
             if group.status is not _PENDING:
                 running += 1
-            self._release(group.dispatch_step)
+            self._release(group.dispatch_step, self.ledger)
         self.tokens -= tokens
         self.evicted_tokens += tokens
         self.running -= running
@@ -400,8 +399,11 @@ class PartitionState:
 
     # -- terminal groups leaving ------------------------------------------------------
 
-    def _release(self, step: int) -> None:
-        """Free a group's admission slot at ``step``."""
+    def _release(self, step: int, in_flight: TokenLedger | None = None) -> None:
+        """Free a group's admission slot at ``step`` (and, for an in-flight group, its token
+        reservation in ``in_flight``: its partition's ledger)."""
+        if in_flight is not None:
+            in_flight.unreserve(step)
         resident_at = self.resident_at
         if resident_at is not None:
             count = resident_at[step] - 1
@@ -428,7 +430,8 @@ class PartitionState:
             judged.forget(groups)
             if not self.ready.count:
                 self.judged = None  # back to the buckets alone
-        tokens = sum(map(group_tokens, groups)) if self.tokens else 0  # none resident: none leave
+        ledger = self.ledger  # (it refunds their tokens; else, none resident: none leave)
+        tokens = ledger.forget(groups) if ledger else sum(map(group_tokens, groups)) if self.tokens else 0
         self.tokens -= tokens
         return trajectories, tokens
 

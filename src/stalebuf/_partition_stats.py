@@ -92,4 +92,22 @@ def partition_stats(
         masked_tokens=part.masked_tokens,
         evicted_tokens=part.evicted_tokens,
         reissued_tokens=part.reissued_tokens,
+        resident_tokens=_terminal_tokens(part),
+        reserved_tokens=part.ledger.reserved if part.ledger is not None and part.ledger.gates else 0,
     )
+
+
+def _terminal_tokens(part: PartitionState) -> int:
+    """The tokens of ``part``'s resident terminal groups: its token ledger's settled sum, else
+    its resident tokens less those in flight (O(groups in flight))."""
+    if part.ledger is not None:
+        return part.ledger.settled
+    if not part.tokens:
+        return 0
+    in_flight = sum(
+        group.span.tokens
+        for groups in part.in_flight.groups.values()
+        for group in groups.values()
+        if group.span is not None
+    )
+    return part.tokens - in_flight

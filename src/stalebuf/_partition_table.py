@@ -14,6 +14,7 @@ from typing import Any
 from ._open_group import OpenGroup
 from ._partition import PartitionState
 from ._rules import Rules
+from ._token_ledger import TokenLedger
 from .records import Group
 
 __all__ = ["PartitionTable"]
@@ -39,6 +40,8 @@ class PartitionTable:
             return part
         rules = self.rules
         exempt, evict_failures, evict_in_flight, cap, deadlines = rules.settings(name)
+        config = rules.config
+        per_group = None if exempt else config.max_tokens_per_group
 
         def state(
             cap: int | None, threshold: int | None, span: int, task: str | None = None
@@ -54,6 +57,9 @@ class PartitionTable:
                 threshold=threshold,
                 span=span,
                 task=task,
+                ledger=None
+                if per_group is None
+                else TokenLedger(config.admission_token_budget, per_group, config.max_resident_tokens),
             )
 
         cells = {}

@@ -25,9 +25,10 @@ from ._eviction import Eviction, check_on_evict
 from ._filtering import Filtering
 from ._group_snapshots import snapshot
 from ._mixture import Mixing
-from ._partition import PartitionState, group_tokens
+from ._partition import PartitionState
 from ._store import GroupStore
 from ._stored import count_trajectories
+from ._token_ledger import group_tokens
 from ._validation import check_payload_codec, check_status_log_interval, describe, describe_error
 from .checkpoint import (
     COUNTERS,

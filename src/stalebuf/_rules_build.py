@@ -13,7 +13,7 @@ from .errors import ConfigError
 from .filters import check_filters
 from .policy import RuleHooks, StalenessPolicy, SubclassHooks, asks_defaults, select_label
 
-__all__ = ["build_rules", "check_mixture_policy"]
+__all__ = ["build_rules", "check_mixture_policy", "check_token_policy"]
 
 
 def check_mixture_policy(policy: StalenessPolicy, config: SamplerConfig) -> None:
@@ -37,6 +37,22 @@ def check_mixture_policy(policy: StalenessPolicy, config: SamplerConfig) -> None
         )
 
 
+def check_token_policy(policy: StalenessPolicy, config: SamplerConfig) -> None:
+    """Refuse the policies token admission cannot honour.
+
+    Raises:
+        ConfigError: under ``admission_token_budget``, an ``admits`` or ``admission_batch_size``
+            override (both count groups per dispatch step; token admission counts tokens).
+    """
+    if config.admission_token_budget is not None and not asks_defaults(
+        policy, ("admits", "admission_batch_size")
+    ):
+        raise ConfigError(
+            f"{type(policy).__name__} overrides admits or admission_batch_size, which count groups per "
+            "dispatch step: it cannot be used with admission_token_budget (admission counts tokens)"
+        )
+
+
 def build_rules(config: object, policy: object, hooks: RuleHooks | None, filters: object = ()) -> Rules:
     """Check a buffer's ``config``, ``policy`` and ``filters`` arguments and return its rule
     book (``hooks``: a subclass that overrides the verl-style hooks, else None).
@@ -56,4 +72,5 @@ def build_rules(config: object, policy: object, hooks: RuleHooks | None, filters
     base = StalenessPolicy(config) if policy is None else policy
     if config.mixture is not None:
         check_mixture_policy(base if hooks is None else SubclassHooks(base, hooks), config)
+    check_token_policy(base, config)
     return Rules(base, hooks, config, checked)

@@ -78,6 +78,8 @@ class SampleReport:
         naming = rules.config.metric_names  # the renaming is metrics.py's (one table)
         rendered = metrics.render(part.name, groups, global_steps, sync_step, wait_seconds, admission, naming)
         prefix = metric_prefix(part.name)
+        if part.gated and part.ledger is not None and part.ledger.gates:
+            rendered.update(self._token_admission(part, prefix))
         if part.deadlines:
             rendered.update(self._cuts(part, prefix))
         recent = self.filtering.take_recent(part) if self.filtering.filters else None
@@ -103,6 +105,22 @@ class SampleReport:
             # (a partition none of whose cells ever held a token skips the token metrics)
             rendered.update(self._tokens(part, batch, prefix))
         return batch, rendered
+
+    def _token_admission(self, part: PartitionState, prefix: str) -> dict[str, float]:
+        """The token caps' metrics: free tokens at the clock's step, tokens reserved in flight,
+        and (without a group cap, which reports it already) the producers' wait."""
+        try:
+            free: float = self.admission.tokens.free_tokens(part, part.name) or 0
+        except Exception:  # the batch is taken: a hook that raises here must not lose it
+            logger.exception("a staleness policy hook raised while counting free admission tokens")
+            free = math.nan
+        rendered = {
+            f"{prefix}/admission/free_tokens": float(free),
+            f"{prefix}/admission/reserved_tokens": float(part.ledger.reserved),  # type: ignore[union-attr]
+        }
+        if part.cap is None:
+            rendered[f"{prefix}/admission/producer_wait_seconds"] = self.admission.take_producer_wait(part)
+        return rendered
 
     def _cuts(self, part: PartitionState, prefix: str) -> dict[str, float]:
         """The cuts of ``part``'s groups since its previous batch."""

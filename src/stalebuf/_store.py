@@ -187,12 +187,12 @@ class GroupStore:
         segments: tuple[tuple[int, int], ...] = (),
         tokens: int = 0,
     ) -> str:
-        """Add one trajectory to the in-flight group ``uid`` (checked arguments: ``segments``
-        and ``tokens`` as :func:`~stalebuf._versions.trajectory_versions` returns them); return
-        its key.
+        """Add one trajectory to the in-flight group ``uid`` (checked ``segments`` and ``tokens``,
+        as :func:`~stalebuf._versions.trajectory_versions` returns them); return its key.
 
         Raises:
-            The errors of :meth:`open_group`; DuplicateTrajectoryError for a key it holds.
+            The errors of :meth:`open_group`; DuplicateTrajectoryError for a key it holds;
+            ValueError if ``tokens`` would take the group past ``max_tokens_per_group``.
         """
         group = self.groups.get(uid) if type(uid) is str else None
         if type(group) is not OpenGroup:
@@ -208,6 +208,12 @@ class GroupStore:
                 f"group {describe(uid)} already holds session_id={session_id}, index={index} "
                 f"({describe(key)})"
             )
+        part = self.partitions[group.partition]
+        if part.cells is not None:  # a task mixture: the group's task's cell
+            part = part.cells[group.task]  # type: ignore[index]
+        ledger, span = part.ledger, group.span  # max_tokens_per_group, before any change
+        if tokens and ledger is not None and tokens + (span.tokens if span else 0) > ledger.per_group:
+            ledger.check_put(uid, span.tokens if span else 0, tokens)
         trajectories[key] = _tuple_new(
             Trajectory,
             (
@@ -221,9 +227,6 @@ class GroupStore:
                 pack_runs(segments) if segments else b"",
             ),
         )
-        part = self.partitions[group.partition]
-        if part.cells is not None:  # a task mixture: the group's task's cell
-            part = part.cells[group.task]  # type: ignore[index]
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
         if tokens or group.span is not None:

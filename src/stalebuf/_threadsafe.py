@@ -110,6 +110,10 @@ class ThreadedBuffer(Protocol):
 
     def full(self, partition: str, task: str | None) -> bool: ...
 
+    def free_tokens(self, partition: str) -> int | None: ...
+
+    def capacity_tokens(self, partition: str) -> int | None: ...
+
 
 # How often a thread blocked on a call checks that the loop still runs (only while blocked,
 # and only matters if the loop stops before running the call, or closes while it waits).
@@ -124,8 +128,9 @@ class ThreadsafeProducer:
     ``queue.Queue`` does: ``add_prompt`` and ``put_group`` wait for admission (``timeout=``
     bounds the wait; TimeoutError then, with nothing added), their ``*_nowait`` twins raise
     BufferFullError instead, and ``wait_for_sampleable`` waits as the buffer's does. The other
-    methods never wait (among them the flow-control queries ``dispatch_step``, and ``capacity``,
-    ``free_slots`` and ``full`` of each task under a mixture). Called on the loop's own thread,
+    methods never wait (among them the flow-control queries ``dispatch_step``, ``capacity``,
+    ``free_slots`` and ``full`` of each task under a mixture, ``free_tokens`` and
+    ``capacity_tokens``). Called on the loop's own thread,
     the methods that never wait run the buffer's method directly; the waiting ones raise
     WrongThreadError (they would block the very loop that must admit them: await the buffer's
     own method there).
@@ -365,6 +370,14 @@ class ThreadsafeProducer:
     def full(self, partition: str = "train", task: str | None = None) -> bool:
         """Run ``full`` on the loop (same errors; the answer may be stale on return)."""
         return self._run(self._buffer.full, partition, task)
+
+    def free_tokens(self, partition: str = "train") -> int | None:
+        """Run ``free_tokens`` on the loop (same errors; the answer may be stale on return)."""
+        return self._run(self._buffer.free_tokens, partition)
+
+    def capacity_tokens(self, partition: str = "train") -> int | None:
+        """Run ``capacity_tokens`` on the loop (same errors)."""
+        return self._run(self._buffer.capacity_tokens, partition)
 
     # -- running on the loop ------------------------------------------------------------------
 

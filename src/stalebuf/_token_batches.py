@@ -19,27 +19,22 @@ from operator import eq
 
 from ._admission import Admission
 from ._eviction import Eviction
-from ._partition import PartitionState, group_tokens
+from ._partition import PartitionState
 from ._rules import NEEDS_RULES, Refusal, Rules
 from ._status_log import logger
 from ._store import GroupStore
+from ._token_ledger import group_tokens
 from ._validation import describe
 from .errors import ConfigError
 from .metrics import SampleMetrics
 from .policy import overridden_select
 from .records import Group
 
-__all__ = ["TokenBatches", "never_refuses"]
+__all__ = ["TokenBatches"]
 
 #: A batch size no partition reaches: :meth:`Rules.has_work_for` then answers only whether there
 #: is eviction work.
 _NO_COUNT = 1 << 63
-
-
-def never_refuses(part: PartitionState, global_steps: int) -> bool:
-    """Without token admission no group is refused for its tokens: a token sample waits for its
-    whole budget (the ``refuses`` input of the readiness rule)."""
-    return False
 
 
 class TokenBatches:
@@ -57,18 +52,16 @@ class TokenBatches:
         admission: Admission,
         rules: Rules,
         eviction: Eviction,
-        refuses: Refusal = never_refuses,
+        refuses: Refusal,
     ) -> None:
         self.store = store
         self.admission = admission
         self.rules = rules
         self.eviction = eviction
-        # The seam for token admission: ``refuses(part, global_steps)`` says whether admission
-        # would refuse a clock-tagged in-flight group at tag max(clock, global_steps) right now
-        # (per-tag room or residency room below max_tokens_per_group, or the tag closed). The
-        # readiness rule asks it at every check, only when the sampleable tokens fall short; with
-        # token admission, pass admission's own predicate here, and wake the head sample (the
-        # consumer's ``notify``) whenever its answer may turn True.
+        # ``refuses(part, global_steps)``: whether token admission would refuse a clock-tagged
+        # in-flight group at tag max(clock, global_steps) right now (admission's refuses_at;
+        # always False without token caps). The readiness rule asks it only when the sampleable
+        # tokens fall short; every admission notifies parked samples, so a True is never missed.
         self.refuses = refuses
         self.warned: set[str] = set()
 

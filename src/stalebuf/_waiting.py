@@ -31,6 +31,8 @@ class Waiter:
     """One blocked ``sample`` call, parked until a producer calls :meth:`wake`.
 
     Subclasses hold the backend's primitive; ``arm`` makes a fresh one before each park.
+    ``global_steps`` and ``batch_size`` are a sample's arguments; a waiting producer's are the
+    tag it asked for (-1: the clock's) and the tokens its group counts (-1: a reservation).
     """
 
     __slots__ = ("batch_size", "cut_at", "global_steps", "log_due", "now", "started", "token_budget")

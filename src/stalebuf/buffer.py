@@ -43,6 +43,7 @@ from ._rules_build import build_rules
 from ._save_order import SaveSequencer
 from ._store import GroupStore
 from ._threadsafe import ThreadsafeProducer
+from ._token_rules import check_sample_budget
 from ._versions import check_start_version, trajectory_versions
 from ._waiting import LoopBinding
 from .checkpoint import NOT_GIVEN, BufferCheckpoint, InFlightMode, RestoreResult
@@ -331,7 +332,7 @@ class ReplayBuffer:
             raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
         if store.rules.tasks and (part is None or part.cells is not None):
             part = store.cell(partition, frozen_tags)  # its task's cell (ValueError: no task)
-        if part is None or part.cap is not None or global_steps is None:
+        if part is None or part.gated or global_steps is None:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
         self.__writer.add_prompt(uid, global_steps, part or store.partition(partition), frozen_tags)
 
@@ -441,7 +442,10 @@ class ReplayBuffer:
         if status is _FINISHED and consumer.filters:
             consumer.finish(group, status, clock)  # the filters judge it first
         else:
-            consumer.notify(store.end(group, status, clock))
+            part = store.end(group, status, clock)
+            if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
+                self.__admission.refunded(part)
+            consumer.notify(part)
 
     def put_group_nowait(
         self,
@@ -648,7 +652,7 @@ class ReplayBuffer:
             raise  # no slot there can ever open: waiting would be forever
         except BufferFullError:
             pass
-        writer = self.__writer
+        need = (writer := self.__writer).tokens_needed(len(payloads), versions, tokens)  # token caps
 
         def admit(tag: int) -> list[str]:
             self.__check_usable()
@@ -668,7 +672,7 @@ class ReplayBuffer:
             )
 
         cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
-        return await self.__admission.wait_for_slot(cell, global_steps, admit)
+        return await self.__admission.wait_for_slot(cell, global_steps, admit, need)
 
     def rollout(
         self,
@@ -786,8 +790,8 @@ class ReplayBuffer:
 
     def full(self, partition: str = "train", task: str | None = None) -> bool:
         """Return whether no group could be admitted now: ``free_slots(partition, task) == 0``,
-        or under a mixture with ``task=None``, whether every task is full (never True without
-        admission control).
+        or under a mixture with ``task=None``, whether every task is full; under token caps, also
+        whether ``free_tokens(partition) < max_tokens_per_group`` (never True without either).
 
         Raises:
             The errors of :meth:`free_slots`.
@@ -796,7 +800,36 @@ class ReplayBuffer:
             self.__check_task(partition, None)
             if not self.__store.rules.policy.is_exempt(partition):
                 return all(self.free_slots(partition, one) == 0 for one in self.__store.rules.tasks)
-        return self.free_slots(partition, task) == 0
+        if self.free_slots(partition, task) == 0:
+            return True
+        return self.__admission.tokens.full(self.__store.partitions.get(partition), partition)
+
+    def free_tokens(self, partition: str = "train") -> int | None:
+        """Return how many tokens a group could take at the clock's step now: the smaller of the
+        room under ``admission_token_budget`` there and under ``max_resident_tokens`` (0 at a
+        closed step); None without either, or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+            Exception: whatever the policy's ``is_stale`` raised.
+        """
+        self.__store.binding.check_thread()
+        checks.check_partition(partition)
+        return self.__admission.tokens.free_tokens(self.__store.partitions.get(partition), partition)
+
+    def capacity_tokens(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident tokens, reservations included:
+        ``T * S * admission_token_budget``, or ``max_resident_tokens`` if smaller; None without
+        either, or for an exempt partition.
+
+        Raises:
+            TypeError, ValueError: ``partition`` is not a non-empty str.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self.__store.binding.check_thread()
+        checks.check_partition(partition)
+        return self.__admission.tokens.capacity_tokens(self.__store.partitions.get(partition), partition)
 
     def __check_task(self, partition: str, task: object) -> None:
         """Check ``partition`` and a ``task`` argument (None, or a task of its mixture).
@@ -887,6 +920,8 @@ class ReplayBuffer:
                 ``partition`` is not a non-empty str, or ``timeout`` not None or a number >= 0.
             ConfigError: a token budget with an overridden ``select`` (or ``_select``), or on a
                 partition with a task mixture; nothing changed.
+            ValueError: a count batch under ``admission_token_budget`` (or a token budget below
+                it), or a token budget under ``admission_batch_size``; nothing changed.
             TimeoutError: ``timeout`` seconds passed first; no sampleable group was removed.
             BufferClosedError: the buffer is or gets closed.
             WrongThreadError: called from another thread than the bound loop's.
@@ -932,10 +967,14 @@ class ReplayBuffer:
         thread = store.binding.thread
         if store.closed or (thread is not None and thread != get_ident()):
             self.__check_usable()
+        rules = store.rules
         if token_budget is not None:
             self.__consumer.token_batches.check(part, partition)  # type: ignore[arg-type]
-        elif store.rules.tasks:
-            store.rules.check_batch_quotas(partition, batch_size, part)  # type: ignore[arg-type]
+        elif rules.tasks:
+            rules.check_batch_quotas(partition, batch_size, part)  # type: ignore[arg-type]
+        if token_budget is not None or rules.config.admission_token_budget is not None:
+            exempt = part.exempt if part is not None else rules.policy.is_exempt(partition)  # type: ignore[arg-type]
+            check_sample_budget(rules.config, batch_size, token_budget, exempt=exempt)  # type: ignore[arg-type]
         return part
 
     def sampleable_count(self, global_steps: int, partition: str = "train", task: str | None = None) -> int:

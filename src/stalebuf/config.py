@@ -10,6 +10,7 @@ from typing import Any, Literal
 import attrs
 
 from ._mixture_config import MIXTURE_POLICIES, check_mixture, to_mixture, to_task_thresholds
+from ._token_config import check_token_admission, drop_unset_token_fields, optional_tokens
 from ._validation import describe, finite_in, int_at_least, one_of
 from .errors import ConfigError
 
@@ -208,6 +209,19 @@ class SamplerConfig:
             ``stalebuf.filters.zero_variance(filter_groups_metric)`` (verl's
             ``algorithm.filter_groups`` with ``enable: true`` and that ``metric``), before any
             filter given to the buffer.
+        admission_token_budget: None, or an int >= 1: the tokens the trainer takes per step.
+            Admission then counts tokens per dispatch step instead of groups: each non-exempt
+            partition admits groups at a step while their tokens there stay within it (an
+            in-flight group counts ``max_tokens_per_group`` until it ends, then its own
+            tokens; see the docs' "Token admission"). Exclusive with ``admission_batch_size``;
+            needs ``max_tokens_per_group`` (at most this) and a ``max_off_policy_threshold``.
+        max_tokens_per_group: None, or an int >= 1: the most tokens a group may hold (e.g.
+            ``n * max_response_length``; a ``put`` past it raises ValueError) and what an
+            in-flight group reserves under token admission or ``max_resident_tokens``.
+        max_resident_tokens: None, or an int >= 1 (at least ``max_tokens_per_group``, which it
+            needs): a cap on the tokens of each non-exempt partition's resident groups,
+            reservations included; producers wait for room as for admission. Works with or
+            without the two admission fields. Neither token cap works with a ``mixture``.
 
     Raises:
         ConfigError: on construction, for any invalid value (the message names the field).
@@ -243,14 +257,31 @@ class SamplerConfig:
     task_thresholds: Mapping[str, int] = attrs.field(
         factory=lambda: MappingProxyType({}), converter=to_task_thresholds
     )
+    admission_token_budget: int | None = attrs.field(
+        default=None, validator=optional_tokens("admission_token_budget")
+    )
+    max_tokens_per_group: int | None = attrs.field(
+        default=None, validator=optional_tokens("max_tokens_per_group")
+    )
+    max_resident_tokens: int | None = attrs.field(
+        default=None, validator=optional_tokens("max_resident_tokens")
+    )
 
     def __attrs_post_init__(self) -> None:
-        """Check the rules across fields (the mixture's)."""
+        """Check the rules across fields (the mixture's, the token caps')."""
         check_mixture(self.mixture, self.mixture_tag, self.task_thresholds, self.admission_batch_size)
+        check_token_admission(
+            self.admission_token_budget,
+            self.max_tokens_per_group,
+            self.max_resident_tokens,
+            batch_size=self.admission_batch_size,
+            threshold=self.max_off_policy_threshold,
+            mixture=self.mixture,
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle support: rebuilt through the constructor (and so validated again)."""
-        fields = attrs.asdict(self, recurse=False)
+        fields = drop_unset_token_fields(attrs.asdict(self, recurse=False))
         fields["sampler_kwargs"] = dict(self.sampler_kwargs)
         fields["task_thresholds"] = dict(self.task_thresholds)
         if self.mixture is not None:

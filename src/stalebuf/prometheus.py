@@ -23,7 +23,9 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
   ``stalebuf_cut_trajectories_total``, the token counters ``stalebuf_admitted_tokens_total``,
   ``stalebuf_sampled_tokens_total``, ``stalebuf_masked_tokens_total``,
   ``stalebuf_evicted_tokens_total``, ``stalebuf_reissued_tokens_total`` (all ``{partition}``;
-  gauge ``stalebuf_resident_tokens{partition}``) and
+  gauges ``stalebuf_resident_tokens{partition}``, ``stalebuf_terminal_tokens{partition}``
+  (``stats()``'s ``resident_tokens``: the name above was taken first, for every resident group)
+  and ``stalebuf_reserved_tokens{partition}``) and
   ``stalebuf_evicted_groups_total{partition,reason}``,
   ``stalebuf_evicted_trajectories_total{partition,reason}`` (reason: stale, failure, restart).
 - histograms ``stalebuf_sampled_staleness_versions{partition}`` (the staleness of each sampled
@@ -111,6 +113,12 @@ _COUNTERS = (
 _GAUGES = (
     ("resident_trajectories", "Trajectories held by resident groups.", "trajectories"),
     ("resident_tokens", "Tokens held by resident groups, in flight or not.", "tokens"),
+    ("terminal_tokens", "Tokens held by resident terminal groups.", "resident_tokens"),
+    (
+        "reserved_tokens",
+        "Tokens reserved by groups in flight under token caps (max_tokens_per_group each).",
+        "reserved_tokens",
+    ),
     ("waiting_samplers", "sample calls blocked now.", "waiting_samplers"),
     ("waiting_producers", "Producer calls blocked on admission now.", "waiting_producers"),
 )

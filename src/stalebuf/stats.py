@@ -76,6 +76,11 @@ class PartitionStats:
             kept: filters fail open).
         tasks: under a task mixture, one :class:`TaskStats` per task (empty otherwise, and in
             ``BufferStats.total``).
+        resident_tokens: tokens of the resident *terminal* groups (``tokens`` less those of the
+            groups in flight).
+        reserved_tokens: under ``admission_token_budget`` or ``max_resident_tokens``,
+            ``max_tokens_per_group`` for each resident in-flight group (0 otherwise); the residency
+            cap bounds ``resident_tokens + reserved_tokens``.
 
     Conservation, for groups:
     ``admitted == resident + sampled + evicted_stale + evicted_failure + evicted_restart +
@@ -116,6 +121,8 @@ class PartitionStats:
     evicted_filtered_groups: int = 0
     evicted_filtered_trajectories: int = 0
     filter_errors: int = 0
+    resident_tokens: int = 0
+    reserved_tokens: int = 0
     tasks: Mapping[str, TaskStats] = attrs.field(factory=dict, converter=_task_copy)
 
     @property
@@ -188,8 +195,8 @@ class WaitExplanation:
             ahead of the dispatch clock (FutureTagError). Producers that stop on these errors
             leave a waiting sample without groups.
         closed_tag: the ``global_steps`` the latest of those calls asked for (None if none).
-        admission_full: admission control has no free slot at the dispatch clock's step now
-            (False without admission control).
+        admission_full: admission control has no free slot at the dispatch clock's step now, or
+            under token caps no room for ``max_tokens_per_group`` there (False without either).
         waiting_producers: producer calls waiting for an admission slot on the partition.
     """
 

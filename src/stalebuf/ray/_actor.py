@@ -42,6 +42,7 @@ from ._ledger import SampleLedger, SampleResult
 from ._options import buffer_options
 from ._payloads import checkpoint_values, stored_checkpoint
 from ._protocol import (
+    FLOW_QUERIES,
     PROTOCOL_VERSION,
     AddPrompt,
     EndRollout,
@@ -95,8 +96,6 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {
     CONTROL_GROUP: 16,
     EVENTS_GROUP: 64,
 }
-#: The queries ``flow`` answers (ReplayBuffer methods taking a partition, changing nothing).
-FLOW_QUERIES = frozenset({"dispatch_step", "capacity", "free_slots", "full", "explain_wait"})
 # Producer operations that end a group by uid (a watched rollout's watch is then released).
 _ENDING = (MarkFinished, MarkFailed, PutGroup)
 
@@ -300,7 +299,7 @@ class BufferHost:
 
     @_method(CONTROL_GROUP)
     async def flow(self, query: str, partition: str, *task: str | None) -> Any:
-        """``ReplayBuffer.dispatch_step``, ``capacity``, ``free_slots`` or ``full`` on the home loop.
+        """A flow query of :data:`FLOW_QUERIES` (``ReplayBuffer.free_slots``...) on the home loop.
 
         Raises:
             ProtocolError: ``query`` is not one of :data:`FLOW_QUERIES`.

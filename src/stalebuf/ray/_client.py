@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import ray
@@ -323,6 +323,25 @@ class RemoteReplayBuffer(BufferCalls):
     def payloads(self) -> str:
         """The payload mode: "producer", "actor" or "inline"."""
         return self._connection.payloads
+
+    async def free_tokens(self, partition: str = "train") -> int | None:
+        """Return the tokens a group could take at the clock's step now, as
+        :meth:`ReplayBuffer.free_tokens` (a coroutine here; may be stale on arrival). A flow query
+        like ``free_slots`` (``BufferCalls`` holds those; this token-cap pair lives here).
+
+        Raises:
+            TypeError, ValueError: a bad ``partition``; BufferUnavailableError.
+        """
+        return cast("int | None", await self._connection.call("flow", "free_tokens", partition))
+
+    async def capacity_tokens(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident tokens, as :meth:`ReplayBuffer.capacity_tokens`
+        (a coroutine here).
+
+        Raises:
+            TypeError, ValueError: a bad ``partition``; BufferUnavailableError.
+        """
+        return cast("int | None", await self._connection.call("flow", "capacity_tokens", partition))
 
     async def info(self) -> dict[str, Any]:
         """Return facts about the actor: ``config``, ``buffer_class``, ``closed``,

@@ -31,6 +31,7 @@ from ..errors import StalebufError
 from ._payloads import PackedRun, store_group
 
 __all__ = [
+    "FLOW_QUERIES",
     "PROTOCOL_VERSION",
     "AddPrompt",
     "EndRollout",
@@ -59,8 +60,13 @@ __all__ = [
 #: 5: versions, tokens and start versions (MarkRunning, Put, PutGroup, OpenRollout).
 #: 6: PutGroup's generation_seconds (the producer's measure of the group's generation time).
 #: 7: filters (the actor's constructor) and ``task`` on the flow queries and sampleable_count.
-#: 8: SampleRequest's token_budget (a sample by tokens).
+#: 8: SampleRequest's token_budget (a sample by tokens); the token-cap flow queries
+#:    ``free_tokens`` and ``capacity_tokens``.
 PROTOCOL_VERSION = 8
+#: The queries the actor's ``flow`` answers (ReplayBuffer methods taking a partition, changing nothing).
+FLOW_QUERIES = frozenset(
+    {"dispatch_step", "capacity", "free_slots", "full", "explain_wait", "free_tokens", "capacity_tokens"}
+)
 
 #: A record as it travels: ``(code, *fields)``.
 Wire = tuple[Any, ...]
