@@ -45,8 +45,9 @@ EXTRAS = {
 }
 #: At most this many blocks may be illustrative only: the pages are meant to be run.
 MAX_ILLUSTRATIVE = 6
-#: The README routes to the docs; the manual lives there.
-MAX_README_LINES = 250
+#: The README routes to the docs; the manual lives there. (300, not 250: the issues on versions,
+#: filters, mixtures and token budgets each ask the README for a worked example.)
+MAX_README_LINES = 300
 
 _SYBIL = Sybil(parsers=[PythonCodeBlockParser(), SkipParser()])
 
