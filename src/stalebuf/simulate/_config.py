@@ -9,7 +9,7 @@ message names the field. The command line derives its ``simulate`` options from 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import attrs
 
@@ -82,7 +82,7 @@ _MIXTURE_FIELDS = ("tasks", "mixture_policy")
 _TOKEN_FIELDS = ("token_budget", "batch_by", "prompt_tokens", "max_response_tokens")
 
 
-def _check_token_budget(_instance: object, _attribute: object, value: object) -> None:
+def _check_token_budget(_instance: object, _attribute: object, value: Any) -> None:
     if value is not None and (type(value) is not int or not 1 <= value <= MAX_TOKEN_BUDGET):
         raise ConfigError(
             f"token_budget must be None or an int from 1 to {MAX_TOKEN_BUDGET}, got {describe(value)}"
@@ -343,10 +343,18 @@ class SimulationConfig:
 
     @property
     def capacity(self) -> int | None:
-        """The buffer's bound on resident groups with admission, ``T * S * B``; else None."""
-        if not self.admission:
+        """The buffer's bound on resident groups with group admission, ``T * S * B``; else None
+        (without admission, or with token admission, whose bound is :attr:`capacity_tokens`)."""
+        if not self.admission or self.token_batches:
             return None
         return self.threshold * self.parameter_sync_step * self.batch_size
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """The buffer's bound on resident tokens with token admission, ``T * S * K``; else None."""
+        if not (self.admission and self.token_batches):
+            return None
+        return self.threshold * self.parameter_sync_step * cast(int, self.token_budget)
 
     @property
     def filtering(self) -> bool:
@@ -410,6 +418,7 @@ class SimulationConfig:
                 del values[name]
         else:
             values["max_tokens_per_group"] = self.max_tokens_per_group
+            values["capacity_tokens"] = self.capacity_tokens
         if not self.filtering:
             del values["filter_pass_rate"]
         if self.tasks is None:
