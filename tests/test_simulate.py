@@ -570,11 +570,19 @@ EVERY_FIELD: dict[str, tuple[list[str], object]] = {
     "mixture_policy": (["--mixture-policy", "borrow"], "borrow"),
 }
 NOT_ON_THE_COMMAND_LINE: dict[str, str] = {}
+#: The fields of token counts: not with --tasks or --in-flight-updates, so they take a run of their own.
+TOKEN_FIELDS: dict[str, tuple[list[str], object]] = {
+    "token_budget": (["--token-budget", "400000"], 400000),
+    "batch_by": (["--batch-by", "groups"], "groups"),
+    "prompt_tokens": (["--prompt-tokens", "100"], 100),
+    "max_response_tokens": (["--max-response-tokens", "1000"], 1000),
+    "tokens_per_second": (["--tokens-per-second", "80"], 80.0),
+}
 
 
 def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -> None:
     fields = {field.name for field in attrs.fields(SimulationConfig)}
-    assert set(EVERY_FIELD) | set(NOT_ON_THE_COMMAND_LINE) == fields
+    assert set(EVERY_FIELD) | set(TOKEN_FIELDS) | set(NOT_ON_THE_COMMAND_LINE) == fields
     assert not set(EVERY_FIELD) & set(NOT_ON_THE_COMMAND_LINE)
     # to_dict lists the settings of in-flight updates only when they are on, the filter's only
     # when it filters, the mixture's only with tasks.
@@ -589,6 +597,12 @@ def test_every_config_field_is_reachable_from_the_command_line(tmp_path: Path) -
     config = run_json(tmp_path, *argv)["results"]["wait+admission"]["config"]
     for name, (_, value) in EVERY_FIELD.items():
         assert value != defaults[name], name  # else an ignored option would go unnoticed
+        assert config[name] == value, name
+    token_defaults = SimulationConfig(token_budget=1).to_dict()
+    argv = [arg for args, _ in TOKEN_FIELDS.values() for arg in args]
+    config = run_json(tmp_path, *argv, "--steps", "2")["results"]["wait+admission"]["config"]
+    for name, (_, value) in TOKEN_FIELDS.items():
+        assert value != token_defaults[name], name
         assert config[name] == value, name
 
 

@@ -36,18 +36,8 @@ from .simulate import (
     simulate,
     write_plot,
 )
-from .simulate._bounds import (
-    MAX_BATCH_SIZE,
-    MAX_CHUNK_TOKENS,
-    MAX_GROUP_SIZE,
-    MAX_STEP_TRAJECTORIES,
-    MAX_TOKENS_PER_SECOND,
-    MAX_TRAJECTORY_TOKENS,
-    MAX_WORKERS,
-    MIN_FILTER_PASS_RATE,
-)
-from .simulate._config import PLAIN_STRATEGIES, Strategy
-from .simulate._help import DESCRIPTION, MODEL_HELP
+from .simulate._config import PLAIN_STRATEGIES, BatchBy, Strategy
+from .simulate._help import DESCRIPTION, FIELD_OPTIONS, MODEL_HELP
 from .simulate._model import ProgressCallback
 from .simulate._report import PLOT_FORMATS, plot_format, require_matplotlib
 from .simulate._tasks import TaskMix
@@ -60,82 +50,26 @@ _ADMISSION: dict[str, bool] = {"off": False, "on": True}
 #: ``--strategy`` choices beyond the strategies themselves: "both" is drop and wait, "all" every
 #: strategy the mode runs (mask too with ``--in-flight-updates``).
 _STRATEGY_SETS = ("both", "all")
-#: The options that mean something only with ``--in-flight-updates``: given without it, they are
-#: refused rather than ignored.
-_IN_FLIGHT_OPTIONS = ("tokens_per_second", "chunk_tokens")
-#: The options that mean something only with ``--tasks``, refused without it likewise.
-_MIXTURE_OPTIONS = ("mixture_policy",)
-#: The options absent from the namespace unless given: the two above, and ``--tasks`` itself.
-_GIVEN_ONLY = (*_IN_FLIGHT_OPTIONS, *_MIXTURE_OPTIONS, "tasks")
-
-#: The ``simulate`` option of each SimulationConfig field, in ``--help`` order, as its
-#: ``(metavar, help)``: the flag is the field's name with dashes, and its default and type are the
-#: field's. A new field needs one line here. ``strategy``, ``admission`` and
-#: ``in_flight_updates`` have no entry: ``--strategy``, ``--admission`` and the
-#: ``--in-flight-updates`` flag choose which configs run.
-_FIELD_OPTIONS: dict[str, tuple[str | None, str]] = {
-    "threshold": ("T", "max_off_policy_threshold"),
-    "parameter_sync_step": ("S", "parameter_sync_step"),
-    "steps": ("N", "trainer steps to simulate"),
-    "batch_size": (
-        "B",
-        f"groups per trainer step, at most {MAX_BATCH_SIZE} (the simulator keeps a record of every "
-        "prompt it dispatches, and a few KB per group in flight)",
-    ),
-    "group_size": (
-        "N",
-        f"trajectories per group (GRPO n), at most {MAX_GROUP_SIZE}, and batch-size * group-size at "
-        f"most {MAX_STEP_TRAJECTORIES} (each trajectory in flight takes about 200 B of memory)",
-    ),
-    "workers": (
-        "W",
-        f"rollout workers, one group at a time each, at most {MAX_WORKERS} (each is a task of about 10 KB)",
-    ),
-    "dispatch_ahead": (
-        "K",
-        "without admission: prompts dispatched beyond the batch being filled, in batches",
-    ),
-    "latency": (
-        "SPEC",
-        "generation time per group in seconds: lognormal:MU,SIGMA (of ln seconds), "
-        "lognormal-fit:MEDIAN,P95 (seconds), exponential:MEAN, fixed:SECONDS, or "
-        "empirical:PATH[#COLUMN] (times read from a file and resampled with --seed; see below)",
-    ),
-    "train_step_seconds": ("SECONDS", "time one trainer step takes once it has its batch"),
-    "failure_rate": ("P", "probability that a group's generation fails"),
-    "failure_strategy": (None, "evict failed groups (and dispatch replacements) or train on them"),
-    "filter_pass_rate": (
-        "P",
-        "probability that a finished group passes the buffer's zero_variance filter (drawn per prompt "
-        "with --seed): below 1 the buffer is built with filters=[zero_variance('score')] and a group's "
-        "trajectories score all the same with probability 1 - P, so it is filtered as it finishes and "
-        f"frees its admission slot; at least {MIN_FILTER_PASS_RATE:g}, with group-size at least 2",
-    ),
-    "tasks": (
-        "SPECS",
-        "a mixed run: NAME:WEIGHT[:LATENCY] entries separated by ';', e.g. "
-        "'math:0.5:lognormal:3.4,1;code:0.5:lognormal:4.0,1.2' (LATENCY as for --latency, which a "
-        "task without one takes); the weights are the buffer's SamplerConfig.mixture (tag 'task'), "
-        "and the report adds each task's trained share and staleness",
-    ),
-    "mixture_policy": (
-        None,
-        "with --tasks: the buffer's mixture_policy, wait (every batch waits for each task's quota) or "
-        "borrow (a short task's quota is filled from the others, and paid back)",
-    ),
-    "seed": ("N", "random seed"),
-    "tokens_per_second": (
-        "TPS",
-        "with --in-flight-updates: decoding speed of one trajectory; a group's longest trajectory has "
-        f"generation-time * TPS tokens (at most {MAX_TRAJECTORY_TOKENS}), "
-        f"TPS at most {MAX_TOKENS_PER_SECOND:g}",
-    ),
-    "chunk_tokens": (
-        "N",
-        "with --in-flight-updates: tokens a worker decodes between two looks at the weights version, "
-        f"at most {MAX_CHUNK_TOKENS}",
-    ),
+#: The options that mean something only with one of some others (``--in-flight-updates``,
+#: ``--tasks``, ``--token-budget``): given without them, they are refused rather than ignored.
+_ONLY_WITH: dict[str, tuple[str, ...]] = {
+    "tokens_per_second": ("in_flight_updates", "token_budget"),
+    "chunk_tokens": ("in_flight_updates",),
+    "mixture_policy": ("tasks",),
+    "prompt_tokens": ("token_budget",),
+    "max_response_tokens": ("token_budget",),
+    "batch_by": ("token_budget",),
 }
+#: The options that cannot be used together, and why.
+_NOT_WITH = {
+    (
+        "token_budget",
+        "tasks",
+    ): "the buffer refuses token budgets under a task mixture, whose quotas count groups",
+    ("token_budget", "in_flight_updates"): "token counts with in-flight updates are not supported yet",
+}
+#: The options absent from the namespace unless given: those above, ``--tasks`` and ``--token-budget``.
+_GIVEN_ONLY = (*_ONLY_WITH, "tasks", "token_budget")
 
 
 class _UsageError(Exception):
@@ -161,6 +95,8 @@ def _parse_as(kind: object) -> dict[str, Any]:
         return {"type": _latency_option}
     if TaskMix in get_args(kind):  # TaskMix | None
         return {"type": _tasks_option}
+    if int in get_args(kind):  # int | None
+        return {"type": int}
     if kind in (int, float):
         return {"type": kind}
     raise TypeError(f"no command-line form for a SimulationConfig field of type {kind!r}")
@@ -200,7 +136,7 @@ def _build_parser() -> _Parser:
     )
     _add_run_choices(sim)
     types = get_type_hints(SimulationConfig)
-    for name, (metavar, help_text) in _FIELD_OPTIONS.items():
+    for name, (metavar, help_text) in FIELD_OPTIONS.items():
         default = getattr(_DEFAULTS, name)
         if name in _GIVEN_ONLY:  # absent unless given, so that one given alone is refused
             if default is not None:
@@ -229,6 +165,13 @@ def _add_run_choices(sim: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="run without (off) or with (on) admission control, or both, for each strategy "
         "(default: both; on with --in-flight-updates)",
+    )
+    sim.add_argument(
+        "--batch-by",
+        choices=("groups", "tokens", "both"),
+        default=argparse.SUPPRESS,
+        help="with --token-budget: batches of batch-size groups (tokens only counted), of K tokens, or "
+        "both, for each strategy and admission (default: tokens)",
     )
     sim.add_argument(
         "--in-flight-updates",
@@ -354,23 +297,32 @@ def _configs(args: argparse.Namespace) -> list[SimulationConfig]:
     """Build the config of each run, strategy by strategy, without admission first; a value the
     config rejects is a usage error, and so is an in-flight option without --in-flight-updates."""
     in_flight: bool = getattr(args, "in_flight_updates", False)
-    values = {name: getattr(args, name) for name in _FIELD_OPTIONS if hasattr(args, name)}
-    for name in _IN_FLIGHT_OPTIONS:
-        if name in values and not in_flight:
+    values = {name: getattr(args, name) for name in FIELD_OPTIONS if hasattr(args, name)}
+    given = {name for name in (*FIELD_OPTIONS, "in_flight_updates", "batch_by") if hasattr(args, name)}
+    for name, needs in _ONLY_WITH.items():
+        if name in given and not given.intersection(needs):
             raise _UsageError(
-                f"stalebuf simulate: error: argument {_flag(name)}: only with --in-flight-updates"
+                f"stalebuf simulate: error: argument {_flag(name)}: only with "
+                + " or ".join(map(_flag, needs))
             )
-    for name in _MIXTURE_OPTIONS:
-        if name in values and "tasks" not in values:
-            raise _UsageError(f"stalebuf simulate: error: argument {_flag(name)}: only with --tasks")
+    for (name, other), why in _NOT_WITH.items():
+        if {name, other} <= given:
+            raise _UsageError(
+                f"stalebuf simulate: error: argument {_flag(name)}: not with {_flag(other)} ({why})"
+            )
     strategies = _strategies(args.strategy, in_flight)
     admission = getattr(args, "admission", "on" if in_flight else "both")
     admissions = tuple(_ADMISSION.values()) if admission == "both" else (_ADMISSION[admission],)
+    batch_by = getattr(args, "batch_by", "tokens" if "token_budget" in given else "groups")
+    units: tuple[BatchBy, ...] = get_args(BatchBy) if batch_by == "both" else (batch_by,)
     try:
         return [
-            SimulationConfig(strategy=strategy, admission=choice, in_flight_updates=in_flight, **values)
+            SimulationConfig(
+                strategy=strategy, admission=choice, in_flight_updates=in_flight, batch_by=unit, **values
+            )
             for strategy in strategies
             for choice in admissions
+            for unit in units
         ]
     except ConfigError as exc:
         raise _UsageError(f"stalebuf simulate: error: {_option_at_fault(values)}{exc}") from None
@@ -381,7 +333,10 @@ def _option_at_fault(values: dict[str, Any]) -> str:
     (a rule about several fields names them in its message)."""
     for name, value in values.items():
         try:
-            attrs.evolve(_DEFAULTS, **{name: value})
+            if name == "token_budget":  # alone it samples by tokens (evolve keeps the defaults' unit)
+                attrs.evolve(_DEFAULTS, token_budget=value, batch_by="tokens")
+            else:
+                attrs.evolve(_DEFAULTS, **{name: value})
         except ConfigError:
             return f"argument {_flag(name)}: "
     return ""

@@ -37,6 +37,15 @@ its task's generation time; without admission each task keeps its share of the d
 prompts, with admission each worker serves one task. The result then says what the filter did
 (:class:`FilterSummary`) and what each task got (:class:`TaskSummary`).
 
+With ``token_budget`` (``--token-budget K``) every trajectory is put with ``tokens=``: the
+prompt's ``prompt_tokens`` plus a response drawn from the group's generation time (times
+``tokens_per_second``, cut at ``max_response_tokens``). With ``batch_by="tokens"`` (its default)
+the trainer calls ``sample(g, token_budget=K)``, admission counts tokens
+(``admission_token_budget``, ``max_tokens_per_group``), and without admission the trainer keeps
+prompts of ``K * (1 + dispatch_ahead)`` tokens dispatched; ``batch_by="groups"`` only counts the
+tokens of count batches. The result then holds the trainer's work in tokens
+(:class:`TokenBatchSummary`).
+
 It runs on trio's virtual clock (``trio.testing.MockClock(autojump_threshold=0)``), so
 simulated hours take seconds, and every random draw is made in dispatch order (admission
 order, with admission) from one ``random.Random(seed)`` (the filter's pass draws from a second
@@ -48,12 +57,15 @@ simulation runs.
 The package reads top-down: :mod:`._bounds` (what it accepts, and why), :mod:`._latency`
 (generation-time distributions, parametric, fitted or read from a file by :mod:`._empirical`),
 :mod:`._tasks` (the tasks of a mixed run), :mod:`._config` (the validated settings),
+:mod:`._lengths` (the tokens of a group's trajectories), :mod:`._prompt` (a dispatched prompt),
 :mod:`._filter_draws` (the scores the filter judges), :mod:`._weights` and :mod:`._decoding` (which weights
 the workers serve when, and the versions of what they decode, with in-flight updates),
 :mod:`._model` (the simulation), :mod:`._result` (what a run returns), :mod:`._token_ledger`
-(where the tokens went, with in-flight updates), :mod:`._mix_summary` (the filter's and each
+(where the tokens went, with in-flight updates), :mod:`._token_work` (the tokens put and trained,
+with a token budget), :mod:`._mix_summary` (the filter's and each
 task's share), :mod:`._text` (the pieces of a text report),
-:mod:`._mix_report` (the rows of the filter and the tasks), and :mod:`._report` and
+:mod:`._mix_report` (the rows of the filter and the tasks), :mod:`._token_report` (those of
+token counts), and :mod:`._report` and
 :mod:`._versions_report` (the text reports and the plot that
 ``stalebuf simulate`` prints and writes).
 """
@@ -72,6 +84,7 @@ from ._result import (
     StalenessSummary,
     StepRecord,
     TaskSummary,
+    TokenBatchSummary,
     TokenSummary,
 )
 from ._tasks import SimulatedTask, TaskMix
@@ -89,6 +102,7 @@ __all__ = [
     "StepRecord",
     "TaskMix",
     "TaskSummary",
+    "TokenBatchSummary",
     "TokenSummary",
     "format_report",
     "simulate",

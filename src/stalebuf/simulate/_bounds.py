@@ -16,6 +16,7 @@ __all__ = [
     "MAX_SECONDS",
     "MAX_STEP_TRAJECTORIES",
     "MAX_TOKENS_PER_SECOND",
+    "MAX_TOKEN_BUDGET",
     "MAX_TRAJECTORY_TOKENS",
     "MAX_WORKERS",
     "MIN_FILTER_PASS_RATE",
@@ -53,6 +54,9 @@ MAX_TOKENS_PER_SECOND = 1e6
 #: of ``MAX_STEP_TRAJECTORIES`` trajectories keep every token total of a batch, which the buffer
 #: sums in int64, below 2**63.
 MAX_TRAJECTORY_TOKENS = 2**32
+#: The largest ``token_budget``: with the most groups a batch may hold (``MAX_BATCH_SIZE``, which
+#: the config checks against the mean group's tokens), every token total stays below 2**63.
+MAX_TOKEN_BUDGET = 2**48
 #: The largest chunk, in tokens: a chunk of a whole trajectory (or more) is the engine that never
 #: takes new weights mid-generation.
 MAX_CHUNK_TOKENS = MAX_TRAJECTORY_TOKENS

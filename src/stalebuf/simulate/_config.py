@@ -8,7 +8,8 @@ message names the field. The command line derives its ``simulate`` options from 
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import math
+from typing import Any, Literal, cast, get_args
 
 import attrs
 
@@ -21,16 +22,20 @@ from ._bounds import (
     MAX_GROUP_SIZE,
     MAX_SECONDS,
     MAX_STEP_TRAJECTORIES,
+    MAX_TOKEN_BUDGET,
     MAX_TOKENS_PER_SECOND,
+    MAX_TRAJECTORY_TOKENS,
     MAX_WORKERS,
     MIN_FILTER_PASS_RATE,
 )
 from ._latency import LATENCY_KINDS, Latency, LatencyKind
+from ._lengths import SHORTEST
 from ._tasks import TaskMix
 
 __all__ = [
     "LATENCY_KINDS",
     "PLAIN_STRATEGIES",
+    "BatchBy",
     "FailureStrategy",
     "Latency",
     "LatencyKind",
@@ -46,6 +51,8 @@ PLAIN_STRATEGIES: tuple[Strategy, ...] = ("drop", "wait")
 # The simulator's default is "evict" (the buffer's is "sample"), so it lists "evict" first.
 FailureStrategy = Literal["evict", "sample"]
 MixturePolicy = Literal["wait", "borrow"]
+#: What the trainer sizes its batches by: ``batch_size`` groups, or ``token_budget`` tokens.
+BatchBy = Literal["groups", "tokens"]
 #: The tag of a trajectory's score, which the run's ``zero_variance`` filter reads.
 SCORE_TAG = "score"
 
@@ -70,6 +77,16 @@ def _as_float(value: object) -> object:
 _IN_FLIGHT_FIELDS = ("in_flight_updates", "tokens_per_second", "chunk_tokens")
 #: The settings of a task mixture: :meth:`SimulationConfig.to_dict` leaves them out without one.
 _MIXTURE_FIELDS = ("tasks", "mixture_policy")
+#: The settings of token counts: :meth:`SimulationConfig.to_dict` leaves them out without a
+#: ``token_budget``.
+_TOKEN_FIELDS = ("token_budget", "batch_by", "prompt_tokens", "max_response_tokens")
+
+
+def _check_token_budget(_instance: object, _attribute: object, value: Any) -> None:
+    if value is not None and (type(value) is not int or not 1 <= value <= MAX_TOKEN_BUDGET):
+        raise ConfigError(
+            f"token_budget must be None or an int from 1 to {MAX_TOKEN_BUDGET}, got {describe(value)}"
+        )
 
 
 def _check_tasks(_instance: object, _attribute: object, value: Any) -> None:
@@ -133,6 +150,25 @@ class SimulationConfig:
             admission, of ``workers``) must be at least 1.
         mixture_policy: the buffer's ``mixture_policy``, "wait" or "borrow"; "borrow" only
             with ``tasks``.
+        token_budget: None, or the tokens ``K`` of a token batch, in ``[1, MAX_TOKEN_BUDGET]``:
+            every trajectory is then put with ``tokens=``, ``prompt_tokens`` plus its response's
+            tokens, drawn by :class:`~._lengths.TrajectoryLengths` (the group's longest response
+            has ``round(seconds * tokens_per_second)`` tokens, cut at ``max_response_tokens``),
+            and the result counts the tokens of each step. Not with ``tasks`` (the buffer refuses
+            token budgets under a mixture) nor ``in_flight_updates``.
+        batch_by: "tokens" (the default with a ``token_budget``): the trainer calls
+            ``sample(g, token_budget=K)``, with admission the buffer counts tokens
+            (``admission_token_budget=K``, ``max_tokens_per_group`` the bound of
+            :attr:`max_tokens_per_group`), and without admission the trainer keeps prompts of
+            :attr:`token_dispatch_budget` tokens dispatched; or "groups" (the default without):
+            batches of ``batch_size`` groups, the tokens only counted, so that one report can put
+            both side by side.
+        prompt_tokens: with ``token_budget``, the tokens of each trajectory's prompt, in
+            ``[0, MAX_TRAJECTORY_TOKENS]``.
+        max_response_tokens: with ``token_budget``, the longest response the engine generates
+            (its ``max_tokens``), in ``[1, MAX_TRAJECTORY_TOKENS]``: a response the latency would
+            make longer is cut there (the generation time is not), so no group exceeds
+            :attr:`max_tokens_per_group`, whatever the latency (a lognormal is unbounded).
 
     Raises:
         ConfigError: on construction, for any invalid value (the message names the field), if
@@ -180,6 +216,18 @@ class SimulationConfig:
     mixture_policy: MixturePolicy = attrs.field(
         default="wait", validator=one_of("mixture_policy", get_args(MixturePolicy))
     )
+    token_budget: int | None = attrs.field(default=None, validator=_check_token_budget)
+    batch_by: BatchBy = attrs.field(validator=one_of("batch_by", get_args(BatchBy)))
+    prompt_tokens: int = attrs.field(
+        default=256, validator=_int_in("prompt_tokens", 0, MAX_TRAJECTORY_TOKENS)
+    )
+    max_response_tokens: int = attrs.field(
+        default=8192, validator=_int_in("max_response_tokens", 1, MAX_TRAJECTORY_TOKENS)
+    )
+
+    @batch_by.default
+    def _batch_by_default(self) -> BatchBy:
+        return "groups" if self.token_budget is None else "tokens"
 
     @latency.validator
     def _check_latency(self, _attribute: object, value: object) -> None:
@@ -200,6 +248,36 @@ class SimulationConfig:
                 "drop without in-flight eviction"
             )
         self._check_mixture_and_filter()
+        self._check_tokens()
+
+    def _check_tokens(self) -> None:
+        """The rules of token counts across fields."""
+        budget = self.token_budget
+        if budget is None:
+            if self.batch_by == "tokens":
+                raise ConfigError("batch_by 'tokens' needs a token_budget (the tokens of a batch)")
+            return
+        for other, why in (
+            ("tasks", "the buffer refuses token budgets under a task mixture, whose quotas count groups"),
+            ("in_flight_updates", "their trajectories count the tokens they decode, without a prompt"),
+        ):
+            if getattr(self, other) not in (None, False):
+                raise ConfigError(f"token_budget cannot be used with {other}: {why}")
+        if not self.token_batches:
+            return
+        bound = self.max_tokens_per_group
+        if self.admission and budget < bound:
+            raise ConfigError(
+                f"token_budget {budget} is below max_tokens_per_group = group_size * (prompt_tokens + "
+                f"max_response_tokens) = {bound}: with admission a step must admit at least one group "
+                "(raise token_budget, or lower max_response_tokens)"
+            )
+        groups = budget / self.mean_group_tokens
+        if groups > MAX_BATCH_SIZE:
+            raise ConfigError(
+                f"token_budget {budget} holds about {groups:.0f} groups of the mean latency's "
+                f"{self.mean_group_tokens:.0f} tokens: at most {MAX_BATCH_SIZE} groups per batch"
+            )
 
     def _check_mixture_and_filter(self) -> None:
         """The rules of the filter and the task mixture across fields."""
@@ -225,8 +303,37 @@ class SimulationConfig:
 
     @property
     def label(self) -> str:
-        """The run's name in reports: the strategy, plus ``"+admission"`` with admission."""
-        return f"{self.strategy}+admission" if self.admission else self.strategy
+        """The run's name in reports: the strategy, plus ``"+admission"`` with admission and
+        ``"+tokens"`` with token batches."""
+        label = f"{self.strategy}+admission" if self.admission else self.strategy
+        return f"{label}+tokens" if self.token_batches else label
+
+    @property
+    def token_batches(self) -> bool:
+        """Whether the trainer samples by tokens (``batch_by == "tokens"``)."""
+        return self.batch_by == "tokens"
+
+    @property
+    def max_tokens_per_group(self) -> int:
+        """The most tokens a group may have, ``group_size * (prompt_tokens +
+        max_response_tokens)``: the buffer's ``max_tokens_per_group`` under token admission."""
+        return self.group_size * (self.prompt_tokens + self.max_response_tokens)
+
+    @property
+    def mean_group_tokens(self) -> float:
+        """About how many tokens a group of the latency's mean generation time has (its other
+        responses average ``(1 + SHORTEST) / 2`` of its longest)."""
+        longest = min(self.max_response_tokens, max(1.0, self.latency.mean * self.tokens_per_second))
+        others = (self.group_size - 1) * longest * (1.0 + SHORTEST) / 2.0
+        return self.group_size * self.prompt_tokens + longest + others
+
+    @property
+    def token_dispatch_budget(self) -> int:
+        """How many tokens the trainer keeps dispatched without admission under token batches:
+        ``ceil(token_budget * (1 + dispatch_ahead))`` (0 without a token budget)."""
+        if self.token_budget is None:
+            return 0
+        return math.ceil(self.token_budget * (1.0 + self.dispatch_ahead))
 
     @property
     def dispatch_budget(self) -> int:
@@ -236,10 +343,18 @@ class SimulationConfig:
 
     @property
     def capacity(self) -> int | None:
-        """The buffer's bound on resident groups with admission, ``T * S * B``; else None."""
-        if not self.admission:
+        """The buffer's bound on resident groups with group admission, ``T * S * B``; else None
+        (without admission, or with token admission, whose bound is :attr:`capacity_tokens`)."""
+        if not self.admission or self.token_batches:
             return None
         return self.threshold * self.parameter_sync_step * self.batch_size
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """The buffer's bound on resident tokens with token admission, ``T * S * K``; else None."""
+        if not (self.admission and self.token_batches):
+            return None
+        return self.threshold * self.parameter_sync_step * cast(int, self.token_budget)
 
     @property
     def filtering(self) -> bool:
@@ -272,25 +387,38 @@ class SimulationConfig:
         mixture: dict[str, Any] = {}
         if self.tasks is not None:
             mixture = {"mixture": self.tasks.weights(), "mixture_policy": self.mixture_policy}
+        admission: dict[str, Any] = {"admission_batch_size": self.batch_size if self.admission else None}
+        if self.admission and self.token_batches:  # admission counts tokens
+            admission = {
+                "admission_token_budget": self.token_budget,
+                "max_tokens_per_group": self.max_tokens_per_group,
+            }
         return SamplerConfig(
             max_off_policy_threshold=self.threshold,
             max_off_policy_strategy=self.strategy,
             parameter_sync_step=self.parameter_sync_step,
             failure_strategy=self.failure_strategy,
-            admission_batch_size=self.batch_size if self.admission else None,
             evict_stale_in_flight=self.admission and self.strategy == "drop",
+            **admission,
             **mixture,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the settings as JSON-ready values (the latency as its spec string); the
         settings of in-flight updates only when they are on, the filter's only when it filters and
-        the mixture's only with tasks, so that a run without them writes what it wrote before
-        they existed."""
+        the mixture's only with tasks, the token counts' only with a token budget, so that a run
+        without them writes what it wrote before they existed."""
         values = attrs.asdict(self, recurse=False)
         if not self.in_flight_updates:
             for name in _IN_FLIGHT_FIELDS:
+                if name != "tokens_per_second" or self.token_budget is None:
+                    del values[name]
+        if self.token_budget is None:
+            for name in _TOKEN_FIELDS:
                 del values[name]
+        else:
+            values["max_tokens_per_group"] = self.max_tokens_per_group
+            values["capacity_tokens"] = self.capacity_tokens
         if not self.filtering:
             del values["filter_pass_rate"]
         if self.tasks is None:

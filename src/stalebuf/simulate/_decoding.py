@@ -12,58 +12,47 @@ instant: a worker sleeps once for its whole generation and reads them when it pu
 was stopped early, the ledger reads those of its decoded prefix). That is the worker that wakes at
 every chunk, at the cost of one wake-up per group.
 
-Trajectory lengths are drawn from an RNG of their own, so that turning in-flight updates on
-leaves every prompt's length and fate as the run's main RNG draws them.
+Trajectory lengths are drawn by :class:`~._lengths.TrajectoryLengths`, from an RNG of their own,
+so that turning in-flight updates on leaves every prompt's length and fate as the run's main RNG
+draws them.
 """
 
 from __future__ import annotations
 
 import math
-import random
 
 from ._bounds import MAX_TRAJECTORY_TOKENS
 from ._config import SimulationConfig
+from ._lengths import SHORTEST, TrajectoryLengths
 from ._weights import WeightPushes
 
 __all__ = ["SHORTEST", "Decoder", "Segments"]
 
 Segments = tuple[tuple[int, int], ...]
 
-#: A group's other trajectories have from ``SHORTEST`` times its longest one's tokens to as many
-#: (uniformly): they finish earlier, so their newest tokens are older than the longest one's.
-SHORTEST = 0.25
-
 
 class Decoder:
     """The rollout side of in-flight weight updates: each prompt's trajectory lengths, the
     weight pushes, and the versions of what a worker decoded."""
 
-    __slots__ = ("chunk", "group_size", "pushes", "rng", "sync_step", "task_rngs", "tokens_per_second")
+    __slots__ = ("chunk", "draws", "pushes", "sync_step")
 
     def __init__(self, config: SimulationConfig) -> None:
         self.chunk = config.chunk_tokens
-        self.group_size = config.group_size
         self.sync_step = config.parameter_sync_step
-        self.tokens_per_second = config.tokens_per_second
         self.pushes = WeightPushes()
-        # A string seed is hashed the same way on every platform and Python version.
-        self.rng = random.Random(f"stalebuf simulate trajectory lengths {config.seed}")
-        # With tasks, one stream per task, drawn in that task's own dispatch order (the order
-        # prompts of different tasks are dispatched in is trio's).
-        names = () if config.tasks is None else config.tasks.names
-        self.task_rngs = {
-            name: random.Random(f"stalebuf simulate trajectory lengths {config.seed} {name}")
-            for name in names
-        }
+        self.draws = TrajectoryLengths(
+            group_size=config.group_size,
+            tokens_per_second=config.tokens_per_second,
+            cap=MAX_TRAJECTORY_TOKENS,
+            seed=config.seed,
+            tasks=() if config.tasks is None else config.tasks.names,
+        )
 
     def lengths(self, seconds: float, task: str | None = None) -> tuple[int, ...]:
         """Draw the token counts of a group (of ``task``) generated in ``seconds``, its longest
-        first."""
-        longest = min(MAX_TRAJECTORY_TOKENS, max(1, round(seconds * self.tokens_per_second)))
-        draw = (self.rng if task is None else self.task_rngs[task]).random
-        spread = 1.0 - SHORTEST
-        others = [max(1, round(longest * (SHORTEST + spread * draw()))) for _ in range(self.group_size - 1)]
-        return (longest, *others)
+        first (at most ``MAX_TRAJECTORY_TOKENS`` each)."""
+        return self.draws.draw(seconds, task)
 
     def trained(self, step: int, ends_at: float) -> None:
         """Announce the push that follows train step ``step``, which ends at ``ends_at``: version

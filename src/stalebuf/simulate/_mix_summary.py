@@ -20,7 +20,7 @@ __all__ = ["SummarisedPrompt", "filter_summary", "task_summaries"]
 
 
 class SummarisedPrompt(Protocol):
-    """What the summaries read of a dispatched prompt (the model's ``_Prompt``)."""
+    """What the summaries read of a dispatched prompt (:class:`~._prompt.Prompt`)."""
 
     @property
     def fate(self) -> str | None: ...

@@ -13,10 +13,9 @@ import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import anyio
-import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..errors import ConfigError, MissingDependencyError
@@ -26,8 +25,11 @@ from ._config import SimulationConfig
 from ._decoding import Decoder
 from ._filter_draws import FilterDraws
 from ._mix_summary import filter_summary, task_summaries
+from ._prompt import Fate, Prompt
 from ._result import LengthBias, SimulationResult, StalenessSummary, StepRecord
+from ._tasks import interleave
 from ._token_ledger import TokenLedger
+from ._token_work import TokenWork
 
 if TYPE_CHECKING:
     import trio
@@ -35,56 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["ProgressCallback", "simulate"]
 
 ProgressCallback = Callable[[int, int], object]
-_Fate = Literal["trained", "stale", "failure", "filtered"]
 #: The fate of a prompt evicted for each reason the buffer gives (any other: a failure).
-_EVICTED_AS: dict[str, _Fate] = {"stale": "stale", "filtered": "filtered"}
-
-
-class _Prompt:
-    """A dispatched prompt; everything random about it is drawn at dispatch."""
-
-    __slots__ = (
-        "decoded",
-        "dispatch_step",
-        "done",
-        "evicted_step",
-        "fail_after",
-        "failed",
-        "fate",
-        "finished",
-        "lengths",
-        "passes",
-        "put_tokens",
-        "seconds",
-        "spent",
-        "started",
-        "task",
-        "trained_step",
-        "uid",
-    )
-
-    def __init__(
-        self, uid: str, dispatch_step: int, seconds: float, fail_after: float | None, task: str | None
-    ) -> None:
-        self.uid = uid
-        self.task = task  # with tasks: its task, its group's "task" tag
-        self.dispatch_step = dispatch_step
-        self.seconds = seconds  # its length: the full generation time
-        self.fail_after = fail_after  # None: it finishes; else it fails after this long
-        self.started: float | None = None  # when a worker took it
-        self.spent = 0.0  # generation time spent on it, once done
-        self.done = False
-        self.failed = False  # it failed part-way (not: it was evicted in flight before failing)
-        self.finished = False  # it finished generating: its group became FINISHED (and was judged)
-        self.passes = True  # when filtering: whether its trajectories get distinct scores
-        self.fate: _Fate | None = None
-        self.trained_step = -1
-        self.evicted_step = -1
-        # With in-flight weight updates: its trajectories' token counts (the longest first), the
-        # tokens of each decoded once it stopped (-1 before), and the tokens it put.
-        self.lengths: tuple[int, ...] = ()
-        self.decoded = -1
-        self.put_tokens = 0
+_EVICTED_AS: dict[str, Fate] = {"stale": "stale", "filtered": "filtered"}
 
 
 class _GenerationFailed(Exception):
@@ -102,15 +56,15 @@ class _Run:
     # call, and anyio's memory stream creates an event per wait: together a sixth of a run.
     now: Callable[[], float]
     sleep: Callable[[float], Awaitable[None]]
-    send: trio.MemorySendChannel[_Prompt]  # the dispatch queue (without admission)
-    receive: trio.MemoryReceiveChannel[_Prompt]
+    send: trio.MemorySendChannel[Prompt]  # the dispatch queue (without admission)
+    receive: trio.MemoryReceiveChannel[Prompt]
 
     def __init__(self, config: SimulationConfig, progress: ProgressCallback | None) -> None:
         self.config = config
         self.progress = progress
         self.rng = random.Random(config.seed)
-        self.dispatched: list[_Prompt] = []
-        self.in_buffer: dict[str, _Prompt] = {}
+        self.dispatched: list[Prompt] = []
+        self.in_buffer: dict[str, Prompt] = {}
         self.max_resident = 0
         self.step_dropped = 0
         self.records: list[StepRecord] = []
@@ -134,13 +88,15 @@ class _Run:
             name: random.Random(f"stalebuf simulate task {config.seed} {name}") for name in names
         }
         self.task_tags = {name: {"task": name} for name in names}
-        self.worker_tasks = _interleave(config.tasks.split(config.workers)) if config.tasks else []
+        self.worker_tasks = interleave(config.tasks.split(config.workers)) if config.tasks else []
         # With in-flight weight updates: the chunked decoding and the token counts.
         self.decoder = Decoder(config) if config.in_flight_updates else None
         self.ledger = None if self.decoder is None else TokenLedger(config, self.decoder)
+        # With a token budget: the tokens of each trajectory, put with it, and of each step.
+        self.work = None if config.token_budget is None else TokenWork(config)
         self.produce = self.generate if self.decoder is None else self.decode
 
-    def new_prompt(self, uid: str, step: int, task: str | None = None) -> _Prompt:
+    def new_prompt(self, uid: str, step: int, task: str | None = None) -> Prompt:
         """Take a new prompt (of ``task``) from the dataset as ``uid``, tagged ``step``, and
         draw its fate."""
         config = self.config
@@ -148,11 +104,15 @@ class _Run:
         seconds = (config.latency if task is None else self.latencies[task]).sample(rng)
         fails = rng.random() < config.failure_rate
         fraction = rng.random()  # always drawn, so prompt k is the same whatever the failure rate
-        prompt = _Prompt(uid, step, seconds, seconds * fraction if fails else None, task)
+        prompt = Prompt(uid, step, seconds, seconds * fraction if fails else None, task)
         if self.draws is not None:  # from a stream of its own: the same prompts whatever the rate
             prompt.passes = self.draws.draw(task)
         if self.decoder is not None:
             prompt.lengths = self.decoder.lengths(seconds, task)
+        if self.work is not None:
+            prompt.lengths = self.work.draw(seconds)
+            prompt.planned_tokens = sum(prompt.lengths[: prompt.puts(config.group_size)])
+            self.work.dispatched(prompt.planned_tokens)
         self.dispatched.append(prompt)
         self.in_buffer[uid] = prompt
         self.max_resident = max(self.max_resident, len(self.in_buffer))
@@ -166,20 +126,38 @@ class _Run:
         self.buffer.add_prompt_nowait(prompt.uid, global_steps=step, tags=tags)
         self.send.send_nowait(prompt)
 
+    def refill(self, step: int, tasks: list[str | None]) -> None:
+        """Without admission: dispatch a prompt tagged ``step`` of each of ``tasks`` (the tasks
+        of the groups gone); under token batches, prompts until the dispatched ones hold the
+        run's ``token_dispatch_budget`` tokens (a batch of ``K`` tokens is then always in reach)."""
+        if self.config.token_batches:
+            while cast(TokenWork, self.work).short():
+                self.dispatch(step)
+            return
+        for task in tasks:
+            self.dispatch(step, task)
+
+    def leave(self, uid: str) -> Prompt:
+        """Take ``uid`` out of the groups in the buffer (it was trained or evicted)."""
+        prompt = self.in_buffer.pop(uid)
+        if self.work is not None:
+            self.work.left(prompt.put_tokens, prompt.planned_tokens)
+        return prompt
+
     def on_evict(self, event: EvictionEvent) -> None:
         """Record the evicted groups; without admission, dispatch one fresh prompt for each (of
         its task)."""
         fate = _EVICTED_AS.get(event.reason, "failure")
-        for group in event.groups:
-            prompt = self.in_buffer.pop(group.uid)
+        evicted = [self.leave(group.uid) for group in event.groups]
+        for prompt in evicted:
             prompt.fate = fate
             prompt.evicted_step = event.global_steps
-            if not self.config.admission:
-                self.dispatch(event.global_steps, prompt.task)
+        if not self.config.admission:
+            self.refill(event.global_steps, [prompt.task for prompt in evicted])
         if event.reason == "stale":
             self.step_dropped += len(event.groups)
 
-    async def generate(self, prompt: _Prompt, put: Callable[..., object]) -> bool:
+    async def generate(self, prompt: Prompt, put: Callable[..., object]) -> bool:
         """Spend the prompt's generation time and ``put`` its trajectories; return whether it
         finished (else it failed part-way, after putting some)."""
         prompt.started = self.now()
@@ -188,9 +166,12 @@ class _Run:
             await self.sleep(prompt.seconds)
         else:
             await self.sleep(prompt.fail_after)
-            n = int(n * prompt.fail_after / prompt.seconds)
+            n = prompt.puts(n)
             prompt.failed = True
-        if self.draws is None:
+        if self.work is not None:  # with the tokens of each, and scores when filtering
+            tags = None if self.draws is None else self.draws.tags(prompt.passes)
+            prompt.put_tokens = self.work.put(put, prompt.lengths[:n], tags)
+        elif self.draws is None:
             for session in range(n):
                 put(None, session_id=session)
         else:  # scored: the buffer's zero_variance filter judges the group as it finishes
@@ -200,7 +181,7 @@ class _Run:
         prompt.finished = not prompt.failed
         return prompt.finished
 
-    async def decode(self, prompt: _Prompt, put: Callable[..., object]) -> bool:
+    async def decode(self, prompt: Prompt, put: Callable[..., object]) -> bool:
         """With in-flight weight updates: decode the group in chunks (see :mod:`._decoding`) and
         ``put`` each trajectory it finished with the versions of its chunks; return whether it
         finished (else it failed part-way, after putting those it finished)."""
@@ -227,7 +208,7 @@ class _Run:
         prompt.finished = not prompt.failed
         return prompt.finished
 
-    def settle(self, prompt: _Prompt) -> None:
+    def settle(self, prompt: Prompt) -> None:
         """Record that a worker is done with ``prompt`` (finished, failed or evicted in flight)."""
         prompt.spent = self.now() - cast(float, prompt.started)
         prompt.done = True
@@ -261,7 +242,7 @@ class _Run:
             uid = f"r{self.rollouts}"
             self.rollouts += 1
             self.asking[index] = self.now()
-            prompt: _Prompt | None = None
+            prompt: Prompt | None = None
             try:
                 async with self.buffer.rollout(uid, tags=tags) as group:
                     # Admitted just now, in this step of the loop: draw the prompt in admission order.
@@ -279,9 +260,8 @@ class _Run:
         config = self.config
         refill = not config.admission
         if refill:
-            tasks: list[str | None] = [*_interleave(config.dispatch_split())]
-            for task in tasks or [None] * config.dispatch_budget:
-                self.dispatch(0, task)
+            tasks: list[str | None] = [*interleave(config.dispatch_split())]
+            self.refill(0, tasks or [None] * config.dispatch_budget)
         for step in range(config.steps):
             # Let every task due at this instant run first, so that a group finishing exactly
             # when a train step ends is in the buffer whatever order trio runs them in.
@@ -293,13 +273,14 @@ class _Run:
             if self.ledger is not None:
                 self.ledger.sampled(batch)
                 self.ledger.decoder.trained(step, self.now() + config.train_step_seconds)
-            trained = [self.in_buffer.pop(group.uid) for group in batch]
+            if self.work is not None:
+                self.work.sampled(batch)
+            trained = [self.leave(group.uid) for group in batch]
             for prompt in trained:
                 prompt.fate = "trained"
                 prompt.trained_step = step
             if refill:
-                for prompt in trained:
-                    self.dispatch(step, prompt.task)
+                self.refill(step, [prompt.task for prompt in trained])
             await self.sleep(config.train_step_seconds)
             train_end = self.now() - origin
             self.records.append(
@@ -316,8 +297,12 @@ class _Run:
                 self.progress(step + 1, config.steps)
 
     async def sample(self, step: int) -> Batch:
-        """``sample(step, batch_size)`` on the buffer: the batch."""
-        return (await self.buffer.sample(step, self.config.batch_size))[0]
+        """``sample(step, batch_size)`` (``sample(step, token_budget=K)`` under token batches) on
+        the buffer: the batch."""
+        config = self.config
+        if config.token_batches:
+            return (await self.buffer.sample(step, token_budget=config.token_budget))[0]
+        return (await self.buffer.sample(step, config.batch_size))[0]
 
     async def main(self) -> tuple[float, float]:
         """Run the workers and the trainer; return the virtual start and end times."""
@@ -326,7 +311,7 @@ class _Run:
         self.now, self.sleep = trio.current_time, trio.sleep
         origin = self.now()
         # Unbounded: the dispatch budget bounds it, and dispatching must never block.
-        self.send, self.receive = trio.open_memory_channel[_Prompt](math.inf)
+        self.send, self.receive = trio.open_memory_channel[Prompt](math.inf)
         with self.send, self.receive:
             async with anyio.create_task_group() as tg:
                 for index in range(self.config.workers):
@@ -362,7 +347,7 @@ class _Run:
                 lengths.append(prompt.seconds)
         return lengths
 
-    def in_order(self) -> list[_Prompt]:
+    def in_order(self) -> list[Prompt]:
         """The prompts in dispatch order; with tasks, task by task, each in its own dispatch
         order (the order prompts of different tasks were dispatched in is trio's, and float sums
         depend on the order they add in)."""
@@ -379,7 +364,7 @@ class _Run:
         if self.config.tasks is not None:
             common.sort()
             trained = sorted(trained)
-        return _length_bias(common, trained)
+        return LengthBias.between(common, trained)
 
     def result(self, origin: float, end: float) -> SimulationResult:
         """Summarise the finished run."""
@@ -435,32 +420,8 @@ class _Run:
             tokens=None if self.ledger is None else self.ledger.summary(prompts, end, simulated),
             filters=filter_summary(prompts) if config.filtering else None,
             tasks=task_summaries(config, prompts) if config.tasks is not None else None,
+            token_batches=None if self.work is None else self.work.summary(simulated),
         )
-
-
-def _interleave(counts: dict[str, int]) -> list[str]:
-    """Each name ``counts[name]`` times, spread evenly: the k-th of ``n`` at position
-    ``(k + 1/2) / n`` (ties by name), so every prefix holds each name about in proportion."""
-    slots = [((k + 0.5) / n, name) for name, n in counts.items() for k in range(n)]
-    return [name for _, name in sorted(slots)]
-
-
-def _length_bias(dispatched: list[float], trained: list[float]) -> LengthBias:
-    """Long prompts (at least the 75th percentile of ``dispatched``) among ``trained`` versus
-    ``dispatched``; the latter always holds one (its longest), so the ratio is always defined."""
-    everything = np.array(dispatched, dtype=np.float64)
-    chosen = np.array(trained, dtype=np.float64)
-    long_seconds = float(np.quantile(everything, 0.75))
-    share_all = float(np.mean(everything >= long_seconds))
-    share_trained = float(np.mean(chosen >= long_seconds))
-    return LengthBias(
-        long_seconds=long_seconds,
-        long_share_dispatched=share_all,
-        long_share_trained=share_trained,
-        ratio=share_trained / share_all,
-        mean_seconds_dispatched=float(everything.mean()),
-        mean_seconds_trained=float(chosen.mean()),
-    )
 
 
 def simulate(config: SimulationConfig, *, progress: ProgressCallback | None = None) -> SimulationResult:

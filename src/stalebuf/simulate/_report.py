@@ -14,6 +14,7 @@ from ..errors import MissingDependencyError
 from ._mix_report import mix_rows
 from ._result import SimulationResult, StalenessSummary
 from ._text import Row, duration, header, percent, seconds, table
+from ._token_report import token_header, token_rows
 from ._versions_report import format_versions_report
 
 __all__ = ["PLOT_FORMATS", "format_report", "plot_format", "require_matplotlib", "write_plot"]
@@ -53,9 +54,10 @@ def format_report(results: Sequence[SimulationResult]) -> str:
             lambda r: percent(r.length_bias.long_share_trained),
         ),
         ("  vs dispatched (1.00x = no bias)", lambda r: f"{r.length_bias.ratio:.2f}x"),
+        *token_rows(results),
         *mix_rows(results),
     ]
-    lines = [*header(results), *table(results, rows)]
+    lines = [*header(results, *token_header(results)), *table(results, rows)]
     if len(results) >= 2:
         lines += ["", *_verdict(results)]
     return "\n".join(lines)

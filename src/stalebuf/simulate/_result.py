@@ -21,6 +21,7 @@ __all__ = [
     "StalenessSummary",
     "StepRecord",
     "TaskSummary",
+    "TokenBatchSummary",
     "TokenSummary",
 ]
 
@@ -92,6 +93,24 @@ class LengthBias:
     ratio: float
     mean_seconds_dispatched: float
     mean_seconds_trained: float
+
+    @classmethod
+    def between(cls, dispatched: list[float], trained: list[float]) -> LengthBias:
+        """Long prompts (at least the 75th percentile of ``dispatched``) among ``trained`` versus
+        ``dispatched``; the latter always holds one (its longest), so the ratio is always defined."""
+        everything = np.array(dispatched, dtype=np.float64)
+        chosen = np.array(trained, dtype=np.float64)
+        long_seconds = float(np.quantile(everything, 0.75))
+        share_all = float(np.mean(everything >= long_seconds))
+        share_trained = float(np.mean(chosen >= long_seconds))
+        return cls(
+            long_seconds=long_seconds,
+            long_share_dispatched=share_all,
+            long_share_trained=share_trained,
+            ratio=share_trained / share_all,
+            mean_seconds_dispatched=float(everything.mean()),
+            mean_seconds_trained=float(chosen.mean()),
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -233,6 +252,48 @@ class TaskSummary:
         return values
 
 
+@attrs.frozen(kw_only=True)
+class TokenBatchSummary:
+    """The trainer's work in tokens, in a run with a ``token_budget`` ``K`` (by token or count
+    batches).
+
+    Attributes:
+        trained_tokens: the tokens of every batch the trainer received.
+        trained_tokens_per_hour: ``trained_tokens`` per simulated hour.
+        tokens_per_step_mean: the mean tokens of a batch.
+        tokens_per_step_cv: their coefficient of variation (population standard deviation over
+            mean): how much the trainer's per-step work varies.
+        groups_per_step_mean, groups_per_step_cv: the same for the groups of a batch (a
+            constant ``batch_size`` with count batches, so a CV of 0).
+        fill_mean, fill_min: the mean and the least of a batch's tokens over ``K``.
+        batches_over_budget: batches of more than ``K`` tokens (with token batches, those that
+            end with a group alone over ``K``).
+        max_resident_tokens: the most tokens put by the groups in the buffer at once.
+        cut_groups_fraction: the share of dispatched groups whose longest response was cut at
+            ``max_response_tokens``.
+        step_tokens: the tokens of each step's batch.
+    """
+
+    trained_tokens: int
+    trained_tokens_per_hour: float
+    tokens_per_step_mean: float
+    tokens_per_step_cv: float
+    groups_per_step_mean: float
+    groups_per_step_cv: float
+    fill_mean: float
+    fill_min: float
+    batches_over_budget: int
+    max_resident_tokens: int
+    cut_groups_fraction: float
+    step_tokens: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return every number as JSON-ready values (``step_tokens`` as a list)."""
+        values = attrs.asdict(self, recurse=False)
+        values["step_tokens"] = list(self.step_tokens)
+        return values
+
+
 def _staleness_dict(summary: StalenessSummary, unit: str) -> dict[str, Any]:
     values = attrs.asdict(summary)
     values["histogram"] = [{"staleness": s, unit: n} for s, n in summary.histogram]
@@ -270,6 +331,7 @@ class SimulationResult:
         tokens: with in-flight weight updates, where the generated tokens went; else None.
         filters: with ``filter_pass_rate`` below 1, what the filter did; else None.
         tasks: with ``tasks``, one summary per task, in the order given; else None.
+        token_batches: with a ``token_budget``, the trainer's work in tokens; else None.
     """
 
     config: SimulationConfig
@@ -294,14 +356,16 @@ class SimulationResult:
     tokens: TokenSummary | None = None
     filters: FilterSummary | None = None
     tasks: tuple[TaskSummary, ...] | None = None
+    token_batches: TokenBatchSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return every number as JSON-ready values (the steps as parallel lists; ``tokens``
-        only with in-flight updates, ``filters`` only when filtering, ``tasks`` only with tasks)."""
+        only with in-flight updates, ``filters`` only when filtering, ``tasks`` only with tasks,
+        ``token_batches`` only with a token budget)."""
         values: dict[str, Any] = {
             field.name: getattr(self, field.name)
             for field in attrs.fields(SimulationResult)
-            if field.name not in ("config", "staleness", "length_bias", "steps", "tokens", "filters", "tasks")
+            if field.name not in _NESTED
         }
         staleness = attrs.asdict(self.staleness)
         staleness["histogram"] = [{"staleness": s, "groups": n} for s, n in self.staleness.histogram]
@@ -317,4 +381,9 @@ class SimulationResult:
             **({} if self.tokens is None else {"tokens": self.tokens.to_dict()}),
             **({} if self.filters is None else {"filters": attrs.asdict(self.filters)}),
             **({} if self.tasks is None else {"tasks": {task.name: task.to_dict() for task in self.tasks}}),
+            **({} if self.token_batches is None else {"token_batches": self.token_batches.to_dict()}),
         }
+
+
+#: The fields of :class:`SimulationResult` that ``to_dict`` writes in a form of their own.
+_NESTED = ("config", "staleness", "length_bias", "steps", "tokens", "filters", "tasks", "token_batches")

@@ -25,7 +25,7 @@ from .._validation import describe
 from ..errors import ConfigError
 from ._latency import Latency, _short
 
-__all__ = ["MAX_TASKS", "SimulatedTask", "TaskMix"]
+__all__ = ["MAX_TASKS", "SimulatedTask", "TaskMix", "interleave"]
 
 #: The most tasks a mixed run may have: every batch holds at least one group of each, so a run
 #: with more tasks than this would need batches of that many groups anyway.
@@ -150,6 +150,13 @@ class TaskMix:
         order given."""
         split = quotas(normalised(self.weights()), count)
         return {name: split[name] for name in self.names}
+
+
+def interleave(counts: dict[str, int]) -> list[str]:
+    """Each name ``counts[name]`` times, spread evenly: the k-th of ``n`` at position
+    ``(k + 1/2) / n`` (ties by name), so every prefix holds each name about in proportion."""
+    slots = [((k + 0.5) / n, name) for name, n in counts.items() for k in range(n)]
+    return [name for _, name in sorted(slots)]
 
 
 def _parse_entry(entry: str) -> SimulatedTask:

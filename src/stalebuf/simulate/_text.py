@@ -64,9 +64,11 @@ def _describe_latency(latency: Latency) -> str:
 
 
 def _dispatch_lines(results: Sequence[SimulationResult]) -> list[str]:
-    """Describe how prompts are dispatched in the runs without and with admission."""
+    """Describe how prompts are dispatched in the runs by count batches, without and with
+    admission (:mod:`._token_report` describes those by token batches)."""
     c = results[0].config
     lines = []
+    results = [r for r in results if not r.config.token_batches]
     if any(not r.config.admission for r in results):
         lines.append(
             f"  without admission: {count(c.dispatch_budget, 'prompt')} kept dispatched "

@@ -24,7 +24,7 @@ __all__ = ["DecodedPrompt", "TokenLedger"]
 
 
 class DecodedPrompt(Protocol):
-    """What the ledger reads of a dispatched prompt (the model's ``_Prompt``)."""
+    """What the ledger reads of a dispatched prompt (:class:`~._prompt.Prompt`)."""
 
     @property
     def fate(self) -> str | None: ...
