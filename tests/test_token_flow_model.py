@@ -1,20 +1,24 @@
 """The flow-control properties in tokens (issue 24), driven on the real buffer under asyncio and trio.
 
 Producers always want to produce: clock-tagged ``add_prompt`` (and now and then one at an older
-tag), each group finishing or failing after a delay hypothesis picks, with 0 to 2 trajectories of
-random tokens in ``[0, M]`` (0 included); some runs filter groups out (a quarter of them) or
-evict failed ones. The
-trainer calls the real ``sample(g, token_budget=K)`` (``sample_nowait``, or ``sample`` with
-``timeout=0`` under the example's backend) for consecutive ``g``. Random ``T`` in 1..3, ``S`` in
-1..2, ``M`` and ``K >= M``, under ``admission_token_budget=K``, under ``max_resident_tokens``
-alone (any ``K``), and under both. A deterministic scheduler: hypothesis picks every call.
+tag), without waiting or parked in ``add_prompt`` (FIFO per partition: a head parked at an older
+tag with too little room there holds up the clock's producers behind it), each group finishing
+or failing after a delay hypothesis picks, with 0 to 2 trajectories of random tokens in
+``[0, M]`` (0 included); some runs filter groups out (a quarter of them) or evict failed ones.
+The trainer calls the real ``sample(g, token_budget=K)`` (``sample_nowait``, or ``sample`` with
+``timeout=0``) for consecutive ``g``, all in one event loop of the example's backend. Random
+``T`` in 1..3, ``S`` in 1..2, ``M`` and ``K >= M``, under ``admission_token_budget=K``, under
+``max_resident_tokens`` alone (any ``K``), and under both. A deterministic scheduler: hypothesis
+picks every call, and every task runs until blocked after each.
 
 - Hard bound (token admission, ``wait``): no returned group has staleness ``> T`` (checked on
   every batch) and nothing is evicted as stale. The residency cap alone bounds memory, not
   staleness (nothing caps a step's tokens), so the bound is not claimed there.
+- Fill: at T*S = 1 under token admission alone, every batch holds more than ``K - M`` tokens.
 - No deadlock (every mode): whenever no group is in flight, the trainer's ``sample`` returns a
-  batch or a clock-tagged producer is admitted. A state where neither holds (every producer
-  refused, every admitted group terminal, the sample still not ready) fails the test.
+  batch or a producer (parked, or a new one at the clock) is admitted. A state where neither
+  holds (every producer refused, every admitted group terminal, the sample still not ready)
+  fails the test.
 - Liveness: after the random prefix, producers that keep producing groups of at least one token
   that the filter keeps (greedily: admit until refused, finish what is in flight) get the trainer
   three consecutive batches within a bounded number of calls.
@@ -31,11 +35,12 @@ import os
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.abc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from _helpers import LIMIT, make, start_call, train_stats
+from _helpers import LIMIT, Background, make, start_call, train_stats
 from stalebuf import Batch, ReplayBuffer, SamplerConfig
 from stalebuf.errors import BatchNotReadyError, BufferFullError, TagClosedError
 
@@ -45,7 +50,7 @@ PROFILES = {
 }
 EXAMPLES, CALLS = PROFILES[os.environ.get("STALEBUF_HYPOTHESIS_PROFILE", "ci")]
 MODES = ("budget", "resident", "budget+resident")
-ACTIONS = ("produce", "produce", "produce", "older", "finish", "finish", "finish", "train")
+ACTIONS = ("produce", "produce", "park", "older", "park older", "finish", "finish", "finish", "train")
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Flow:
     g: int = 0
     clock: int = 0  # the dispatch clock: the largest step the trainer asked for
     in_flight: list[str] = field(default_factory=list)
+    parked: list[tuple[str, Background]] = field(default_factory=list)  # waiting add_prompt calls
     uids: int = 0
     batches: int = 0
     oldest: int = 0  # the largest age g - tag + 1 of a returned group
@@ -100,32 +106,38 @@ class Flow:
             self.buf.put_nowait(uid, None, session_id=session, tokens=count)
         (self.buf.mark_failed_nowait if failed else self.buf.mark_finished_nowait)(uid)
 
-    def train(self, by_call: bool) -> bool:
+    async def train(self, by_call: bool) -> bool:
         """The trainer's ``sample(g, token_budget=K)``, once: whether it returned a batch (checked)."""
         self.clock = max(self.clock, self.g)
-        result = self.sample(by_call)
-        if result is None:
+        try:
+            if by_call:
+                batch, metrics = await self.buf.sample(self.g, token_budget=self.budget, timeout=0)
+            else:
+                batch, metrics = self.buf.sample_nowait(self.g, token_budget=self.budget)
+        except (TimeoutError, BatchNotReadyError):
             return False
-        batch, metrics = result
         self.check(batch, metrics)
         self.g += 1
         return True
 
-    def sample(self, by_call: bool) -> tuple[Batch, dict[str, float]] | None:
-        buf, g, budget = self.buf, self.g, self.budget
-        if not by_call:
-            try:
-                return buf.sample_nowait(g, token_budget=budget)
-            except BatchNotReadyError:
-                return None
+    async def park(self, tg: anyio.abc.TaskGroup, tag: int | None) -> None:
+        """A producer's waiting ``add_prompt`` at the clock (or at ``tag``), run until it parks."""
+        self.uids += 1
+        uid = f"g{self.uids}"
+        self.parked.append((uid, await start_call(tg, lambda: self.buf.add_prompt(uid, global_steps=tag))))
 
-        async def once() -> tuple[Batch, dict[str, float]] | None:
-            try:
-                return await buf.sample(g, token_budget=budget, timeout=0)
-            except TimeoutError:
-                return None
-
-        return anyio.run(once, backend=self.backend)
+    async def settle(self) -> None:
+        """Let every task run; the parked producers that were admitted are in flight now."""
+        await anyio.wait_all_tasks_blocked()
+        waiting = []
+        for uid, call in self.parked:
+            if not call.done:
+                waiting.append((uid, call))
+            elif call.returned:
+                self.in_flight.append(uid)
+            else:
+                assert isinstance(call.error, TagClosedError), call.error  # its tag closed
+        self.parked = waiting
 
     def check(self, batch: Batch, metrics: dict[str, float]) -> None:
         """A batch at ``g``: the hard bound (under token admission), its tokens within ``K``."""
@@ -144,16 +156,20 @@ class Flow:
         assert metrics["training/batch/oversized_groups"] == int(tokens > self.budget)
         assert train_stats(self.buf).evicted_stale_groups == 0
 
-    def stuck(self, by_call: bool) -> None:
-        """If nothing is in flight, the trainer's call returns a batch or a producer is admitted;
-        neither is a deadlock."""
-        if self.in_flight or self.train(by_call) or self.produce():
+    async def stuck(self, by_call: bool) -> None:
+        """If nothing is in flight, the trainer's call returns a batch or a producer is admitted
+        (a parked one, or a new one at the clock); neither is a deadlock."""
+        await self.settle()
+        if self.in_flight or await self.train(by_call):
+            return
+        await self.settle()  # the sample may have woken a parked producer (an eviction's refund)
+        if self.in_flight or self.produce():
             return
         stats = train_stats(self.buf)
         raise AssertionError(
             f"deadlock at step {self.g}: every producer refused, nothing in flight, no batch "
             f"({stats.finished + stats.failure} groups terminal, {stats.resident_tokens} tokens resident, "
-            f"free_tokens {self.buf.free_tokens()})"
+            f"free_tokens {self.buf.free_tokens()}, {stats.waiting_producers} producers parked)"
         )
 
 
@@ -195,38 +211,42 @@ def draw_tokens(data: st.DataObject, per_group: int, least: int = 0) -> list[int
     return [first, data.draw(st.integers(0, per_group - first))]
 
 
-def run_calls(flow: Flow, data: st.DataObject) -> None:
+async def run_calls(flow: Flow, data: st.DataObject, tg: anyio.abc.TaskGroup) -> None:
     """The random prefix: ``CALLS`` calls hypothesis picks, the deadlock check after each."""
     for _ in range(CALLS):
         action = data.draw(st.sampled_from(ACTIONS))
         by_call = data.draw(st.booleans())
         if action == "produce":
             flow.produce()
-        elif action == "older":
-            flow.produce(max(flow.clock - data.draw(st.integers(0, 3)), 0))
+        elif action == "park":
+            await flow.park(tg, None)
+        elif action in ("older", "park older"):
+            tag = max(flow.clock - data.draw(st.integers(0, 3)), 0)
+            await flow.park(tg, tag) if action == "park older" else flow.produce(tag)
         elif action == "finish" and flow.in_flight:
             failed, rejected = data.draw(st.integers(0, 5)) == 0, data.draw(st.integers(0, 3)) == 0
             flow.finish(data.draw(st.integers(0, 50)), draw_tokens(data, flow.per_group), failed, rejected)
         elif action == "train":
-            flow.train(by_call)
-        flow.stuck(by_call)
+            await flow.train(by_call)
+        await flow.stuck(by_call)
 
 
-def drain(flow: Flow, data: st.DataObject, steps: int = 3) -> None:
+async def drain(flow: Flow, data: st.DataObject, steps: int = 3) -> None:
     """Greedy producers of groups of at least one token: each of ``steps`` consecutive samples
-    returns within ``4 * (K + 2)`` calls (every finished group adds a ready token, and the
+    returns within a bounded number of calls (every finished group adds a ready token, and the
     sample is ready at ``K`` tokens or a refusal)."""
     for _ in range(steps):
         start, calls = flow.g, 0
         while flow.g == start:
             calls += 1
-            assert calls <= 4 * (flow.budget + 2), f"the sample at step {start} did not return"
-            if flow.train(data.draw(st.booleans())):
+            assert calls <= 6 * (flow.budget + 2) + 20, f"the sample at step {start} did not return"
+            await flow.settle()
+            if await flow.train(data.draw(st.booleans())):
                 break
             if flow.in_flight:
                 flow.finish(0, draw_tokens(data, flow.per_group, least=1), failed=False)
             else:
-                assert flow.produce(), f"deadlock at step {flow.g}"
+                assert flow.produce() or flow.parked, f"deadlock at step {flow.g}"
                 while flow.produce():
                     pass
 
@@ -235,9 +255,16 @@ def drain(flow: Flow, data: st.DataObject, steps: int = 3) -> None:
 @given(data=st.data())
 def test_the_flow_control_properties_hold_in_tokens(data: st.DataObject) -> None:
     flow = build(data)
-    run_calls(flow, data)
-    if flow.budget <= 40:
-        drain(flow, data)
+
+    async def main() -> None:
+        with anyio.fail_after(LIMIT * 6):
+            async with anyio.create_task_group() as tg:
+                await run_calls(flow, data, tg)
+                if flow.budget <= 40:
+                    await drain(flow, data)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main, backend=flow.backend)
     event(f"{flow.mode}: {min(flow.batches, 5)}{'+' if flow.batches >= 5 else ''} batches")
     if flow.bounded:
         event(f"{flow.mode}: the oldest group reached age T*S" if flow.oldest == flow.span else "below T*S")
