@@ -16,12 +16,21 @@ changed nothing), ``stats()``'s ``resident_tokens``/``reserved_tokens``/``tokens
 per-tag and residency bounds, the conservation laws; and a parked producer is woken by the
 refund of a settling reservation (or a batch) exactly when the reference admits it.
 
-The trainer is :class:`Trainer`: count batches where admission allows them, and, under token
-admission, a white-box stand-in for ``sample(g, token_budget=K)`` that takes the longest prefix
-of the oldest ready groups within ``K`` through the buffer's own sample path. Once the buffer has
-token batches, a subclass of :class:`Trainer` that calls ``sample(g, token_budget=K)`` (and a
-reference readiness rule) plugs in here, and the hard bound under ``wait`` becomes one more
-invariant (see :meth:`TokenAdmissionMachine.a_trainer_step`).
+The trainer is :class:`Trainer`: count batches under group admission, and otherwise the real
+``sample(g, token_budget=K)`` (``sample_nowait``, or ``sample`` with ``timeout=0`` under the
+example's backend) at consecutive steps ``g`` (a step that returned no batch is retried at the
+same ``g``), ``K`` the admission budget (now and then more) or, under the residency cap alone, any
+``K >= 1``. The reference's readiness rule is the issue's: the wait gate open, a group sampleable,
+and its tokens ``>= K`` or a clock-tagged ``add_prompt`` refused at tag ``max(clock, g)``. One
+rule parks a real ``sample`` and lets producers fill the room under it: it returns exactly when
+the reference says so (the admission that makes the refusal true wakes it).
+
+The flow-control properties, checked at every step (:meth:`TokenAdmissionMachine.flow_control`):
+under token admission (``wait``), no returned group has staleness ``> T`` and nothing is evicted
+as stale (the hard bound); in every token mode, a state where no group is in flight and a
+clock-tagged ``add_prompt`` is refused is one where the trainer's next sample returns a batch
+(no deadlock). ``tests/test_token_flow_model.py`` drives producers that always want to produce
+and checks the same on the real buffer alone.
 
 Profiles: the default runs 200 examples x 40 steps; ``STALEBUF_HYPOTHESIS_PROFILE=thorough``
 runs 1000 x 100.
@@ -39,7 +48,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from _helpers import assert_conserved, refuses_token_group, resident_groups, start_call, whitebox_sample
+from _helpers import assert_conserved, refuses_token_group, resident_groups, start_call
 from stalebuf import ReplayBuffer, SamplerConfig
 from stalebuf.errors import BatchNotReadyError, BufferFullError, FutureTagError, TagClosedError
 
@@ -177,40 +186,69 @@ class Model:
 class Trainer:
     """How the machine's trainer takes a batch at step ``g``; returns the sampled uids, or None.
 
-    Count batches of ``batch_size`` where admission allows them; under token admission, the
-    longest prefix of the oldest ready groups whose tokens fit ``budget`` (at least one group),
-    taken through the buffer's own sample path (:func:`_helpers.whitebox_sample`).
+    Count batches of ``batch_size`` under group admission; otherwise the real
+    ``sample(g, token_budget=K)``: ``sample_nowait``, or ``sample`` with ``timeout=0`` run under
+    ``backend`` (``by_call`` picks which).
     """
 
-    def __init__(self, model: Model, batch_size: int, budget: int) -> None:
-        self.model, self.batch_size, self.budget = model, batch_size, budget
+    def __init__(self, model: Model, batch_size: int, budget: int, backend: str) -> None:
+        self.model, self.batch_size, self.budget, self.backend = model, batch_size, budget, backend
 
-    def expected(self, g: int) -> list[str] | None:
-        """The reference's batch at ``g`` (None: none)."""
+    @property
+    def by_tokens(self) -> bool:
+        return self.model.cap is None
+
+    def ready(self, g: int) -> bool:
+        """The issue's readiness rule for a sample of ``K`` tokens at ``g``, with the clock the
+        call moves to: gate open, a group sampleable, and ``>= K`` tokens or a refusal at
+        ``max(clock, g)``."""
         m = self.model
         ready = m.ready()
-        if m.budget is None:
-            count = self.batch_size
-        else:
-            count, total = 0, 0
-            for _, group in ready:
-                if count and total + group.tokens > self.budget:
-                    break
-                count, total = count + 1, total + group.tokens
-        if not count or len(ready) < count or not m.gate_open(g):
-            return None
-        return [uid for uid, _ in ready[:count]]
+        if not ready or not m.gate_open(g):
+            return False
+        return sum(group.tokens for _, group in ready) >= self.budget or m.refuses(max(m.clock, g))
 
-    def sample(self, buf: ReplayBuffer, g: int, expected: list[str] | None) -> tuple[list[str] | None, Any]:
+    def expected(self, g: int) -> tuple[list[str], int, bool] | None:
+        """The reference's batch at ``g``: ``(uids, tokens, oversized)``, or None."""
         m = self.model
-        if m.budget is None:
+        ready = m.ready()
+        if not self.by_tokens:
+            if len(ready) < self.batch_size or not m.gate_open(g):
+                return None
+            return [uid for uid, _ in ready[: self.batch_size]], 0, False
+        if not self.ready(g):
+            return None
+        count, total, oversized = 0, 0, False
+        for _, group in ready:
+            if total + group.tokens > self.budget:
+                if not total:  # the first group holding tokens is alone over K: it comes
+                    count, total, oversized = count + 1, group.tokens, True
+                break
+            count, total = count + 1, total + group.tokens
+        return [uid for uid, _ in ready[:count]], total, oversized
+
+    def sample(self, buf: ReplayBuffer, g: int, by_call: bool) -> tuple[list[str] | None, Any]:
+        if not self.by_tokens:
             try:
                 batch, metrics = buf.sample_nowait(g, self.batch_size)
             except BatchNotReadyError:
                 return None, None
             return batch.uids, metrics
-        result = whitebox_sample(buf, g, len(expected) if expected else max(len(m.ready()), 1))
-        return (None, None) if result is None else (result[0].uids, result[1])
+        if not by_call:
+            try:
+                batch, metrics = buf.sample_nowait(g, token_budget=self.budget)
+            except BatchNotReadyError:
+                return None, None
+            return batch.uids, metrics
+
+        async def once() -> tuple[list[str] | None, Any]:
+            try:
+                batch, metrics = await buf.sample(g, token_budget=self.budget, timeout=0)
+            except TimeoutError:
+                return None, None
+            return batch.uids, metrics
+
+        return anyio.run(once, backend=self.backend)
 
 
 class TokenAdmissionMachine(RuleBasedStateMachine):
@@ -242,11 +280,12 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
 
     @initialize(
         backend=st.sampled_from(("asyncio", "trio")),
-        mode=st.sampled_from(MODES),
+        mode=st.sampled_from((*MODES, "budget", "budget+resident")),  # token admission twice as often
         threshold=st.integers(1, 3),
         sync=st.integers(1, 2),
         per_group=st.integers(1, 12),
-        budget_factor=st.integers(1, 3),
+        budget_extra=st.integers(0, 24),
+        sample_extra=st.sampled_from((0, 0, 0, 1, 5)),
         resident_extra=st.integers(0, 30),
         cap=st.integers(1, 3),
         batch_size=st.integers(1, 3),
@@ -258,12 +297,16 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
         threshold: int,
         sync: int,
         per_group: int,
-        budget_factor: int,
+        budget_extra: int,
+        sample_extra: int,
         resident_extra: int,
         cap: int,
         batch_size: int,
     ) -> None:
-        budget, resident = per_group * budget_factor, per_group + resident_extra
+        """``K`` is the admission budget ``M + budget_extra`` (``M <= K``), and the trainer's
+        budget is ``K + sample_extra``; under the residency cap alone the trainer's budget is
+        ``budget_extra + 1`` (it may be below ``M``: oversized groups)."""
+        budget, resident = per_group + budget_extra, per_group + resident_extra
         self.model = model = Model(mode, threshold, sync, per_group, budget, resident, cap)
         config = SamplerConfig(
             max_off_policy_threshold=threshold,
@@ -275,7 +318,8 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
             admission_batch_size=model.cap,
         )
         self.buf = ReplayBuffer(config, status_log_interval=None)
-        self.trainer = Trainer(model, batch_size, budget)
+        sample_budget = budget + sample_extra if model.budget is not None else budget_extra + 1
+        self.trainer = Trainer(model, batch_size, sample_budget, backend)
         self.backend = backend
 
     def attempt(self, call: Callable[[], object], error: type[Exception] | None) -> bool:
@@ -344,30 +388,110 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
 
     # -- the trainer ------------------------------------------------------------------------------
 
-    @rule()
-    def a_trainer_step(self) -> None:
-        """One step at ``g + 1`` (a step that returned no batch is retried at the same ``g``).
-        Hard bound under ``wait``: add ``max staleness <= T`` here once token batches exist."""
+    def next_step(self) -> int:
+        """The trainer's step: ``g + 1`` after a batch at ``g``, else ``g`` again."""
+        return self.g + 1 if self.m.last_sampled == self.g else self.g
+
+    @rule(by_call=st.booleans())
+    def a_trainer_step(self, by_call: bool) -> None:
+        """One step at :meth:`next_step`, through ``sample_nowait`` or ``sample(timeout=0)``: the
+        batch is the reference's, and under token admission no group in it is staler than ``T``
+        (the hard bound: ``g - tag + 1 <= T*S``)."""
         m, trainer = self.m, self.trainer
         assert trainer is not None
-        g = self.g + 1 if m.last_sampled == self.g else self.g
+        g = self.next_step()
         if not m.used:
             return
         expected = trainer.expected(g)
-        uids, metrics = trainer.sample(self.b, g, expected)
+        uids, metrics = trainer.sample(self.b, g, by_call)
         m.clock = max(m.clock, g)
-        assert uids == expected, (uids, expected)
+        assert uids == (None if expected is None else expected[0]), (uids, expected)
         event(f"{m.mode}: {'a batch' if uids else 'no batch'}")
-        if uids is None:
-            self.g = g
+        self.g = g
+        if uids is None or expected is None:
             return
+        self.took(g, uids, metrics, expected)
+
+    def took(self, g: int, uids: list[str], metrics: Any, expected: tuple[list[str], int, bool]) -> None:
+        """A batch of ``uids`` came at ``g``: check the hard bound and its metrics, drop it from the
+        reference."""
+        m, trainer = self.m, self.trainer
+        assert trainer is not None
+        ages = [g - m.groups[uid].tag + 1 for uid in uids]
+        if m.budget is not None:
+            assert max(ages) <= m.span, f"staleness > T: ages {ages} at step {g}, T*S = {m.span}"
+            event(f"{m.mode}: the oldest group's age is {max(ages)} of T*S = {m.span}")
         for uid in uids:
             del m.groups[uid]
         m.last_sampled = max(m.last_sampled, g)
-        self.g = g
+        if trainer.by_tokens:
+            _, tokens, oversized = expected
+            assert metrics["training/batch/tokens"] == tokens
+            assert metrics["training/batch/fill"] == tokens / trainer.budget
+            assert metrics["training/batch/oversized_groups"] == int(oversized)
+            if m.budget is not None:
+                assert not oversized  # no group may hold more than M <= K tokens
         if m.budget is not None or m.resident is not None:
             assert metrics["training/admission/free_tokens"] == m.free_tokens()
             assert metrics["training/admission/reserved_tokens"] == m.per_group * len(self.in_flight())
+
+    @precondition(lambda self: self.model is not None and self.m.used and self.trainer.by_tokens)
+    @rule(fill=st.booleans())
+    def a_parked_sample_wakes(self, fill: bool) -> None:
+        """A real ``sample(g, token_budget=K)`` parks when the reference says no batch is ready;
+        then producers act under it (clock-tagged groups admitted until one is refused, or every
+        in-flight group finished): after each call it has returned exactly when the reference is
+        ready, with the reference's batch."""
+        m, trainer = self.m, self.trainer
+        assert trainer is not None
+        g = self.next_step()
+        if trainer.expected(g) is not None:
+            return
+        done: list[tuple[list[str], Any]] = []
+
+        async def waits() -> None:
+            batch, metrics = await self.b.sample(g, token_budget=trainer.budget)
+            done.append((batch.uids, metrics))
+
+        def act() -> bool:
+            """One producer call; False when there is none left to make."""
+            if fill:
+                uid = self.fresh()
+                if m.refusal(None, m.per_group) is not None:
+                    return False
+                self.b.add_prompt_nowait(uid)
+                m.admit(uid, None)
+                return True
+            uids = self.in_flight()
+            if not uids:
+                return False
+            self.b.mark_finished_nowait(uids[0])
+            m.groups[uids[0]].in_flight = False
+            return True
+
+        async def scenario() -> tuple[list[str], Any] | None:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    call = await start_call(tg, waits)
+                    assert not call.done, "sample returned though the reference has no batch"
+                    m.clock = max(m.clock, g)
+                    expected = None
+                    while expected is None and act():
+                        await anyio.wait_all_tasks_blocked()
+                        expected = trainer.expected(g)
+                        assert bool(done) == (expected is not None), (done, expected)
+                    if not done:
+                        call.scope.cancel()
+                        return None
+                    assert expected is not None
+                    assert done[0][0] == expected[0], (done, expected)
+                    return expected
+
+        expected = anyio.run(scenario, backend=self.backend)
+        self.g = g
+        event(f"{m.mode}: a parked sample {'woke' if expected else 'still waits'}")
+        if expected is not None:
+            self.took(g, done[0][0], done[0][1], expected)
 
     # -- waiting producers --------------------------------------------------------------------------
 
@@ -437,6 +561,29 @@ class TokenAdmissionMachine(RuleBasedStateMachine):
         assert stats.tokens == sum(g.tokens for g in m.groups.values())
         assert stats.admitted_tokens == stats.tokens + stats.sampled_tokens + stats.evicted_tokens
         assert_conserved(b)
+
+    @invariant()
+    def flow_control(self) -> None:
+        """The flow-control properties in tokens. Hard bound: under ``wait`` nothing is evicted
+        as stale (each batch's ages are checked in :meth:`took`). No deadlock: if no group is in
+        flight and a clock-tagged ``add_prompt`` would be refused once the trainer's next call
+        moves the clock, that call returns a batch (the reference's readiness rule, which every
+        trainer step checks the buffer against)."""
+        if self.model is None or not self.m.used:
+            return
+        m, trainer = self.m, self.trainer
+        assert trainer is not None
+        assert self.b.stats().partitions["train"].evicted_stale_groups == 0
+        if not trainer.by_tokens or self.in_flight():
+            return
+        g = self.next_step()
+        clock = m.clock
+        m.clock = max(clock, g)
+        refused = m.refusal(None, m.per_group) is not None
+        m.clock = clock
+        if refused:
+            event(f"{m.mode}: producers stuck, nothing in flight")
+            assert trainer.expected(g) is not None, f"deadlock at step {g}"
 
     @invariant()
     def within_the_caps(self) -> None:

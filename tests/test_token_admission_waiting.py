@@ -16,7 +16,7 @@ import anyio.to_thread
 import pytest
 
 from _helpers import LIMIT, full_snapshot, make, start_call, train_stats, whitebox_sample
-from stalebuf import BufferClosedError, BufferFullError, ReplayBuffer
+from stalebuf import BufferClosedError, BufferFullError, ReplayBuffer, TagClosedError
 
 pytestmark = pytest.mark.anyio
 
@@ -162,3 +162,64 @@ async def test_close_wakes_every_parked_producer() -> None:
             await anyio.wait_all_tasks_blocked()
     assert isinstance(one.error, BufferClosedError)
     assert isinstance(two.error, BufferClosedError)
+
+
+async def test_a_head_blocked_at_an_older_tag_makes_the_token_batch_ready() -> None:
+    """Regression (a deadlock): producers queue FIFO per partition, so a producer parked at an
+    older, open tag with too little room there holds up the clock-tagged producers behind it.
+    The readiness rule asked only whether the clock's tag refused a group, so the sample waited
+    for producers that could never come: T*S = 2, K = M = 10; ``x`` (tag 0) settles to 5, ``old``
+    waits at tag 0 (5 < 10 free), ``new`` queues behind it, and ``sample(1)`` waited forever for
+    10 tokens. The blocked head now counts as a refusal: the sample takes ``x``, tag 0 closes
+    (``old`` gets TagClosedError) and ``new`` is admitted."""
+    buf = make(
+        max_off_policy_threshold=2,
+        max_off_policy_strategy="wait",
+        admission_token_budget=10,
+        max_tokens_per_group=10,
+    )
+    buf.put_group_nowait("first", [1], tokens=[10])
+    assert buf.sample_nowait(0, token_budget=10)[0].uids == ["first"]
+    buf.add_prompt_nowait("x", global_steps=0)  # tag 0 is open at clock 0 (T*S = 2)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            sample = await start_call(tg, lambda: buf.sample(1, token_budget=10))  # the gate waits for x
+            old = await start_call(tg, lambda: buf.add_prompt("old", global_steps=0))
+            new = await start_call(tg, lambda: buf.add_prompt("new"))
+            assert not sample.done
+            assert not old.done
+            assert not new.done
+            buf.put_nowait("x", 1, tokens=5)
+            buf.mark_finished_nowait("x")  # 5 free at tag 0: old still waits, new behind it
+            await anyio.wait_all_tasks_blocked()
+            assert sample.returned
+            assert new.returned
+    batch, metrics = sample.result
+    assert batch.uids == ["x"]
+    assert metrics["training/batch/tokens"] == 5
+    assert isinstance(old.error, TagClosedError)
+    assert train_stats(buf).waiting_producers == 0
+
+
+async def test_a_head_that_parks_blocked_wakes_the_waiting_token_sample() -> None:
+    """The blocked head is a change the parked sample must hear of: with nothing in flight and
+    the sample short of tokens (tag 1 still has room), a producer parking at tag 0 with too
+    little room there blocks every producer at the clock, so its parking re-asks the sample."""
+    buf = make(
+        max_off_policy_threshold=2,
+        max_off_policy_strategy="wait",
+        admission_token_budget=10,
+        max_tokens_per_group=10,
+    )
+    buf.put_group_nowait("first", [1], tokens=[10])
+    buf.sample_nowait(0, token_budget=10)
+    buf.put_group_nowait("y", [1], global_steps=0, tokens=[5])  # tag 0: 5 free, open until a batch at 1
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            sample = await start_call(tg, lambda: buf.sample(1, token_budget=10))
+            assert not sample.done  # 5 tokens, and tag 1 can take a reservation of 10
+            old = await start_call(tg, lambda: buf.add_prompt("old", global_steps=0))
+            await anyio.wait_all_tasks_blocked()
+            assert sample.returned
+    assert sample.result[0].uids == ["y"]
+    assert isinstance(old.error, TagClosedError)

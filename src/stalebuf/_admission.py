@@ -9,7 +9,6 @@ counts resident groups per dispatch step, and a slot frees the moment its group 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -20,10 +19,10 @@ from ._store import GroupStore
 from ._token_admission import TokenQueries
 from ._token_ledger import UNBOUNDED, TokenLedger
 from ._validation import describe
-from ._waiting import LoopBinding, ProducerWaits, Waiter, park
+from ._waiting import LoopBinding, ProducerQueue, Waiter, park
 from .errors import BufferClosedError, BufferFullError, FutureTagError, TagClosedError
 
-__all__ = ["Admission", "ProducerQueue"]
+__all__ = ["Admission"]
 
 _T = TypeVar("_T")
 
@@ -37,31 +36,8 @@ class _Admitted(Generic[_T]):
         self.value = value
 
 
-class ProducerQueue:
-    """One partition's (or, under a task mixture, one task's) producers waiting for a slot
-    (arrival order; only the head may be admitted) and the ledger of their waits."""
-
-    __slots__ = ("producers", "waits")
-
-    def __init__(self) -> None:
-        self.producers: deque[Waiter] = deque()
-        self.waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
-
-    def drop_abandoned(self, everywhere: bool = False) -> None:
-        """Forget producers whose event loop was closed under them (the head only, O(1), unless
-        ``everywhere``): they will never run, and their wait ends with their loop."""
-        producers = self.producers
-        if everywhere:
-            if any(waiter.abandoned() for waiter in producers):
-                for waiter in producers:
-                    if waiter.abandoned():
-                        self.waits.leave(waiter, None)
-                live = [waiter for waiter in producers if not waiter.abandoned()]
-                producers.clear()
-                producers.extend(live)
-            return
-        while producers and producers[0].abandoned():
-            self.waits.leave(producers.popleft(), None)
+def _ignore(_part: PartitionState) -> None:
+    """No one listens yet (see :meth:`Admission.on_new_head`)."""
 
 
 def _ahead_error(name: str, tag: int, clock: int) -> FutureTagError:
@@ -103,7 +79,7 @@ class Admission:
             ``free_tokens``, ``capacity_tokens``, ``full``, ``refuses_group``), reading the clocks.
     """
 
-    __slots__ = ("binding", "clocks", "queues", "refused", "rules", "sampled", "store", "tokens")
+    __slots__ = ("binding", "clocks", "new_head", "queues", "refused", "rules", "sampled", "store", "tokens")
 
     def __init__(self, store: GroupStore, rules: Rules, binding: LoopBinding) -> None:
         self.store = store
@@ -113,7 +89,16 @@ class Admission:
         self.sampled: dict[str, int] = {}
         self.refused: dict[str, tuple[int, int]] = {}
         self.queues: dict[str | tuple[str, str], ProducerQueue] = {}
-        self.tokens = TokenQueries(rules, self.clocks, self.sampled)
+        self.tokens = TokenQueries(rules, self.clocks, self.sampled, self.queues)
+        # Told when a producer that asked for a tag becomes the head of a token-gated queue: a
+        # head that cannot be admitted holds up every producer behind it, which the token-batch
+        # readiness rule counts (TokenQueries.head_blocked); the consumer re-asks its samples.
+        self.new_head: Callable[[PartitionState], object] = _ignore
+
+    def on_new_head(self, listener: Callable[[PartitionState], object]) -> None:
+        """Call ``listener(part)`` whenever a producer that asked for a tag becomes the head of
+        ``part``'s queue under token caps (the consumer's ``notify``)."""
+        self.new_head = listener
 
     def queue(self, key: str | tuple[str, str]) -> ProducerQueue:
         """Return the producer queue of ``key`` (a partition's or a task's), creating it."""
@@ -386,6 +371,8 @@ class Admission:
             )  # waiting would be forever
         queue.waits.park(waiter, waiter.now())
         queue.producers.append(waiter)  # from here on, the finally below must remove it (and count it)
+        if requested is not None and part.gated and queue.producers[0] is waiter:
+            self.new_head(part)
         try:
             admitted = await park(waiter, attempt)
         finally:
@@ -423,6 +410,8 @@ class Admission:
         queue.waits.leave(waiter, now)
         if head:
             self._wake_queue(part)
+            if producers and producers[0].global_steps >= 0 and part.gated:
+                self.new_head(part)
 
     def wake(self, name: str) -> None:
         """Wake the head waiting producer of ``name`` (of each of its tasks, under a mixture)

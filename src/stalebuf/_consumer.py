@@ -104,6 +104,7 @@ class Consumer:
         self.deadlines = Deadlines(store, admission, rules, self.filtering)
         self.mixing = Mixing(store, rules)
         self.token_batches = TokenBatches(store, admission, rules, self.eviction, admission.tokens.refuses_at)
+        admission.on_new_head(self.notify)  # a blocked head may make a token batch ready
         sampleable, mixing = self.sampleable, self.mixing
         self.explainer = Explainer(store, admission, rules, sampleable, self, mixing, status_interval)
         self.report = SampleReport(store, admission, rules, self.filtering, self.mixing)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._partition import PartitionState
 from ._rules import Rules
+from ._waiting import ProducerQueue
 
 __all__ = ["TokenQueries"]
 
@@ -17,12 +18,19 @@ __all__ = ["TokenQueries"]
 class TokenQueries:
     """Token-cap queries of one buffer (``ReplayBuffer.free_tokens`` and friends ask them)."""
 
-    __slots__ = ("clocks", "rules", "sampled")
+    __slots__ = ("clocks", "queues", "rules", "sampled")
 
-    def __init__(self, rules: Rules, clocks: dict[str, int], sampled: dict[str, int]) -> None:
+    def __init__(
+        self,
+        rules: Rules,
+        clocks: dict[str, int],
+        sampled: dict[str, int],
+        queues: dict[str | tuple[str, str], ProducerQueue],
+    ) -> None:
         self.rules = rules
         self.clocks = clocks  # admission's: read only
         self.sampled = sampled  # admission's: read only
+        self.queues = queues  # admission's producer queues: read only
 
     def free_tokens(self, part: PartitionState | None, name: str) -> int | None:
         """The tokens a group could take at the clock's step of partition ``name`` (``part``, None
@@ -73,13 +81,43 @@ class TokenQueries:
         return free is not None and free < self.rules.config.max_tokens_per_group  # type: ignore[operator]
 
     def refuses_at(self, part: PartitionState, global_steps: int) -> bool:
-        """The token-batch readiness rule's admission input: :meth:`refuses_group` at tag
-        ``max(clock, global_steps)``, the clock a ``sample(global_steps)`` moves it to.
+        """The token-batch readiness rule's admission input: whether a clock-tagged
+        ``add_prompt`` would be refused now at tag ``max(clock, global_steps)``, the clock a
+        ``sample(global_steps)`` moves it to: :meth:`refuses_group` there, or
+        :meth:`head_blocked` (producers queue FIFO per partition, so a head that cannot be
+        admitted refuses everyone behind it).
 
         Raises:
             Exception: whatever the policy's ``is_stale`` raised.
         """
-        return self.refuses_group(part, part.name, max(self.clocks.get(part.name, 0), global_steps))
+        name = part.name
+        return self.refuses_group(
+            part, name, max(self.clocks.get(name, 0), global_steps)
+        ) or self.head_blocked(part)
+
+    def head_blocked(self, part: PartitionState) -> bool:
+        """Whether the head of ``part``'s producer queue asked for a tag (not the clock's) that
+        is open but has less room than its group needs: it holds up every producer behind it
+        until a refund at its tag or a batch, so a token sample that waited for producers at
+        the clock could wait forever (a head at the clock's tag is :meth:`refuses_group`'s; one
+        at a closed tag leaves with TagClosedError once woken). O(1).
+
+        Raises:
+            Exception: whatever the policy's ``is_stale`` raised.
+        """
+        queue = self.queues.get(part.key)
+        if queue is None or not queue.producers:
+            return False
+        head = queue.producers[0]
+        ledger = part.ledger
+        if head.global_steps < 0 or ledger is None or not ledger.gates or head.abandoned():
+            return False
+        tag = head.global_steps
+        if ledger.budget is not None and self.rules.closed_for_good(
+            part.name, tag, self.sampled.get(part.name, -1), part.span
+        ):
+            return False
+        return ledger.room(tag) < (ledger.per_group if head.batch_size < 0 else head.batch_size)
 
     def refuses_group(self, part: PartitionState | None, name: str, tag: int) -> bool:
         """Whether a clock-tagged ``add_prompt`` of partition ``name`` (``part``; None if unused)

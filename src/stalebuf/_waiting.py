@@ -22,7 +22,16 @@ from anyio.abc import AsyncBackend
 from ._validation import describe
 from .errors import BackendMismatchError, WrongThreadError
 
-__all__ = ["EventWaiter", "FutureWaiter", "LoopBinding", "ProducerWaits", "Waiter", "drop_abandoned", "park"]
+__all__ = [
+    "EventWaiter",
+    "FutureWaiter",
+    "LoopBinding",
+    "ProducerQueue",
+    "ProducerWaits",
+    "Waiter",
+    "drop_abandoned",
+    "park",
+]
 
 _T = TypeVar("_T")
 
@@ -187,6 +196,33 @@ class ProducerWaits:
             self.starts = self.parked * now
             self.reported_at = now
         return seconds
+
+
+class ProducerQueue:
+    """One partition's (or, under a task mixture, one task's) producers waiting for a slot
+    (arrival order; only the head may be admitted) and the ledger of their waits."""
+
+    __slots__ = ("producers", "waits")
+
+    def __init__(self) -> None:
+        self.producers: deque[Waiter] = deque()
+        self.waits = ProducerWaits()  # for the admission/producer_wait_seconds metric
+
+    def drop_abandoned(self, everywhere: bool = False) -> None:
+        """Forget producers whose event loop was closed under them (the head only, O(1), unless
+        ``everywhere``): they will never run, and their wait ends with their loop."""
+        producers = self.producers
+        if everywhere:
+            if any(waiter.abandoned() for waiter in producers):
+                for waiter in producers:
+                    if waiter.abandoned():
+                        self.waits.leave(waiter, None)
+                live = [waiter for waiter in producers if not waiter.abandoned()]
+                producers.clear()
+                producers.extend(live)
+            return
+        while producers and producers[0].abandoned():
+            self.waits.leave(producers.popleft(), None)
 
 
 class LoopBinding:
