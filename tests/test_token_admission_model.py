@@ -20,10 +20,11 @@ The trainer is :class:`Trainer`: count batches under group admission, and otherw
 ``sample(g, token_budget=K)`` (``sample_nowait``, or ``sample`` with ``timeout=0`` under the
 example's backend) at consecutive steps ``g`` (a step that returned no batch is retried at the
 same ``g``), ``K`` the admission budget (now and then more) or, under the residency cap alone, any
-``K >= 1``. The reference's readiness rule is the issue's: the wait gate open, a group sampleable,
-and its tokens ``>= K`` or a clock-tagged ``add_prompt`` refused at tag ``max(clock, g)``. One
-rule parks a real ``sample`` and lets producers fill the room under it: it returns exactly when
-the reference says so (the admission that makes the refusal true wakes it).
+``K >= 1``. The reference's readiness rule: the wait gate open, a group sampleable, and its tokens
+``>= K``, or a clock-tagged ``add_prompt`` refused at tag ``max(clock, g)`` while no group the
+sample could train is in flight (the issue's rule without that last clause made batches far too
+small: see ``Rules.token_batch_ready``). One rule parks a real ``sample`` and lets producers act
+under it: it returns exactly when the reference says so (the call that makes it ready wakes it).
 
 The flow-control properties, checked at every step (:meth:`TokenAdmissionMachine.flow_control`):
 under token admission (``wait``), no returned group has staleness ``> T`` and nothing is evicted
@@ -199,14 +200,18 @@ class Trainer:
         return self.model.cap is None
 
     def ready(self, g: int) -> bool:
-        """The issue's readiness rule for a sample of ``K`` tokens at ``g``, with the clock the
-        call moves to: gate open, a group sampleable, and ``>= K`` tokens or a refusal at
-        ``max(clock, g)``."""
+        """The readiness rule for a sample of ``K`` tokens at ``g``, with the clock the call
+        moves to: gate open, a group sampleable, and ``>= K`` tokens, or a refusal at
+        ``max(clock, g)`` while no group ``sample(g)`` could train (tag ``>= g + 1 - T*S``) is
+        in flight (not the issue's refusal alone: see ``Rules.token_batch_ready``)."""
         m = self.model
         ready = m.ready()
         if not ready or not m.gate_open(g):
             return False
-        return sum(group.tokens for _, group in ready) >= self.budget or m.refuses(max(m.clock, g))
+        if sum(group.tokens for _, group in ready) >= self.budget:
+            return True
+        trainable = any(x.in_flight and x.tag >= g + 1 - m.span for x in m.groups.values())
+        return m.refuses(max(m.clock, g)) and not trainable
 
     def expected(self, g: int) -> tuple[list[str], int, bool] | None:
         """The reference's batch at ``g``: ``(uids, tokens, oversized)``, or None."""

@@ -16,7 +16,7 @@ import anyio.to_thread
 import pytest
 
 from _helpers import LIMIT, full_snapshot, make, start_call, train_stats, whitebox_sample
-from stalebuf import BufferClosedError, BufferFullError, ReplayBuffer, TagClosedError
+from stalebuf import BufferClosedError, BufferFullError, ReplayBuffer, SamplerConfig, TagClosedError
 
 pytestmark = pytest.mark.anyio
 
@@ -223,3 +223,36 @@ async def test_a_head_that_parks_blocked_wakes_the_waiting_token_sample() -> Non
             assert sample.returned
     assert sample.result[0].uids == ["y"]
     assert isinstance(old.error, TagClosedError)
+
+
+async def test_a_refused_token_sample_waits_for_the_groups_in_flight_it_could_train() -> None:
+    """Defect (issue 24's rule as first written): a parked token sample returned the moment
+    admission refused a clock-tagged group, though that group was in flight and trainable, so
+    at T*S >= 2 every batch was whatever had finished when the gate opened (43% of K on average
+    in the simulated default pipeline). It now waits for it, and returns when it ends."""
+    buf = ReplayBuffer(
+        SamplerConfig(
+            max_off_policy_threshold=2,
+            max_off_policy_strategy="wait",
+            admission_token_budget=100,
+            max_tokens_per_group=60,
+        ),
+        status_log_interval=None,
+    )
+    with anyio.fail_after(LIMIT):
+        buf.add_prompt_nowait("a")
+        buf.put_nowait("a", "x", tokens=30)
+        buf.mark_finished_nowait("a")  # settles to 30: room 70, producers may add
+        async with anyio.create_task_group() as tg:
+            call = await start_call(tg, lambda: buf.sample(0, token_budget=100))
+            assert not call.done, "30 < 100 tokens and admission has room: no batch yet"
+            buf.add_prompt_nowait("b")  # room 10 < 60: refused from now on, but "b" is in flight
+            await anyio.wait_all_tasks_blocked()
+            assert not call.done, "returned at the refusal though 'b' could still join the batch"
+            buf.put_nowait("b", "y", tokens=40)
+            buf.mark_finished_nowait("b")  # nothing in flight, still refused: waiting cannot help
+            await anyio.wait_all_tasks_blocked()
+            assert call.returned
+        batch, metrics = call.result
+        assert batch.uids == ["a", "b"]
+        assert metrics["training/batch/fill"] == 0.7
