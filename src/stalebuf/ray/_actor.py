@@ -185,13 +185,7 @@ class BufferHost:
         buffer, ledger = self._buffer, self._ledger
         task = ledger.start(
             request.request_id,
-            lambda: buffer.sample(
-                request.global_steps,
-                request.batch_size,
-                token_budget=request.token_budget,
-                partition=request.partition,
-                timeout=request.timeout,
-            ),
+            lambda: buffer.sample(request.global_steps, request.batch_size, **request.sample_options()),
         )
         try:
             return await task

@@ -291,6 +291,10 @@ class SampleRequest(NamedTuple):
     timeout: float | None
     token_budget: int | None = None
 
+    def sample_options(self) -> dict[str, Any]:
+        """The keyword arguments of the ``sample`` call it asks for."""
+        return {"token_budget": self.token_budget, "partition": self.partition, "timeout": self.timeout}
+
 
 @attrs.frozen
 class RestoreRequest:
