@@ -420,7 +420,11 @@ def test_explain_wait_says_admission_is_full_for_want_of_tokens() -> None:
 
 
 def test_prometheus_exports_the_reserved_and_terminal_tokens() -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+    prometheus_client = pytest.importorskip("prometheus_client")  # the prometheus extra
+    CollectorRegistry, generate_latest = (
+        prometheus_client.CollectorRegistry,
+        prometheus_client.generate_latest,
+    )
 
     from stalebuf.prometheus import register
 
