@@ -28,7 +28,15 @@ from .config import SamplerConfig
 from .errors import CheckpointError
 from .records import Group, Status, Trajectory, pack_runs
 
-__all__ = ["read_plain", "write_plain", "written_counters"]
+__all__ = [
+    "plain_manifest",
+    "read_plain",
+    "read_plain_groups",
+    "read_plain_manifest",
+    "write_plain",
+    "write_plain_groups",
+    "written_counters",
+]
 
 _J = TypeVar("_J", dict[str, Any], list[Any])
 _OMITTED_WHEN_ZERO = frozenset((*TOKEN_COUNTERS, *FILTER_COUNTERS))
@@ -51,6 +59,17 @@ def write_plain(
             something other than bytes.
         Exception: whatever ``write_frame`` or ``chunks`` raise (the file's write stopping).
     """
+    write_frame(plain_manifest(checkpoint))
+    for chunk in chunks(checkpoint.groups):
+        write_plain_groups(chunk, encode, write_frame)
+
+
+def plain_manifest(checkpoint: BufferCheckpoint) -> bytes:
+    """The JSON manifest of ``checkpoint``: everything but its groups (it counts them).
+
+    Raises:
+        CheckpointError: a value JSON cannot hold (named).
+    """
     config = drop_unset_token_fields(attrs.asdict(checkpoint.config))
     config["exempt_partitions"] = sorted(config["exempt_partitions"])
     config["sampler_kwargs"] = dict(config["sampler_kwargs"])
@@ -66,26 +85,38 @@ def write_plain(
         "evicted_reasons": list(checkpoint.evicted_reasons),
         "groups": len(checkpoint.groups),
     }
-    write_frame(_to_json(manifest, "the config"))
-    for chunk in chunks(checkpoint.groups):
-        rows = [_group_row(group) for group in chunk]
-        for group, row in zip(chunk, rows, strict=True):  # one by one, to name the group at fault
-            _check_plain(row, f"group {describe(group.uid)}")
-        write_frame(json.dumps(rows, allow_nan=True, separators=(",", ":")).encode())
-        for group in chunk:
-            for trajectory in peek_trajectories(group):
-                try:
-                    data = encode(trajectory.payload)
-                except Exception as exc:
-                    raise CheckpointError(
-                        f"encode failed for trajectory {describe(trajectory.key)}: {describe_error(exc)}"
-                    ) from exc
-                if not isinstance(data, (bytes, bytearray, memoryview)):
-                    raise CheckpointError(
-                        f"encode must return bytes, got {type(data).__name__} "
-                        f"for trajectory {describe(trajectory.key)}"
-                    )
-                write_frame(data)
+    return _to_json(manifest, "the config")
+
+
+def write_plain_groups(
+    groups: tuple[Group, ...],
+    encode: Callable[[Any], bytes],
+    write_frame: Callable[[bytes | bytearray | memoryview], None],
+) -> None:
+    """Write ``groups`` as one frame of JSON rows, then one frame per payload made by ``encode``.
+
+    Raises:
+        CheckpointError: a value JSON cannot hold (named), or ``encode`` failed or returned
+            something other than bytes.
+    """
+    rows = [_group_row(group) for group in groups]
+    for group, row in zip(groups, rows, strict=True):  # one by one, to name the group at fault
+        _check_plain(row, f"group {describe(group.uid)}")
+    write_frame(json.dumps(rows, allow_nan=True, separators=(",", ":")).encode())
+    for group in groups:
+        for trajectory in peek_trajectories(group):
+            try:
+                data = encode(trajectory.payload)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"encode failed for trajectory {describe(trajectory.key)}: {describe_error(exc)}"
+                ) from exc
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise CheckpointError(
+                    f"encode must return bytes, got {type(data).__name__} "
+                    f"for trajectory {describe(trajectory.key)}"
+                )
+            write_frame(data)
 
 
 def written_counters(counters: Mapping[str, int]) -> dict[str, int]:
@@ -198,8 +229,23 @@ def read_plain(
         CheckpointError: the body is not shaped as ``write_plain`` writes it, ``decode`` failed,
             or ``next_frame`` raised it (the file ends early).
     """
+    checkpoint, count = read_plain_manifest(next_frame())
+    groups: list[Group] = []
+    while len(groups) < count:
+        groups.extend(read_plain_groups(next_frame, decode, len(groups)))
+    if len(groups) != count:
+        raise CheckpointError(f"the file holds {len(groups)} groups where its manifest says {count}")
+    return checkpoint, tuple(groups)
+
+
+def read_plain_manifest(frame: bytes | memoryview) -> tuple[BufferCheckpoint, int]:
+    """The checkpoint (without groups) and group count of a JSON manifest :func:`plain_manifest` wrote.
+
+    Raises:
+        CheckpointError: the manifest is not shaped as the writer writes it.
+    """
     # Shapes only: the values go to _checkpoint_checks as they are, so it names the field at fault.
-    manifest = json.loads(bytes(next_frame()))
+    manifest = json.loads(bytes(frame))
     if type(manifest) is dict and set(manifest) == set(_MANIFEST) - set(_ADDED):  # an older file
         manifest.update(_ADDED)
     if type(manifest) is not dict or set(manifest) != set(_MANIFEST):
@@ -216,23 +262,26 @@ def read_plain(
     partitions = [
         _partition_from_row(f"partitions[{index}]", row) for index, row in enumerate(manifest["partitions"])
     ]
-    groups: list[Group] = []
-    while len(groups) < manifest["groups"]:
-        chunk = json.loads(bytes(next_frame()))
-        if type(chunk) is not list or not chunk:
-            raise CheckpointError(f"the file holds a {type(chunk).__name__} where a chunk of groups belongs")
-        groups.extend(
-            _group_from_row(f"groups[{len(groups) + i}]", row, next_frame, decode)
-            for i, row in enumerate(chunk)
-        )
-    if len(groups) != manifest["groups"]:
-        raise CheckpointError(
-            f"the file holds {len(groups)} groups where its manifest says {manifest['groups']}"
-        )
     checkpoint = BufferCheckpoint(FORMAT_VERSION, config, manifest["policy"], (), tuple(partitions),
                                   manifest["clocks"], tuple(manifest["evicted_in_flight"]),
                                   tuple(manifest["evicted_reasons"]))  # fmt: skip
-    return checkpoint, tuple(groups)
+    return checkpoint, manifest["groups"]
+
+
+def read_plain_groups(
+    next_frame: Callable[[], memoryview], decode: Callable[[bytes], Any], first: int = 0
+) -> list[Group]:
+    """The groups of one frame of JSON rows, payloads decoded from the frames after it
+    (``first``: the position of the first, to name a group at fault).
+
+    Raises:
+        CheckpointError: the frames are not shaped as :func:`write_plain_groups` writes them, or
+            ``decode`` failed.
+    """
+    chunk = json.loads(bytes(next_frame()))
+    if type(chunk) is not list or not chunk:
+        raise CheckpointError(f"the file holds a {type(chunk).__name__} where a chunk of groups belongs")
+    return [_group_from_row(f"groups[{first + i}]", row, next_frame, decode) for i, row in enumerate(chunk)]
 
 
 def _row(where: str, value: object, size: int, longer: int | None = None) -> list[Any]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any
 
 from ._validation import describe
-from .errors import GroupCutError, GroupEvictedError
+from .errors import GroupCutError, GroupEvictedError, InvalidTransitionError, UnknownGroupError
 
 __all__ = ["CUT_REASON", "EVICTED_UIDS_REMEMBERED", "FILTERED_REASON", "EvictedUids"]
 
@@ -83,3 +84,26 @@ class EvictedUids:
             )
         how = "as stale" if reason is None else "by a restart"
         return GroupEvictedError(f"group {describe(uid)} was evicted {how} while in flight: stop generating")
+
+    def refused(self, uid: object, group: Any, action: str) -> Exception:
+        """The error a write (``action``) to ``uid`` deserves when it names no in-flight group
+        (``group``: the terminal record under that uid, or None).
+
+        Returns:
+            TypeError: ``uid`` is not a str. GroupCutError: it was cut at its deadline (and not
+            added again since). GroupEvictedError: it was evicted in flight or filtered (and not
+            added again since). UnknownGroupError: no such group. InvalidTransitionError: it is
+            terminal (a late write).
+        """
+        if type(uid) is not str:
+            return TypeError(f"uid must be a str, got {type(uid).__name__}")
+        error = self.error(uid, group is not None)
+        if error is not None:
+            return error
+        if group is None:
+            return UnknownGroupError(
+                f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
+            )
+        return InvalidTransitionError(
+            f"cannot {action} group {describe(uid)}: it is already {group.status.value} (a late write)"
+        )

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from time import monotonic
 from typing import Any
 
+import attrs
+
 from ._admission import Admission
 from ._checkpoint_checks import checked
 from ._checkpoint_file import read_checkpoint
@@ -49,8 +51,10 @@ from .records import EvictionEvent, Group, Status
 __all__ = [
     "build_restored",
     "capture",
+    "capture_state",
     "check_in_flight",
     "policy_from_name",
+    "policy_of",
     "read_restore_arguments",
     "rebuild",
 ]
@@ -67,6 +71,23 @@ def capture(
         CheckpointError: the policy was built from another config than the buffer's, or restore
             would not rebuild it with the same rules (see :func:`_policy_name`).
     """
+    policy = policy_of(store)
+    state = capture_state(store, admission, filtering, mixing, policy)
+    now = monotonic()
+    clocks = admission.clocks
+    groups = tuple(
+        group if isinstance(group, Group) else snapshot(group, clocks.get(group.partition, 0), now)
+        for group in store.groups.values()
+    )
+    return attrs.evolve(state, groups=groups)
+
+
+def policy_of(store: GroupStore) -> str | None:
+    """How a checkpoint names the store's policy (see :func:`_policy_name`).
+
+    Raises:
+        CheckpointError: as :func:`capture`.
+    """
     rules = store.rules
     config = rules.config
     rules_config = getattr(rules.base, "config", config)
@@ -78,25 +99,27 @@ def capture(
             "rebuilds the policy from the buffer's config, so its rules would change; build the "
             "buffer with the policy's config (ReplayBuffer(policy=...) without config takes it)"
         )
-    now = monotonic()
-    clocks = admission.clocks
-    groups = tuple(
-        group if isinstance(group, Group) else snapshot(group, clocks.get(group.partition, 0), now)
-        for group in store.groups.values()
-    )
+    return _policy_name(rules.base, config)
+
+
+def capture_state(
+    store: GroupStore, admission: Admission, filtering: Filtering, mixing: Mixing, policy: str | None
+) -> BufferCheckpoint:
+    """Return the state of a buffer's parts but its groups (``policy``: :func:`policy_of`'s answer)."""
     partitions = tuple(
         _saved_partition(name, part, admission.last_sampled(name), filtering, mixing)
         for name, part in store.partitions.items()
     )
+    evicted = store.evicted_in_flight
     return BufferCheckpoint(
         FORMAT_VERSION,
-        config,
-        _policy_name(rules.base, config),
-        groups,
+        store.rules.config,
+        policy,
+        (),
         partitions,
-        dict(clocks),
-        tuple(store.evicted_in_flight),
-        tuple(store.evicted_in_flight.values()),
+        dict(admission.clocks),
+        tuple(evicted),
+        tuple(evicted.values()),
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ._evicted_uids import CUT_REASON, EVICTED_UIDS_REMEMBERED, FILTERED_REASON, EvictedUids
 from ._group_snapshots import CUT_TAG, snapshot
+from ._journal_log import ChangeLog
 from ._judged_index import JudgedEntry
 from ._lazy_group import LazyGroup
 from ._open_group import OpenGroup
@@ -22,7 +23,7 @@ from ._rules import Rules
 from ._validation import describe
 from ._versions import VersionSpan
 from ._waiting import LoopBinding
-from .errors import DuplicateTrajectoryError, InvalidTransitionError, UnknownGroupError
+from .errors import DuplicateTrajectoryError, InvalidTransitionError
 from .records import (
     DEFAULT_KEY_SESSIONS,
     DEFAULT_KEY_SUFFIXES,
@@ -58,16 +59,8 @@ class GroupStore:
         rules, binding: the buffer's rule book and loop binding (parts the store only reads).
     """
 
-    __slots__ = (
-        "binding",
-        "closed",
-        "evicted_in_flight",
-        "groups",
-        "next_seq",
-        "partitions",
-        "rules",
-        "table",
-    )
+    __slots__ = ("binding", "closed", "evicted_in_flight", "groups", "log", "next_seq", "partitions",
+                 "rules", "table")  # fmt: skip
 
     def __init__(self, rules: Rules, binding: LoopBinding) -> None:
         self.rules = rules
@@ -78,6 +71,11 @@ class GroupStore:
         self.evicted_in_flight = EvictedUids()
         self.next_seq = 0
         self.closed = False
+        self.log: ChangeLog | None = None  # the journal's, once one records this buffer
+
+    def journal_to(self, log: ChangeLog) -> None:
+        """Tell ``log`` every change from now on (see ``_journal_log``)."""
+        self.log = log
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -97,27 +95,12 @@ class GroupStore:
         """Return the in-flight group ``uid`` or raise the error a write to it deserves.
 
         Raises:
-            TypeError: ``uid`` is not a str.
-            GroupCutError: it was cut at its deadline (and not added again since).
-            GroupEvictedError: it was evicted in flight or filtered (and not added again since).
-            UnknownGroupError: no such group.
-            InvalidTransitionError: it is terminal (a late write).
+            What :meth:`EvictedUids.refused <stalebuf._evicted_uids.EvictedUids.refused>` returns.
         """
         group = self.groups.get(uid) if type(uid) is str else None
         if type(group) is OpenGroup:
             return group
-        if type(uid) is not str:
-            raise TypeError(f"uid must be a str, got {type(uid).__name__}")
-        error = self.evicted_in_flight.error(uid, group is not None)
-        if error is not None:
-            raise error
-        if group is None:
-            raise UnknownGroupError(
-                f"no group {describe(uid)} in the buffer (never added, or already sampled or evicted)"
-            )
-        raise InvalidTransitionError(
-            f"cannot {action} group {describe(uid)}: it is already {group.status.value} (a late write)"
-        )
+        raise self.evicted_in_flight.refused(uid, group, action)
 
     def watch(self, uid: object, callback: Callable[[], object]) -> OpenGroup:
         """Add ``callback`` to the watchers of the in-flight group ``uid``; return that group.
@@ -147,6 +130,8 @@ class GroupStore:
         if part.deadlines:
             part.track(group)
         self.evicted_in_flight.forget(uid)  # a new group: forget the old eviction
+        if self.log is not None:
+            self.log.admitted(uid, group.partition)
         return group
 
     def start(self, uid: object, version: int | None = None) -> PartitionState:
@@ -162,6 +147,8 @@ class GroupStore:
         if group.status is not _PENDING:
             raise InvalidTransitionError(f"cannot mark group {describe(uid)} running: it is already running")
         group.status = _RUNNING
+        if self.log is not None:
+            self.log.changed(group.uid)
         part = self.partitions[group.partition]
         if part.cells is not None:
             part = part.cells[group.task]  # type: ignore[index]
@@ -173,6 +160,8 @@ class GroupStore:
     def set_start_version(self, group: OpenGroup, version: int) -> None:
         """Set the in-flight ``group``'s start version (checked); its head may move."""
         group.start_version = version
+        if self.log is not None:
+            self.log.changed(group.uid)
         head = group.head_now()
         if head != group.head:
             self.cell_of(group).move(group, head)
@@ -227,6 +216,8 @@ class GroupStore:
                 pack_runs(segments) if segments else b"",
             ),
         )
+        if self.log is not None:
+            self.log.changed(uid)
         part.trajectories += 1  # PartitionState.add_trajectories(1), inlined: runs per put
         part.admitted_trajectories += 1
         if tokens or group.span is not None:
@@ -263,12 +254,10 @@ class GroupStore:
         record: Group | None = None,
         seconds: float | None = None,
     ) -> PartitionState:
-        """Make the in-flight ``group`` terminal with ``status``; return its partition.
-        ``clock`` is the partition's dispatch clock (the record's finish step, not before
-        its dispatch step); ``measured``: the buffer saw it in flight (not a whole group written
-        in one call), so a FINISHED one counts towards the median generation time (the buffer's
-        own measure); ``record``: its terminal record from :func:`~stalebuf._group_snapshots.
-        terminal_record`, if made already, else one with ``generation_seconds`` ``seconds``."""
+        """Make the in-flight ``group`` terminal with ``status``; return its partition. ``clock``:
+        the partition's dispatch clock (the finish step, not before the dispatch step); ``measured``:
+        seen in flight, so a FINISHED one counts for the median generation time; ``record``: its
+        ``terminal_record`` if made already, else one of ``generation_seconds`` ``seconds``."""
         part = self.partitions[group.partition]
         if part.cells is not None:
             part = part.cells[group.task]  # type: ignore[index]
@@ -291,6 +280,8 @@ class GroupStore:
                 ),
             )
         self.groups[group.uid] = record
+        if self.log is not None:
+            self.log.changed(group.uid)
         part.terminate(group, record)
         return part
 
@@ -303,6 +294,8 @@ class GroupStore:
             part.record_generation(monotonic() - group.admitted_at)
         part.filter_out(group)
         del self.groups[group.uid]
+        if self.log is not None:
+            self.log.left((group,), "filtered")
         self.remember_evicted(group.uid, FILTERED_REASON)
         group.ending = "filtered"
         return part
@@ -315,6 +308,8 @@ class GroupStore:
     def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
         """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""
         group.trajectories.update((row[0], new_trajectory(*row)) for row in rows)
+        if self.log is not None:
+            self.log.changed(group.uid)
         part = self.cell_of(group)
         part.add_trajectories(len(rows))
         added = [(row[5], row[6]) if len(row) > 5 else ((), 0) for row in rows]
@@ -333,10 +328,9 @@ class GroupStore:
         record: Group | None = None,
         seconds: float = 0.0,
     ) -> list[str]:
-        """Add a new FINISHED group of default keys, stored lazily (its records are built when
-        first read), straight to the ready index; return its keys. ``record``: the group from
-        ``_group_snapshots.finished_record`` of these arguments, if made already; ``seconds``:
-        its ``generation_seconds`` (the producer's measure; 0.0 when none was given)."""
+        """Add a new FINISHED group of default keys, stored lazily, straight to the ready index;
+        return its keys. ``record``: its ``finished_record`` if made already; ``seconds``: its
+        ``generation_seconds`` (the producer's measure; 0.0 when none was given)."""
         if record is None:
             record = _tuple_new(  # finished_record, without the call: this runs per group
                 LazyGroup,
@@ -355,6 +349,8 @@ class GroupStore:
         seq = self.next_seq
         self.next_seq = seq + 1
         self.groups[uid] = record
+        if self.log is not None:
+            self.log.admitted(uid, part.name)
         part.add_terminal(record, seq)
         return default_keys(uid, len(payloads))
 
@@ -362,21 +358,22 @@ class GroupStore:
 
     def take_batch(self, part: PartitionState, chosen: list[Group] | None, count: int) -> list[Group]:
         """Remove and return a batch: ``chosen``, or the ``count`` oldest if None; counted sampled."""
-        groups = part.take_sampled(chosen, count)
-        _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
-        return groups
+        return self._remove(part.take_sampled(chosen, count), "sampled")
 
     def evict_failed(self, part: PartitionState) -> list[Group]:
         """Remove and return every failed group awaiting eviction, oldest first."""
-        groups = part.take_failed()
-        _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
-        return groups
+        return self._remove(part.take_failed(), "failure")
 
     def evict_stale(self, part: PartitionState, steps: list[int], judged: list[JudgedEntry]) -> list[Group]:
         """Remove and return the ready groups of the oldest ``steps``, or the ``judged`` entries
         (the rules chose them)."""
-        groups = part.take_stale(steps, judged)
+        return self._remove(part.take_stale(steps, judged), "stale")
+
+    def _remove(self, groups: list[Group], reason: str) -> list[Group]:
+        """Drop the records ``groups`` (which left for ``reason``) from the groups; return them."""
         _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
+        if self.log is not None:
+            self.log.left(groups, reason)
         return groups
 
     def evict_stale_in_flight(self, part: PartitionState, steps: list[int], clock: int) -> list[Group]:
@@ -389,6 +386,8 @@ class GroupStore:
             del self.groups[group.uid]
             self.remember_evicted(group.uid, None)
             group.notify_watchers("evicted")
+        if self.log is not None:
+            self.log.left(records, "in_flight")
         return records
 
     def cut(
@@ -401,7 +400,8 @@ class GroupStore:
         part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
         group.tags = MappingProxyType({**group.tags, CUT_TAG: True})
         self.end(group, status, clock, measured=False, record=record)
-        self._count_cut(part, group.uid, count, monotonic() - seconds, f"{CUT_REASON}{deadline:.6g} s")
+        part.count_cut(count, monotonic() - seconds)
+        self.remember_evicted(group.uid, f"{CUT_REASON}{deadline:.6g} s")
         evicted = status is not _FINISHED and part.evict_failures
         group.notify_watchers("cut-evicted" if evicted else "cut")
 
@@ -411,12 +411,9 @@ class GroupStore:
         part, count, seconds = self.cell_of(group), len(group.trajectories), group.admitted_at
         self.filter_out(group)
         reason = f"{CUT_REASON}{deadline:.6g} s (then filtered)"
-        self._count_cut(part, group.uid, count, monotonic() - seconds, reason)
+        part.count_cut(count, monotonic() - seconds)
+        self.remember_evicted(group.uid, reason)
         group.notify_watchers("cut-evicted")
-
-    def _count_cut(self, part: PartitionState, uid: str, count: int, seconds: float, reason: str) -> None:
-        part.count_cut(count, seconds)
-        self.remember_evicted(uid, reason)
 
     @staticmethod
     def count_masked(part: PartitionState, tokens: int) -> None:
@@ -449,9 +446,8 @@ class GroupStore:
         self, part: PartitionState, group: Group, seq: int, *, prefix: bool, running: bool
     ) -> None:
         """Put back an in-flight ``group`` at position ``seq`` in ``part`` (its cell): with its
-        trajectories, versions and start version (``prefix``; else PENDING with none, to be generated
-        again from its dispatch step), RUNNING if it was and ``running`` (else PENDING). Its deadline
-        clock starts now: an outage must not cut a group before its producer could go on with it."""
+        trajectories and start version if ``prefix`` (else PENDING with none), RUNNING if it was and
+        ``running``. Its deadline clock starts now: an outage must not cut a group early."""
         now = monotonic()
         state = self.groups[group.uid] = OpenGroup(
             group.uid, part.name, group.dispatch_step, seq, group.tags, now - group.generation_seconds, now

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio.lowlevel
+import attrs
 
 from . import _validation as checks
 from ._admission import Admission
@@ -36,8 +37,10 @@ from ._consumer import Consumer, EvictCallback, SampleObserver
 from ._custom_sampler import build_from_config, refuse_custom_sampler
 from ._eviction import check_on_evict
 from ._group_writes import GroupStatus, GroupWriter
+from ._journal import Journal, JournalOptions, JournalParts
+from ._journal_setup import check_journal_options, open_recovery, start_journal, start_recovered
 from ._open_group import GroupWatch, OpenGroup
-from ._restore import build_restored, capture, read_restore_arguments, rebuild
+from ._restore import build_restored, capture, policy_of, read_restore_arguments, rebuild
 from ._rollout import RolloutGroup, rollout
 from ._rules_build import build_rules
 from ._save_order import SaveSequencer
@@ -68,6 +71,7 @@ _Self = TypeVar("_Self", bound="ReplayBuffer")
 _UNSET: Any = NOT_GIVEN  # an argument not given (read_restore_arguments knows it too)
 _FINISHED, _FAILURE = Status.FINISHED, Status.FAILURE
 _HOOKS = ("_is_stale", "_must_wait_for", "_select")
+_PENDING_BYTES = 256 * 2**20  # journal_max_pending_bytes's default
 
 
 class ReplayBuffer:
@@ -96,12 +100,25 @@ class ReplayBuffer:
             evicts it at once (reason "filtered"), freeing its admission slot. A filter that
             raises (or returns None) keeps the group: counted in ``stats()``'s
             ``filter_errors`` and logged. See :mod:`stalebuf.filters` for built-ins.
+        journal: a path to an SQLite file that every state change is journaled to (see the
+            docs' Durability page); absent or empty, it starts a new journal; one that holds a
+            stalebuf journal or checkpoint is refused (recover from it, or remove it).
+        journal_interval: how often (seconds, >= 0) the journal commits; 0 commits every change
+            before the call returns (blocking the loop about one fsync per call).
+        journal_retention_steps: history kept behind the newest sample, in trainer steps (at
+            least back to the newest ``flush(checkpoint_step=g)``).
+        journal_max_pending_bytes: above this many encoded bytes not yet committed, async
+            producer calls wait for the writer and ``*_nowait`` ones raise BufferFullError.
+        payload_codec: ``(encode, decode)`` for the journal's payloads (default: pickle).
 
     Raises:
         ConfigError: ``config`` is not a SamplerConfig or names a ``custom_sampler`` (build
             that with :meth:`from_config`), ``policy`` is not a StalenessPolicy, ``on_evict``
             is not a plain callable, ``status_log_interval`` is not None or a number >= 0.001,
-            or ``filters`` is not a sequence of plain (synchronous) callables.
+            or ``filters`` is not a sequence of plain (synchronous) callables, or a journal
+            argument is invalid.
+        CheckpointError: ``journal`` names a file that is not absent or empty (it is left as
+            it was), or the journal cannot record this buffer's policy.
     """
 
     def __init__(
@@ -112,6 +129,11 @@ class ReplayBuffer:
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = 60.0,
         filters: Sequence[GroupFilter] = (),
+        journal: str | os.PathLike[str] | None = None,
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
+        payload_codec: PayloadCodec | None = None,
     ) -> None:
         """Check the arguments (see the class docs) and build the parts, empty."""
         if policy is None and type(self) is ReplayBuffer:
@@ -120,12 +142,39 @@ class ReplayBuffer:
         rules = build_rules(config, policy, self if overridden else None, filters)
         check_on_evict(on_evict)
         interval = checks.check_status_log_interval(status_log_interval)
+        journaled = check_journal_options(
+            journal, journal_interval, journal_retention_steps, journal_max_pending_bytes
+        )
+        checks.check_payload_codec(payload_codec)
         binding = LoopBinding()
         self.__store = store = GroupStore(rules, binding)
         self.__admission = admission = Admission(store, rules, binding)
         self.__consumer = consumer = Consumer(store, admission, rules, binding, on_evict, interval)
         self.__writer = GroupWriter(store, admission, consumer)
         self.__saves = SaveSequencer()  # orders overlapping saves (see save)
+        self.__journal: Journal | None = None
+        self.__sync_journal: Journal | None = None  # the journal, under journal_interval=0
+        if journaled is not None:
+            self.__start_journal(journaled, payload_codec)
+
+    def __journal_parts(self) -> JournalParts:
+        consumer = self.__consumer
+        return JournalParts(
+            self.__store, self.__admission, consumer.filtering, consumer.mixing, policy_of(self.__store)
+        )
+
+    def __start_journal(
+        self, options: JournalOptions, codec: PayloadCodec | None, recovered: Any = None
+    ) -> None:
+        """Journal into ``options.path`` from now on: a new file, or (``recovered``: the open
+        connection and the recovery read from it) the journal this buffer was recovered from."""
+        if recovered is None:
+            journal = start_journal(options, self.__journal_parts(), codec)
+        else:
+            journal = start_recovered(options, self.__journal_parts(), codec, *recovered)
+        self.__journal = journal
+        self.__sync_journal = journal if options.interval == 0 else None
+        self.__consumer.subscribe(journal.on_sample)
 
     @classmethod
     def from_config(
@@ -135,9 +184,15 @@ class ReplayBuffer:
         on_evict: EvictCallback | None = None,
         status_log_interval: float | None = _UNSET,
         filters: Sequence[GroupFilter] = (),
+        journal: str | os.PathLike[str] | None = None,
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
+        payload_codec: PayloadCodec | None = None,
     ) -> ReplayBuffer:
         """Build a buffer from a config or verl-style mapping, honouring ``custom_sampler``
-        (``filters`` as for the constructor, passed on when given).
+        (``filters`` and the journal arguments as for the constructor; the journal starts once
+        the buffer is built).
 
         ``custom_sampler`` may name a ``ReplayBuffer`` subclass, built as
         ``Cls(config, **config.sampler_kwargs)`` plus ``on_evict`` and ``status_log_interval``
@@ -154,7 +209,13 @@ class ReplayBuffer:
             options["status_log_interval"] = status_log_interval
         if filters != ():
             options["filters"] = filters
+        journaled = check_journal_options(
+            journal, journal_interval, journal_retention_steps, journal_max_pending_bytes
+        )
+        checks.check_payload_codec(payload_codec)
         built: ReplayBuffer = build_from_config(cls, ReplayBuffer, config, options)
+        if journaled is not None:
+            built.__start_journal(journaled, payload_codec)
         return built
 
     @classmethod
@@ -167,8 +228,13 @@ class ReplayBuffer:
         status_log_interval: float | None = _UNSET,
         payload_codec: PayloadCodec | None = None,
         filters: Sequence[GroupFilter] = (),
+        journal: str | os.PathLike[str] | None = None,
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
     ) -> RestoreResult[ReplayBuffer]:
-        """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous.
+        """Build a buffer from a checkpoint (or a file :meth:`save` wrote); synchronous. With
+        ``journal``, the restored buffer journals into a new file, which starts with its state.
 
         The class built is what :meth:`from_config` builds from the saved config (``cls``
         unless it names a custom sampler). Its ``stats()`` equal the checkpointed buffer's
@@ -193,6 +259,9 @@ class ReplayBuffer:
             OSError: the file cannot be read.
             Exception: whatever ``on_evict`` raised (under "evict").
         """
+        journaled = check_journal_options(
+            journal, journal_interval, journal_retention_steps, journal_max_pending_bytes
+        )
         checkpoint, mode, options = read_restore_arguments(
             source, in_flight, on_evict, status_log_interval, payload_codec
         )
@@ -202,7 +271,82 @@ class ReplayBuffer:
         consumer = buffer.__consumer
         ledgers = (consumer.filtering, consumer.mixing)
         reissue = rebuild(buffer.__store, buffer.__admission, consumer.eviction, ledgers, checkpoint, mode)
+        if journaled is not None:
+            buffer.__start_journal(journaled, payload_codec)
         return RestoreResult(buffer, reissue)
+
+    @classmethod
+    def recover(
+        cls,
+        journal: str | os.PathLike[str],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        in_flight: InFlightMode = "reissue",
+        on_evict: EvictCallback | None = None,
+        status_log_interval: float | None = _UNSET,
+        payload_codec: PayloadCodec | None = None,
+        filters: Sequence[GroupFilter] = (),
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
+    ) -> RestoreResult[ReplayBuffer]:
+        """Rebuild the buffer a journal recorded, and journal on into the same file.
+
+        ``global_steps=None``: the state at the journal's last commit. ``global_steps=g``: the
+        state just after the last committed ``sample(g)`` on ``partition`` that returned a batch
+        (the trainer's checkpoint step): what samples did after it is undone on every partition
+        (their groups resident again, clocks and sampled/evicted counters as they were), what
+        producers did after it is kept (listed in the result's ``kept``); an older group whose
+        uid was added again after it is dropped (``dropped``; counted evicted as "restart").
+        Then ``in_flight`` and the other arguments work as for :meth:`restore`. History after
+        the point is void: a later recovery never replays it.
+
+        Raises:
+            CheckpointError: the file is not a stalebuf journal, is torn or foreign (left as it
+                was), needs (or must not have) a payload codec, or holds no committed sample
+                at ``global_steps`` (the message names the oldest and newest recoverable steps);
+                the journal is then unchanged.
+            ConfigError: an argument is invalid.
+            OSError: the file cannot be read.
+            Exception: whatever ``on_evict`` raised (under "evict"; the journal is unchanged).
+        """
+        options = check_journal_options(
+            journal, journal_interval, journal_retention_steps, journal_max_pending_bytes
+        )
+        connection, recovery = open_recovery(journal, payload_codec, global_steps, partition)
+        try:
+            result = cls.restore(
+                recovery.checkpoint,
+                in_flight=in_flight,
+                on_evict=on_evict,
+                status_log_interval=status_log_interval,
+                filters=filters,
+            )
+        except BaseException:
+            connection.close()
+            raise
+        buffer = result.buffer
+        buffer.__start_journal(options, payload_codec, (connection, recovery))  # type: ignore[arg-type]
+        return RestoreResult(buffer, result.reissue, recovery.kept, recovery.dropped)
+
+    async def flush(self, *, checkpoint_step: int | None = None) -> None:
+        """Commit the journal now and wait until it is durable; with ``checkpoint_step=g``, also
+        record that the trainer's state at step ``g`` is durable (:meth:`recover` at ``g`` is
+        then always possible; see the docs' Durability page). Without a journal it returns at once.
+
+        Raises:
+            TypeError, ValueError: ``checkpoint_step`` is not None or an int >= 0.
+            CheckpointError: the journal's writer stopped on an error (a disk error, a payload it
+                could not encode), or the buffer is closed.
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        if checkpoint_step is not None:
+            checks.check_step(checkpoint_step, "checkpoint_step")
+        self.__store.binding.check_thread()
+        journal = self.__journal
+        if journal is not None:
+            await journal.flush(checkpoint_step)
 
     def checkpoint(self) -> BufferCheckpoint:
         """Return the buffer's whole state as a frozen, picklable value; synchronous, so it is
@@ -1059,7 +1203,17 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
         """
         self.__store.binding.check_thread()
-        return self.__consumer.stats()
+        stats = self.__consumer.stats()
+        if self.__journal is None:
+            return stats
+        commits, size, pending, lag = self.__journal.stats()
+        return attrs.evolve(
+            stats,
+            journal_commits=commits,
+            journal_bytes=size,
+            journal_pending_bytes=pending,
+            journal_lag_seconds=lag,
+        )
 
     # -- closing ----------------------------------------------------------------------
 
@@ -1071,6 +1225,11 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
         """
         self.__store.binding.check_thread()
+        self.__close_parts()
+        if self.__journal is not None:  # the final commit (blocking: aclose waits in a thread)
+            self.__journal.close()
+
+    def __close_parts(self) -> None:
         store = self.__store
         if store.closed:
             return
@@ -1079,8 +1238,16 @@ class ReplayBuffer:
         self.__admission.close()
 
     async def aclose(self) -> None:
-        """Close the buffer (see :meth:`close`) and yield once to the scheduler."""
-        self.close()
+        """Close the buffer (see :meth:`close`), its journal's final commit awaited in a worker
+        thread, and yield once to the scheduler.
+
+        Raises:
+            WrongThreadError: called from another thread than the bound loop's.
+        """
+        self.__store.binding.check_thread()
+        self.__close_parts()
+        if self.__journal is not None:
+            await self.__journal.aclose()
         await anyio.lowlevel.checkpoint()
 
     async def __aenter__(self: _Self) -> _Self:

@@ -262,10 +262,18 @@ class RestoreResult(Generic[_Buffer]):
             with their ``trajectories`` (the partial prefix, versions and tokens included) and
             ``start_version``: they are in the buffer as PENDING with that prefix, and their
             producers go on generating after it. Empty under "keep" and "evict".
+        kept: from ``ReplayBuffer.recover`` at a step, the groups admitted after the recovery
+            point that the recovered buffer holds, in admission order (a dataloader restored to
+            that step skips their prompts: they were dispatched already); ``()`` otherwise.
+        dropped: from ``recover`` at a step, the older groups of a uid that a producer added
+            again after the point (the newer one is kept; these are counted evicted as
+            "restart"); ``()`` otherwise.
     """
 
     buffer: _Buffer
     reissue: tuple[Group, ...]
+    kept: tuple[Group, ...] = ()
+    dropped: tuple[Group, ...] = ()
 
     def __iter__(self) -> Iterator[Any]:
         """Unpack as ``buffer, reissue = ...``, in that order."""

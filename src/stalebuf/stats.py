@@ -156,11 +156,22 @@ class BufferStats:
         closed: whether ``close()`` was called.
         partitions: per-partition counts, keyed by partition name (read-only mapping).
         total: the field-wise sum over all partitions.
+        journal_commits: commits the journal made (0 without a journal).
+        journal_bytes: the journal's size on disk now, its write-ahead log included.
+        journal_pending_bytes: estimated encoded bytes handed to the journal's writer and not
+            yet committed (what ``journal_max_pending_bytes`` bounds).
+        journal_lag_seconds: the age of the oldest change not yet committed (0.0 when none).
+            The four journal fields are left out of ``==``.
     """
 
     closed: bool
     partitions: Mapping[str, PartitionStats]
     total: PartitionStats
+    # Not compared: a journal's counters say how the state was written, not what it is.
+    journal_commits: int = attrs.field(default=0, eq=False)
+    journal_bytes: int = attrs.field(default=0, eq=False)
+    journal_pending_bytes: int = attrs.field(default=0, eq=False)
+    journal_lag_seconds: float = attrs.field(default=0.0, eq=False)
 
 
 @attrs.frozen(kw_only=True)

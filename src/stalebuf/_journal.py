@@ -1,0 +1,315 @@
+"""The journal: a buffer's part that makes every state change durable in an SQLite file.
+
+The store records each change in the :class:`~stalebuf._journal_log.ChangeLog` as it makes it
+(O(1)); at most every ``journal_interval`` seconds the loop hands the log, the records of the
+groups it names and the rest of the state (all references, no payload copied) to the writer
+thread, which encodes and commits them (``_journal_writer.py``). The writer thread is also the
+timer: it posts the next hand-off to the loop (asyncio's ``call_soon_threadsafe``, trio's
+``run_sync_soon``), so a hand-off never runs in the middle of a buffer call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable
+from time import monotonic
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import attrs
+import sniffio
+
+from ._admission import Admission
+from ._filtering import Filtering
+from ._group_snapshots import snapshot
+from ._journal_log import LEFT, ChangeLog
+from ._journal_writer import Handoff, JournalWriter
+from ._mixture import Mixing
+from ._open_group import OpenGroup
+from ._restore import capture_state
+from ._store import GroupStore
+from ._stored import peek_trajectories
+from .errors import BufferClosedError, BufferFullError, CheckpointError
+from .records import Group
+
+__all__ = ["Journal", "JournalOptions", "JournalParts"]
+
+logger = logging.getLogger("stalebuf")
+_Post = Callable[[Callable[[], object]], object]
+
+
+@attrs.frozen
+class JournalOptions:
+    """The journal arguments of a buffer, checked (see ``ReplayBuffer``)."""
+
+    path: str
+    interval: float = 1.0
+    retention_steps: int = 4
+    max_pending_bytes: int = 256 * 2**20
+
+
+@attrs.frozen
+class JournalParts:
+    """The buffer parts a journal reads (it writes none of them)."""
+
+    store: GroupStore
+    admission: Admission
+    filtering: Filtering
+    mixing: Mixing
+    policy: str | None
+
+
+class _RoomWaiter:
+    """A producer call parked until the writer catches up (its event is new each round)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+
+
+class Journal:
+    """Records, hands off and commits; parks producers while the writer is too far behind.
+
+    Attributes (read them):
+        log: the change log the store writes to.
+        writer: the writer thread.
+        options: the journal's arguments.
+    """
+
+    __slots__ = ("_closed", "_post", "_waiters", "log", "options", "parts", "writer")
+
+    def __init__(
+        self,
+        options: JournalOptions,
+        parts: JournalParts,
+        writer: Callable[[Callable[[], object]], JournalWriter],
+        next_gid: int,
+        seq: int,
+    ) -> None:
+        self.options = options
+        self.parts = parts
+        self.log = ChangeLog(next_gid, seq, self._arm)
+        self._waiters: deque[_RoomWaiter] = deque()
+        self._post: _Post | None = None
+        self._closed = False
+        self.writer = writer(self._committed)
+
+    # -- commits ------------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """The first change since the last hand-off: have the writer post the next one."""
+        post = _loop_post()
+        if post is None:  # no running loop: the change is committed at the next flush or close
+            return
+        self._post = post
+        interval = self.options.interval
+        if interval > 0:
+            self.writer.request_tick(monotonic() + interval, lambda: self._posted(post, self._tick))
+
+    def _posted(self, post: _Post, callback: Callable[[], object]) -> None:
+        """Run ``callback`` on the loop ``post`` reaches (from the writer thread); a loop that has
+        ended takes nothing: the changes wait for the next loop's change, a flush or a close."""
+        try:
+            post(callback)
+        except RuntimeError:  # the loop was closed
+            self.log.disarm()
+
+    def _tick(self) -> None:
+        """On the loop: the interval has passed since the first change; hand off."""
+        if self._closed or self.log.since is None:
+            return
+        try:
+            self.hand_off()
+        except CheckpointError:
+            logger.exception("the stalebuf journal could not commit")
+
+    def hand_off(self) -> int:
+        """Give the writer what changed since the last hand-off; return the commit's number.
+
+        Raises:
+            CheckpointError: the writer stopped on an error, or was closed.
+        """
+        log, parts = self.log, self.parts
+        store, admission = parts.store, parts.admission
+        dirty, events, since = log.take()
+        groups, live, clocks, now = store.groups, log.live, admission.clocks, monotonic()
+        items: list[tuple[int, Group]] = []
+        for uid in dirty:
+            group = groups.get(uid)
+            gid = live.get(uid)
+            if group is None or gid is None:
+                continue
+            if type(group) is OpenGroup:
+                group = snapshot(group, clocks.get(group.partition, 0), now)
+            items.append((gid, group))  # type: ignore[arg-type]
+        state = capture_state(store, admission, parts.filtering, parts.mixing, parts.policy)
+        estimate = _estimate((group for _, group in items), events)
+        handoff = Handoff(items, events, state, log.seq, log.next_gid, since, estimate)
+        return self.writer.submit(handoff)
+
+    def settle(self) -> None:
+        """With ``journal_interval=0``: commit what the call just changed before it returns
+        (blocking the loop for about one fsync).
+
+        Raises:
+            CheckpointError: the writer stopped on an error.
+        """
+        if self.log.since is not None:
+            self.writer.wait_committed(self.hand_off())
+
+    def on_sample(self, batch: Any, _metrics: object) -> None:
+        """The sample observer: record the sample and the state right after it."""
+        parts = self.parts
+        state = capture_state(parts.store, parts.admission, parts.filtering, parts.mixing, parts.policy)
+        self.log.sampled(batch.partition, batch.global_steps, state)
+
+    async def flush(self, checkpoint_step: int | None) -> None:
+        """Commit now (recording the trainer's mark at ``checkpoint_step``) and wait for it.
+
+        Raises:
+            CheckpointError: the writer stopped on an error, or was closed.
+        """
+        if checkpoint_step is not None:
+            self.log.marked(checkpoint_step)
+        number = self.hand_off()
+        await anyio.to_thread.run_sync(self.writer.wait_committed, number, abandon_on_cancel=True)
+
+    def close(self) -> None:
+        """Commit what is left and stop the writer (blocking; idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.log.since is not None and self.writer.error is None:
+                self.writer.wait_committed(self.hand_off())
+        except CheckpointError:
+            logger.exception("the stalebuf journal could not commit at close")
+        finally:
+            self.writer.close()
+            self._release()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, the final commit waited for in a worker thread."""
+        if self._closed:
+            return
+        if self.log.since is not None and self.writer.error is None:
+            try:
+                number = self.hand_off()
+            except CheckpointError:
+                logger.exception("the stalebuf journal could not commit at close")
+            else:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.writer.wait_committed, number)
+        self.close()
+
+    # -- backpressure -------------------------------------------------------------------------
+
+    def _over(self) -> bool:
+        return self.writer.pending_bytes > self.options.max_pending_bytes
+
+    def check_room(self) -> None:
+        """Raise unless a producer may change the buffer now without waiting for the writer.
+
+        Raises:
+            BufferFullError: the writer's queue holds more than ``journal_max_pending_bytes``
+                (or producers already wait for it to catch up).
+            CheckpointError: the writer stopped on an error.
+        """
+        if self._waiters or self._over():
+            self._raise_if_broken()
+            raise BufferFullError(
+                f"the journal's writer is behind: {self.writer.pending_bytes} bytes wait to be "
+                f"committed (journal_max_pending_bytes={self.options.max_pending_bytes})"
+            )
+
+    async def wait_room(self) -> None:
+        """Wait (FIFO, cancellable) until a producer may change the buffer.
+
+        Raises:
+            BufferClosedError: the buffer was closed meanwhile.
+            CheckpointError: the writer stopped on an error.
+        """
+        if not self._waiters and not self._over():
+            return
+        self._raise_if_broken()
+        self._post = _loop_post() or self._post
+        waiter = _RoomWaiter()
+        self._waiters.append(waiter)
+        try:
+            while self._waiters[0] is not waiter or self._over():
+                await waiter.event.wait()
+                waiter.event = anyio.Event()
+                if self._closed:
+                    raise BufferClosedError("the buffer is closed")
+                self._raise_if_broken()
+        finally:
+            self._waiters.remove(waiter)
+            self._release()  # pass the turn on (or the wake-up, if this call was cancelled)
+
+    def _raise_if_broken(self) -> None:
+        error = self.writer.error
+        if error is not None:
+            raise CheckpointError(f"the journal {self.options.path!r} stopped: {error}") from error
+
+    def _committed(self) -> None:
+        """In the writer thread, after each commit: wake the first parked producer if room."""
+        post = self._post
+        if self._waiters and post is not None:
+            self._posted(post, self._release)
+
+    def _release(self) -> None:
+        """On the loop: wake the head producer if it may go on (or every one, once closed)."""
+        waiters = self._waiters
+        if not waiters:
+            return
+        if self._closed or self.writer.error is not None:
+            for waiter in waiters:
+                waiter.event.set()
+        elif not self._over():
+            waiters[0].event.set()
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def stats(self) -> tuple[int, int, int, float]:
+        """Commits, bytes on disk, bytes pending and the age of the oldest uncommitted change."""
+        writer = self.writer
+        oldest = [t for t in (self.log.since, writer.oldest_pending()) if t is not None]
+        lag = monotonic() - min(oldest) if oldest else 0.0
+        return writer.commits, writer.size(), max(writer.pending_bytes, 0), lag
+
+
+def _loop_post() -> _Post | None:
+    """How to run a callback on the running event loop from another thread (None if none runs)."""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None
+    if library == "asyncio":
+        return asyncio.get_running_loop().call_soon_threadsafe
+    if library == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    return None
+
+
+def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
+    """The estimated encoded size of a hand-off: its payloads' sizes, plus a row's overhead."""
+    records = [event[-1] for event in events if event[0] == LEFT and event[-1] is not None]
+    total = 64 * len(events)
+    for group in (*groups, *records):
+        total += 128
+        for trajectory in peek_trajectories(group):
+            payload = trajectory.payload
+            if type(payload) in (bytes, bytearray, str):
+                total += len(payload)
+            elif type(payload) is memoryview:
+                total += payload.nbytes
+            else:
+                total += sys.getsizeof(payload)
+    return total

@@ -1,0 +1,303 @@
+"""The durable format: one SQLite database, written by the journal and by ``save``.
+
+SQLite gives the atomic commit, the crash safety and the integrity check (WAL mode,
+``synchronous=FULL``, ``PRAGMA integrity_check`` on open); this module only says what the
+tables hold and how a group or the rest of a buffer's state becomes a blob: pickled (the
+default), or JSON rows with payloads through the user's codec (no pickle anywhere).
+
+Tables: ``stalebuf`` (key/value: format, kind, codec, the latest state, the sequence counters),
+``groups`` (one row per group incarnation, ``gid`` in admission order: admitted at event
+``admitted``, removed at event ``removed`` for ``reason``, its latest ``record``), ``samples``
+(each committed ``sample`` that returned a batch: its event number, partition, step and the
+state right after it), ``commits`` (event number and wall time of each commit) and ``marks``
+(the trainer's ``flush(checkpoint_step=g)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sqlite3
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import attrs
+
+from ._checkpoint_codec import (
+    plain_manifest,
+    read_plain_groups,
+    read_plain_manifest,
+    write_plain_groups,
+    written_counters,
+)
+from ._checkpoint_file import MAGIC, PayloadCodec
+from ._lazy_group import LazyGroup
+from ._validation import describe_error
+from .checkpoint import BufferCheckpoint
+from .errors import CheckpointError
+from .records import Group
+
+__all__ = [
+    "JOURNAL_FORMAT",
+    "SQLITE_MAGIC",
+    "StateCodec",
+    "connect",
+    "create_schema",
+    "file_kind",
+    "read_key",
+    "write_key",
+]
+
+#: The format version of the SQLite file (journal or checkpoint); another one is refused.
+JOURNAL_FORMAT = 1
+#: ``PRAGMA application_id`` of a stalebuf file ("SBUF"): what tells it from another database.
+APPLICATION_ID = 0x53425546
+SQLITE_MAGIC = b"SQLite format 3\x00"
+_FRAME = struct.Struct(">Q")
+
+_SCHEMA = (
+    "CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)",
+    "CREATE TABLE groups (gid INTEGER PRIMARY KEY, uid TEXT NOT NULL, partition TEXT NOT NULL, "
+    "admitted INTEGER NOT NULL, removed INTEGER, reason TEXT, record BLOB)",
+    "CREATE INDEX groups_removed ON groups (removed)",
+    "CREATE TABLE samples (seq INTEGER PRIMARY KEY, partition TEXT NOT NULL, step TEXT NOT NULL, "
+    "state BLOB NOT NULL)",
+    "CREATE TABLE commits (seq INTEGER PRIMARY KEY, wall REAL NOT NULL)",
+    "CREATE TABLE marks (seq INTEGER PRIMARY KEY, step TEXT NOT NULL, wall REAL NOT NULL)",
+)
+
+FileKind = Literal["absent", "empty", "journal", "checkpoint", "container"]
+
+
+def file_kind(path: str) -> FileKind:
+    """What the file at ``path`` is, read without changing it.
+
+    Raises:
+        CheckpointError: it is neither absent, empty, a stalebuf SQLite file of this format nor
+            a checkpoint of the older container format (it stays as it was).
+        OSError: it cannot be read.
+    """
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(SQLITE_MAGIC))
+    except FileNotFoundError:
+        return "absent"
+    if not head:
+        return "empty"
+    if head.startswith(MAGIC[: len(head)]) and len(head) >= 8:
+        return "container"
+    if head != SQLITE_MAGIC:
+        raise CheckpointError(f"{path!r} is not a stalebuf journal or checkpoint")
+    with contextlib.closing(connect(path, read_only=True)) as connection:
+        return _stalebuf_kind(connection, path)
+
+
+def _stalebuf_kind(connection: sqlite3.Connection, path: str) -> Literal["journal", "checkpoint"]:
+    try:
+        (application,) = connection.execute("PRAGMA application_id").fetchone()
+        if application != APPLICATION_ID:
+            raise CheckpointError(f"{path!r} is an SQLite database, but not a stalebuf journal or checkpoint")
+        version = read_key(connection, "format")
+        kind = read_key(connection, "kind")
+    except sqlite3.Error as exc:
+        raise CheckpointError(f"{path!r} cannot be read as a stalebuf file: {describe_error(exc)}") from exc
+    if version != JOURNAL_FORMAT:
+        raise CheckpointError(
+            f"{path!r} has stalebuf file format {version!r}; this stalebuf reads format {JOURNAL_FORMAT}"
+        )
+    if kind not in ("journal", "checkpoint"):
+        raise CheckpointError(f"{path!r} holds an unknown kind of stalebuf file {kind!r}")
+    return kind  # type: ignore[no-any-return]
+
+
+def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
+    """Open the database at ``path`` (created when absent unless ``read_only``), its integrity
+    checked; a writer gets WAL mode with ``synchronous=FULL``.
+
+    Raises:
+        CheckpointError: SQLite finds the file corrupt or torn, or cannot open it.
+    """
+    try:
+        if read_only:
+            uri = "file:" + _quoted(os.path.abspath(path)) + "?mode=ro"
+            connection = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        else:
+            connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            (verdict,) = connection.execute("PRAGMA quick_check").fetchone()
+            if verdict != "ok":
+                raise CheckpointError(f"{path!r} is corrupt: {verdict}")
+            if not read_only:
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.execute("PRAGMA synchronous=FULL")
+        except BaseException:
+            connection.close()
+            raise
+    except sqlite3.Error as exc:
+        raise CheckpointError(f"{path!r} cannot be opened as a stalebuf file: {describe_error(exc)}") from exc
+    return connection
+
+
+def _quoted(path: str) -> str:
+    """``path`` escaped for an SQLite URI (``?`` and ``#`` would end it, ``%`` start an escape)."""
+    return path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+
+
+def create_schema(connection: sqlite3.Connection, kind: str, codec: PayloadCodec | None) -> None:
+    """Create the tables of a new stalebuf file of ``kind`` ("journal" or "checkpoint") inside
+    the caller's transaction."""
+    connection.execute("PRAGMA auto_vacuum=INCREMENTAL")  # deleted history gives its pages back
+    connection.execute(f"PRAGMA application_id={APPLICATION_ID}")
+    for statement in _SCHEMA:
+        connection.execute(statement)
+    write_key(connection, "format", JOURNAL_FORMAT)
+    write_key(connection, "kind", kind)
+    write_key(connection, "codec", "pickle" if codec is None else "plain")
+
+
+def read_key(connection: sqlite3.Connection, key: str) -> Any:
+    """The value of ``key`` in the ``stalebuf`` table (None if absent)."""
+    row = connection.execute("SELECT value FROM stalebuf WHERE key = ?", (key,)).fetchone()
+    return None if row is None else row[0]
+
+
+def write_key(connection: sqlite3.Connection, key: str, value: Any) -> None:
+    """Set ``key`` in the ``stalebuf`` table."""
+    connection.execute("INSERT OR REPLACE INTO stalebuf (key, value) VALUES (?, ?)", (key, value))
+
+
+@attrs.frozen
+class StateCodec:
+    """How groups and the rest of a buffer's state become blobs: pickled when ``codec`` is None,
+    else JSON rows with payloads through ``codec`` (``(encode, decode)``)."""
+
+    codec: PayloadCodec | None
+
+    def check_file(self, connection: sqlite3.Connection, path: str) -> None:
+        """Raise CheckpointError unless the file at ``path`` was written with this kind of codec."""
+        written = read_key(connection, "codec")
+        if written == "pickle" and self.codec is not None:
+            raise CheckpointError(
+                f"{path!r} holds pickled payloads; refusing to unpickle it with a codec given"
+            )
+        if written == "plain" and self.codec is None:
+            raise CheckpointError(
+                f"{path!r} was written with a payload codec: pass payload_codec= to read it"
+            )
+        if written not in ("pickle", "plain"):
+            raise CheckpointError(f"{path!r} names an unknown payload codec {written!r}")
+
+    def state(self, checkpoint: BufferCheckpoint) -> bytes:
+        """``checkpoint``'s state but its groups, as a blob.
+
+        Raises:
+            CheckpointError: a value the format cannot hold (named).
+        """
+        if self.codec is not None:
+            return plain_manifest(checkpoint)
+        partitions = tuple(
+            attrs.evolve(p, counters=written_counters(p.counters)) for p in checkpoint.partitions
+        )
+        try:
+            return pickle.dumps(attrs.evolve(checkpoint, groups=(), partitions=partitions), protocol=5)
+        except Exception as exc:
+            raise CheckpointError(f"the config cannot be pickled: {describe_error(exc)}") from exc
+
+    def read_state(self, blob: bytes) -> BufferCheckpoint:
+        """The state a :meth:`state` blob holds (its groups empty; checked later, with them).
+
+        Raises:
+            CheckpointError: the blob is not one :meth:`state` writes.
+        """
+        if self.codec is not None:
+            return read_plain_manifest(blob)[0]
+        checkpoint = _unpickled(blob, "the state")
+        if type(checkpoint) is not BufferCheckpoint:
+            raise CheckpointError("the file's state is not a BufferCheckpoint")
+        return checkpoint
+
+    def group(self, group: Group) -> bytes:
+        """``group`` as a blob.
+
+        Raises:
+            CheckpointError: a payload the format cannot hold, or ``encode`` failed (named).
+        """
+        if self.codec is None:
+            try:
+                return pickle.dumps(group, protocol=5)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"group {group.uid!r} cannot be pickled: {describe_error(exc)}; pass payload_codec= "
+                    "to journal or save payloads pickle cannot hold"
+                ) from exc
+        frames = bytearray()
+
+        def frame(data: bytes | bytearray | memoryview) -> None:
+            data = memoryview(data).cast("B")
+            frames.extend(_FRAME.pack(len(data)))
+            frames.extend(data)
+
+        write_plain_groups((group,), self.codec[0], frame)
+        return bytes(frames)
+
+    def read_group(self, blob: bytes, where: str) -> Group:
+        """The group a :meth:`group` blob holds (checked later, with the rest).
+
+        Raises:
+            CheckpointError: the blob is not one :meth:`group` writes, or ``decode`` failed.
+        """
+        if self.codec is None:
+            group = _unpickled(blob, where)
+            if type(group) not in (Group, LazyGroup):
+                raise CheckpointError(f"{where} is not a group")
+            return group  # type: ignore[no-any-return]
+        frames = _frames(memoryview(blob))
+
+        def next_frame() -> memoryview:
+            frame = next(frames, None)
+            if frame is None:
+                raise CheckpointError(f"{where} ends early")
+            return frame
+
+        try:
+            (group,) = read_plain_groups(next_frame, self.codec[1])
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{where} cannot be read: {describe_error(exc)}") from exc
+        return group
+
+
+def _unpickled(blob: bytes, where: str) -> Any:
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:
+        raise CheckpointError(f"{where} cannot be unpickled: {describe_error(exc)}") from exc
+
+
+def _frames(body: memoryview) -> Iterator[memoryview]:
+    at = 0
+    while at < len(body):
+        if at + _FRAME.size > len(body):
+            raise CheckpointError("a group's blob ends inside a frame header")
+        (length,) = _FRAME.unpack_from(body, at)
+        at += _FRAME.size
+        if at + length > len(body):
+            raise CheckpointError("a group's blob ends inside a frame")
+        yield body[at : at + length]
+        at += length
+
+
+def size_on_disk(path: str) -> int:
+    """The bytes the database at ``path`` takes now, its write-ahead log included."""
+    total = 0
+    for name in (path, path + "-wal"):
+        with contextlib.suppress(OSError):
+            total += os.stat(name).st_size
+    return total
+
+
+#: ``encode`` of a :class:`StateCodec`'s codec, for type checkers.
+Encode = Callable[[Any], bytes]
