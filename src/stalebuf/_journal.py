@@ -167,6 +167,8 @@ class Journal:
         parts = self.parts
         state = capture_state(parts.store, parts.admission, parts.filtering, parts.mixing, parts.policy)
         self.log.sampled(batch.partition, batch.global_steps, state)
+        if self.options.interval == 0:  # the sample returns once its batch is durable
+            self.writer.wait_committed(self.hand_off())
 
     async def flush(self, checkpoint_step: int | None) -> None:
         """Commit now (recording the trainer's mark at ``checkpoint_step``) and wait for it.
@@ -216,11 +218,10 @@ class Journal:
         """Raise unless a producer may change the buffer now without waiting for the writer.
 
         Raises:
-            BufferFullError: the writer's queue holds more than ``journal_max_pending_bytes``
-                (or producers already wait for it to catch up).
+            BufferFullError: the writer's queue holds more than ``journal_max_pending_bytes``.
             CheckpointError: the writer stopped on an error.
         """
-        if self._waiters or self._over():
+        if self._over():
             self._raise_if_broken()
             raise BufferFullError(
                 f"the journal's writer is behind: {self.writer.pending_bytes} bytes wait to be "

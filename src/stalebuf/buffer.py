@@ -439,6 +439,18 @@ class ReplayBuffer:
         if self.__store.closed:
             raise BufferClosedError("the buffer is closed")
 
+    def __check_producer(self) -> None:
+        """:meth:`__check_usable`, and under a journal, that its writer is not too far behind
+        (BufferFullError; the async producer calls wait for it first instead)."""
+        self.__check_usable()
+        if self.__journal is not None:
+            self.__journal.check_room()
+
+    def __settle(self) -> None:
+        """Under ``journal_interval=0``: commit what the call changed before it returns."""
+        if self.__sync_journal is not None:
+            self.__sync_journal.settle()
+
     # -- producers --------------------------------------------------------------------
 
     def add_prompt_nowait(
@@ -457,12 +469,13 @@ class ReplayBuffer:
             WrongThreadError: called from another thread than the bound loop's.
             TypeError, ValueError: ``uid``, ``global_steps``, ``partition`` or ``tags`` is invalid.
             DuplicateGroupError: a group with this uid is in the buffer.
-            BufferFullError: admission control has no slot for it now; nothing changed.
+            BufferFullError: admission control has no slot for it now, or the journal's writer
+                is more than ``journal_max_pending_bytes`` behind; nothing changed.
         """
         store = self.__store
         thread = store.binding.thread
-        if store.closed or (thread is not None and thread != get_ident()):
-            self.__check_usable()
+        if store.closed or store.log is not None or (thread is not None and thread != get_ident()):
+            self.__check_producer()
         # The hot path: each check is inlined, the slow helpers only build the error.
         if type(uid) is not str or not uid or "_" in uid or not uid.isascii():
             checks.check_uid(uid)  # raises, unless a non-ASCII uid UTF-8 can encode
@@ -479,6 +492,7 @@ class ReplayBuffer:
         if part is None or part.gated or global_steps is None:
             global_steps = self.__admission.tag_for(partition, part, global_steps)
         self.__writer.add_prompt(uid, global_steps, part or store.partition(partition), frozen_tags)
+        self.__settle()
 
     def mark_running_nowait(self, uid: str, *, version: int | None = None) -> None:
         """Move group ``uid`` from PENDING to RUNNING; ``version``: the policy version its
@@ -491,15 +505,18 @@ class ReplayBuffer:
             TypeError, ValueError: ``uid`` is not a str, or ``version`` not an int >= 0.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is not PENDING.
+            BufferFullError: the journal's writer is more than ``journal_max_pending_bytes``
+                behind; nothing changed.
         """
         store = self.__store
         thread = store.binding.thread
-        if store.closed or (thread is not None and thread != get_ident()):
-            self.__check_usable()
+        if store.closed or store.log is not None or (thread is not None and thread != get_ident()):
+            self.__check_producer()
         if version is None:
             store.start(uid)
         else:  # the group's head may move: a parked sample may now return, or evict it in flight
             self.__consumer.notify(store.start(uid, check_start_version(version)))
+        self.__settle()
 
     def put_nowait(
         self,
@@ -529,21 +546,25 @@ class ReplayBuffer:
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is terminal (a late write).
             DuplicateTrajectoryError: the group already holds this ``(session_id, index)``.
+            BufferFullError: the journal's writer is more than ``journal_max_pending_bytes``
+                behind; nothing changed.
         """
         store = self.__store
         thread = store.binding.thread
-        if store.closed or (thread is not None and thread != get_ident()):
-            self.__check_usable()
+        if store.closed or store.log is not None or (thread is not None and thread != get_ident()):
+            self.__check_producer()
         if type(session_id) is not int or not 0 <= session_id < 1 << 63:
             checks.check_index(session_id, "session_id")
         if type(index) is not int or not 0 <= index < 1 << 63:
             checks.check_index(index, "index")
         frozen = EMPTY_TAGS if tags is None else checks.check_tags(tags)
         if versions is None and tokens is None:
-            return store.put(uid, payload, session_id, index, frozen)
-        key = store.put(uid, payload, session_id, index, frozen, *trajectory_versions(versions, tokens))
-        # An older version moves the group's head: a parked sample may now evict it in flight.
-        self.__consumer.notify(store.cell_of(store.groups[uid]))
+            key = store.put(uid, payload, session_id, index, frozen)
+        else:
+            key = store.put(uid, payload, session_id, index, frozen, *trajectory_versions(versions, tokens))
+            # An older version moves the group's head: a parked sample may now evict it in flight.
+            self.__consumer.notify(store.cell_of(store.groups[uid]))
+        self.__settle()
         return key
 
     def mark_finished_nowait(self, uid: str) -> None:
@@ -555,6 +576,8 @@ class ReplayBuffer:
             TypeError: ``uid`` is not a str.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
+            BufferFullError: the journal's writer is more than ``journal_max_pending_bytes``
+                behind; nothing changed.
         """
         self.__end(uid, _FINISHED, "mark finished")
 
@@ -570,6 +593,8 @@ class ReplayBuffer:
             TypeError: ``uid`` is not a str.
             UnknownGroupError: no such group (never added, or already sampled or evicted).
             InvalidTransitionError: the group is already terminal.
+            BufferFullError: the journal's writer is more than ``journal_max_pending_bytes``
+                behind; nothing changed.
         """
         self.__end(uid, _FAILURE, "mark failed")
 
@@ -577,8 +602,8 @@ class ReplayBuffer:
         """End the in-flight group ``uid`` with ``status`` (the two ``mark_*_nowait``)."""
         store = self.__store
         thread = store.binding.thread
-        if store.closed or (thread is not None and thread != get_ident()):
-            self.__check_usable()
+        if store.closed or store.log is not None or (thread is not None and thread != get_ident()):
+            self.__check_producer()
         group = store.groups.get(uid) if type(uid) is str else None
         if type(group) is not OpenGroup:  # the lookup inlined; open_group raises the right error
             group = store.open_group(uid, action)
@@ -590,6 +615,7 @@ class ReplayBuffer:
             if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
                 self.__admission.refunded(part)
             consumer.notify(part)
+        self.__settle()
 
     def put_group_nowait(
         self,
@@ -639,12 +665,13 @@ class ReplayBuffer:
             InvalidTransitionError: the group is already terminal (a late write).
             DuplicateGroupError: the group is in flight with another step or partition.
             DuplicateTrajectoryError: two payloads, or a payload and the group, share a key.
-            BufferFullError: the group is new and admission control has no slot for it now.
+            BufferFullError: the group is new and admission control has no slot for it now, or
+                the journal's writer is more than ``journal_max_pending_bytes`` behind.
         """
         store = self.__store
         thread = store.binding.thread
-        if store.closed or (thread is not None and thread != get_ident()):
-            self.__check_usable()
+        if store.closed or store.log is not None or (thread is not None and thread != get_ident()):
+            self.__check_producer()
         part = store.partitions.get(partition) if type(partition) is str else None
         if (  # the common case gets a path of its own: a new, finished group of default keys
             part is not None
@@ -664,10 +691,12 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            return self.__writer.put_new_finished(
+            keys = self.__writer.put_new_finished(
                 part, uid, payloads, global_steps, tags, version, generation_seconds
             )
-        return self.__writer.put(
+            self.__settle()
+            return keys
+        keys = self.__writer.put(
             uid,
             payloads,
             global_steps,
@@ -680,6 +709,8 @@ class ReplayBuffer:
             versioning=(versions, tokens, version),
             generation_seconds=generation_seconds,
         )
+        self.__settle()
+        return keys
 
     async def add_prompt(
         self,
@@ -699,6 +730,8 @@ class ReplayBuffer:
                 ``sample``: no slot there can ever open), at once or when a sample closes it.
             BufferClosedError: the buffer was closed while it waited.
         """
+        if self.__journal is not None:
+            await self.__journal.wait_room()
         try:
             self.add_prompt_nowait(uid, global_steps=global_steps, partition=partition, tags=tags)
             return
@@ -716,11 +749,15 @@ class ReplayBuffer:
             if uid in store.groups:
                 raise DuplicateGroupError(f"a group with uid {checks.describe(uid)} is already in the buffer")
             self.__writer.add_prompt(uid, tag, cell, frozen_tags)
+            self.__settle()
 
         await self.__admission.wait_for_slot(cell, global_steps, admit)
 
     async def mark_running(self, uid: str, *, version: int | None = None) -> None:
-        """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors)."""
+        """Mark a group RUNNING; the async twin of :meth:`mark_running_nowait` (same errors, but
+        under a journal it waits for the writer instead of raising BufferFullError)."""
+        if self.__journal is not None:
+            await self.__journal.wait_room()
         self.mark_running_nowait(uid, version=version)
 
     async def put(
@@ -734,7 +771,10 @@ class ReplayBuffer:
         versions: Sequence[tuple[int, int]] | None = None,
         tokens: int | None = None,
     ) -> str:
-        """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same errors)."""
+        """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (same
+        errors, but under a journal it waits for the writer instead of raising BufferFullError)."""
+        if self.__journal is not None:
+            await self.__journal.wait_room()
         if versions is None and tokens is None:  # fewer keywords to pass: this runs per trajectory
             return self.put_nowait(uid, payload, session_id=session_id, index=index, tags=tags)
         return self.put_nowait(
@@ -742,11 +782,17 @@ class ReplayBuffer:
         )
 
     async def mark_finished(self, uid: str) -> None:
-        """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait` (same errors)."""
+        """Mark a group FINISHED; the async twin of :meth:`mark_finished_nowait` (same errors,
+        but under a journal it waits for the writer instead of raising BufferFullError)."""
+        if self.__journal is not None:
+            await self.__journal.wait_room()
         self.mark_finished_nowait(uid)
 
     async def mark_failed(self, uid: str) -> None:
-        """Mark a group FAILURE; the async twin of :meth:`mark_failed_nowait` (same errors)."""
+        """Mark a group FAILURE; the async twin of :meth:`mark_failed_nowait` (same errors,
+        but under a journal it waits for the writer instead of raising BufferFullError)."""
+        if self.__journal is not None:
+            await self.__journal.wait_room()
         self.mark_failed_nowait(uid)
 
     async def put_group(
@@ -776,6 +822,8 @@ class ReplayBuffer:
                 ``sample``: no slot there can ever open), at once or when a sample closes it.
             BufferClosedError: the buffer was closed while it waited.
         """
+        if self.__journal is not None:
+            await self.__journal.wait_room()
         try:
             return self.put_group_nowait(
                 uid,
@@ -800,7 +848,7 @@ class ReplayBuffer:
 
         def admit(tag: int) -> list[str]:
             self.__check_usable()
-            return writer.put(
+            keys = writer.put(
                 uid,
                 payloads,
                 global_steps,
@@ -814,6 +862,8 @@ class ReplayBuffer:
                 (versions, tokens, version),
                 generation_seconds,
             )
+            self.__settle()
+            return keys
 
         cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
         return await self.__admission.wait_for_slot(cell, global_steps, admit, need)
@@ -870,7 +920,9 @@ class ReplayBuffer:
         if not isinstance(watch, GroupWatch):
             raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
         self.__store.binding.check_thread()
-        return self.__writer.end_watched(watch.group, finished)
+        ended = self.__writer.end_watched(watch.group, finished)
+        self.__settle()
+        return ended
 
     def put_back(self, group: Group) -> bool:
         """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status,
@@ -886,7 +938,9 @@ class ReplayBuffer:
             The errors of :meth:`put_group_nowait` for values it would refuse.
         """
         self.__store.binding.check_thread()
-        return self.__writer.put_back(group)
+        put = self.__writer.put_back(group)
+        self.__settle()
+        return put
 
     # -- admission --------------------------------------------------------------------
 
@@ -1028,6 +1082,7 @@ class ReplayBuffer:
         result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         if result is not None:
             return result
+        self.__settle()  # the evictions it made
         wanted = batch_size if token_budget is None else f"{token_budget} tokens"
         where = checks.describe(partition)
         raise BatchNotReadyError(f"no batch of {wanted} may be returned from partition {where} now")
