@@ -91,6 +91,10 @@ def expected_from(stats: BufferStats) -> Samples:
     expected: Samples = {
         ("stalebuf_up", frozenset()): 1.0,
         ("stalebuf_closed", frozenset()): float(stats.closed),
+        ("stalebuf_journal_commits_total", frozenset()): stats.journal_commits,
+        ("stalebuf_journal_bytes", frozenset()): stats.journal_bytes,
+        ("stalebuf_journal_pending_bytes", frozenset()): stats.journal_pending_bytes,
+        ("stalebuf_journal_lag_seconds", frozenset()): stats.journal_lag_seconds,
     }
     for partition, item in stats.partitions.items():
         label = ("partition", partition)
@@ -233,7 +237,7 @@ def test_names_types_and_labels_follow_prometheus_conventions() -> None:
         "stalebuf_evicted_in_flight_groups", "stalebuf_reissued_groups", "stalebuf_reissued_trajectories",
         "stalebuf_cut_groups", "stalebuf_cut_trajectories", "stalebuf_admitted_tokens",
         "stalebuf_sampled_tokens", "stalebuf_masked_tokens", "stalebuf_evicted_tokens",
-        "stalebuf_reissued_tokens",
+        "stalebuf_reissued_tokens", "stalebuf_journal_commits",
     }  # fmt: skip
     for name in counters:
         assert all(sample.name == f"{name}_total" for sample in families[name].samples)

@@ -84,7 +84,7 @@ def start_journal(
     if kind not in ("absent", "empty"):
         raise CheckpointError(
             f"{path!r} already holds a stalebuf {'checkpoint' if kind == 'container' else kind}: recover "
-            "from it (ReplayBuffer.recover), or remove it; a new journal never overwrites one"
+            "from it, or remove it (ReplayBuffer.recover; a new journal never overwrites one)"
         )
     codec = StateCodec(payload_codec)
     connection = connect(path)

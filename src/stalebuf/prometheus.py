@@ -11,6 +11,9 @@ Metrics (``stalebuf`` is the default ``namespace``; labels in braces):
 
 - ``stalebuf_up``: 1 if the last read of ``stats()`` succeeded, else 0 (then only the
   histograms follow); ``stalebuf_closed``: 1 once the buffer is closed.
+- the journal's (buffer-wide; 0 without one): counter ``stalebuf_journal_commits_total``,
+  gauges ``stalebuf_journal_bytes``, ``stalebuf_journal_pending_bytes`` and
+  ``stalebuf_journal_lag_seconds``.
 - gauges ``stalebuf_resident_groups{partition,status}`` (status: pending, running, finished,
   failure), ``stalebuf_resident_trajectories{partition}``,
   ``stalebuf_waiting_samplers{partition}``, ``stalebuf_waiting_producers{partition}``,
@@ -110,6 +113,11 @@ _COUNTERS = (
      "reissued_tokens"),
 )  # fmt: skip
 # (metric name, help, PartitionStats field) of the gauges labelled by partition alone.
+_JOURNAL_GAUGES = (
+    ("journal_bytes", "The journal's size on disk, its write-ahead log included.", "journal_bytes"),
+    ("journal_pending_bytes", "Encoded bytes waiting to be committed (estimated).", "journal_pending_bytes"),
+    ("journal_lag_seconds", "Age of the oldest change not yet committed.", "journal_lag_seconds"),
+)
 _GAUGES = (
     ("resident_trajectories", "Trajectories held by resident groups.", "trajectories"),
     ("resident_tokens", "Tokens held by resident groups, in flight or not.", "tokens"),
@@ -216,6 +224,7 @@ class BufferCollector:
         if stats is not None:
             closed.add_metric([], 1.0 if stats.closed else 0.0)
         yield closed
+        yield from self._journal_families(stats)
         groups = self._gauge("resident_groups", "Resident groups, by status.", ["partition", "status"])
         for partition, item in parts:
             for status in _STATUSES:
@@ -247,6 +256,18 @@ class BufferCollector:
                 for reason in _REASONS:
                     evicted.add_metric([partition, reason], getattr(item, f"evicted_{reason}_{unit}"))
             yield evicted
+
+    def _journal_families(self, stats: BufferStats | None) -> Iterator[Any]:
+        """The journal's buffer-wide families (0 without a journal)."""
+        commits = CounterMetricFamily(self._name("journal_commits"), "Commits the journal made.", labels=[])
+        if stats is not None:
+            commits.add_metric([], stats.journal_commits)
+        yield commits
+        for name, documentation, field in _JOURNAL_GAUGES:
+            gauge = self._gauge(name, documentation, None)
+            if stats is not None:
+                gauge.add_metric([], getattr(stats, field))
+            yield gauge
 
     def _histogram_families(
         self, snapshot: dict[str, tuple[HistogramSnapshot, HistogramSnapshot]]

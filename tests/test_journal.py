@@ -1,0 +1,437 @@
+"""The journal (issue 25): exact at its last commit, refusals that leave files as they were,
+``journal_interval=0``, backpressure (wake-up, timeout, cancellation, close), the writer's
+errors, and its metrics. Async tests run on asyncio and trio under ``anyio.fail_after``.
+
+The crash (SIGKILL) test is ``test_journal_crash.py``; recovery at a trainer step and its
+conflicts are ``test_journal_recovery.py`` and the model test ``test_journal_model.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from _helpers import assert_conserved
+from stalebuf import (
+    BufferClosedError,
+    BufferFullError,
+    CheckpointError,
+    ConfigError,
+    ReplayBuffer,
+    SamplerConfig,
+    Status,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def state_of(buffer: ReplayBuffer) -> tuple[Any, ...]:
+    """What a recovery must reproduce: stats, clocks, and every group's content."""
+    checkpoint = buffer.checkpoint()
+    groups = [
+        (g.uid, g.partition, g.dispatch_step, g.status, dict(g.tags), g.start_version,
+         [(t.key, t.payload, t.versions, t.tokens) for t in g.trajectories])
+        for g in checkpoint.groups
+    ]  # fmt: skip
+    return buffer.stats(), dict(checkpoint.clocks), groups, checkpoint.evicted_in_flight
+
+
+@contextlib.contextmanager
+def write_lock(path: Path) -> Iterator[None]:
+    """Hold the journal's write lock from another connection: its writer waits (backpressure)."""
+    connection = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        yield
+        connection.execute("ROLLBACK")
+    finally:
+        connection.close()
+
+
+# -- exactness at the last commit ----------------------------------------------------------------
+
+
+async def busy_buffer(path: Path, **options: Any) -> ReplayBuffer:
+    config = SamplerConfig(max_off_policy_threshold=2, failure_strategy="evict")
+    buffer = ReplayBuffer(config, journal=path, journal_interval=60.0, **options)
+    for i in range(12):
+        buffer.put_group_nowait(f"g{i}", [bytes([i]) * 5] * 3, global_steps=i // 4)
+    buffer.add_prompt_nowait("run", global_steps=2)
+    buffer.mark_running_nowait("run", version=3)
+    buffer.put_nowait("run", b"partial", versions=[(3, 4), (4, 2)])
+    buffer.add_prompt_nowait("bad", global_steps=2, tags={"kind": "x"})
+    buffer.mark_failed_nowait("bad")
+    buffer.sample_nowait(1, 4)
+    buffer.put_group_nowait("late", [b"a", b"b"], tokens=[3, 4], global_steps=3)
+    buffer.sample_nowait(4, 1)  # evicts stale groups and the failed one
+    return buffer
+
+
+async def test_recovering_at_the_last_commit_gives_the_state_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    buffer = await busy_buffer(path)
+    with anyio.fail_after(10):
+        await buffer.flush()
+    expected = state_of(buffer)
+    recovered = ReplayBuffer.recover(path, in_flight="keep").buffer  # the first buffer never closed
+    assert state_of(recovered) == expected
+    assert_conserved(recovered)
+    await recovered.aclose()
+    buffer.close()
+
+
+async def test_a_recovered_buffer_journals_on_into_the_same_file(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    buffer = await busy_buffer(path)
+    await buffer.aclose()
+    recovered = ReplayBuffer.recover(path, in_flight="keep").buffer
+    recovered.put_group_nowait("after", [b"z"])
+    recovered.mark_finished_nowait("run")
+    expected = state_of(recovered)
+    await recovered.aclose()
+    again = ReplayBuffer.recover(path, in_flight="keep").buffer
+    assert state_of(again) == expected
+    again.close()
+
+
+async def test_close_commits_what_is_left(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    buffer.put_group_nowait("a", [1, 2])
+    buffer.close()  # the final commit, though the interval never passed
+    assert "a" in ReplayBuffer.recover(path).buffer
+
+
+async def test_the_timer_commits_without_a_flush(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0.01)
+    await buffer.put_group("a", [1, 2])
+    with anyio.fail_after(10):
+        while buffer.stats().journal_commits < 2:  # the first commit is the empty start
+            await anyio.sleep(0.01)
+    assert "a" in ReplayBuffer.recover(path).buffer  # read while the first still runs
+    await buffer.aclose()
+
+
+async def test_journal_interval_zero_commits_before_each_call_returns(tmp_path: Path) -> None:
+    """Every producer call, and a sample, is durable when it returns."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0)
+    buffer.add_prompt_nowait("a")
+    assert "a" in ReplayBuffer.recover(path).buffer
+    buffer.put_nowait("a", b"x")
+    buffer.mark_finished_nowait("a")
+    buffer.put_group_nowait("b", [b"y"])
+    assert ReplayBuffer.recover(path, in_flight="keep").buffer.stats() == buffer.stats()
+    buffer.sample_nowait(0, 1)
+    recovered = ReplayBuffer.recover(path, global_steps=0).buffer
+    assert recovered.stats() == buffer.stats()
+    buffer.close()
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_an_existing_journal_is_refused_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    ReplayBuffer(journal=path).put_group_nowait("a", [1])
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match="recover from it, or remove it"):
+        ReplayBuffer(journal=path)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("content", [b"not a database at all", b"SQLite format 3\x00" + b"\x07" * 200])
+def test_a_foreign_file_is_refused_byte_for_byte(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "foreign.db"
+    path.write_bytes(content)
+    for attempt in (lambda: ReplayBuffer(journal=path), lambda: ReplayBuffer.recover(path)):
+        with pytest.raises(CheckpointError):
+            attempt()
+        assert path.read_bytes() == content
+
+
+def test_another_sqlite_database_is_refused_byte_for_byte(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    connection = sqlite3.connect(path)
+    connection.execute("CREATE TABLE t (x)")
+    connection.commit()
+    connection.close()
+    before = path.read_bytes()
+    for attempt in (lambda: ReplayBuffer(journal=path), lambda: ReplayBuffer.recover(path)):
+        with pytest.raises(CheckpointError, match="not a stalebuf"):
+            attempt()
+        assert path.read_bytes() == before
+
+
+def test_an_empty_file_starts_a_new_journal(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    path.write_bytes(b"")
+    buffer = ReplayBuffer(journal=path)
+    buffer.put_group_nowait("a", [1])
+    buffer.close()
+    assert "a" in ReplayBuffer.recover(path).buffer
+
+
+def test_recovering_a_missing_or_empty_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no journal to recover"):
+        ReplayBuffer.recover(tmp_path / "missing.db")
+    (tmp_path / "empty.db").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no journal to recover"):
+        ReplayBuffer.recover(tmp_path / "empty.db")
+    assert (tmp_path / "empty.db").read_bytes() == b""
+
+
+def test_a_journal_written_with_a_codec_needs_it_and_one_without_refuses_it(tmp_path: Path) -> None:
+    codec = (bytes, bytes)
+    with_codec, plain = tmp_path / "codec.db", tmp_path / "pickle.db"
+    buffer = ReplayBuffer(journal=with_codec, payload_codec=codec)
+    buffer.put_group_nowait("a", [b"payload"])
+    buffer.close()
+    ReplayBuffer(journal=plain).close()
+    with pytest.raises(CheckpointError, match="payload codec"):
+        ReplayBuffer.recover(with_codec)
+    with pytest.raises(CheckpointError, match="pickled payloads"):
+        ReplayBuffer.recover(plain, payload_codec=codec)
+    recovered = ReplayBuffer.recover(with_codec, payload_codec=codec).buffer
+    batch, _ = recovered.sample_nowait(0, 1)
+    assert batch.groups[0].trajectories[0].payload == b"payload"
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("journal_interval", -1.0),
+        ("journal_interval", float("nan")),
+        ("journal_interval", "1"),
+        ("journal_interval", True),
+        ("journal_retention_steps", -1),
+        ("journal_retention_steps", 1.5),
+        ("journal_max_pending_bytes", 0),
+        ("journal_max_pending_bytes", None),
+        ("journal", 12),
+        ("journal", ""),
+        ("payload_codec", (bytes,)),
+    ],
+)
+def test_bad_journal_arguments_are_config_errors_that_create_nothing(
+    tmp_path: Path, argument: str, value: Any
+) -> None:
+    options: dict[str, Any] = {"journal": tmp_path / "journal.db", argument: value}
+    with pytest.raises(ConfigError):
+        ReplayBuffer(**options)
+    with pytest.raises(ConfigError):
+        ReplayBuffer.from_config(SamplerConfig(), **options)
+    assert not (tmp_path / "journal.db").exists()
+
+
+async def test_flush_checks_its_step_and_is_a_no_op_without_a_journal() -> None:
+    buffer = ReplayBuffer()
+    await buffer.flush(checkpoint_step=3)
+    with pytest.raises(ValueError, match="checkpoint_step"):
+        await buffer.flush(checkpoint_step=-1)
+    with pytest.raises(TypeError, match="checkpoint_step"):
+        await buffer.flush(checkpoint_step=1.0)  # type: ignore[arg-type]
+
+
+# -- backpressure --------------------------------------------------------------------------------
+
+
+async def test_parked_producers_wake_in_arrival_order_once_the_writer_commits(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0.001, journal_max_pending_bytes=1)
+    order: list[str] = []
+    lock = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
+    lock.execute("BEGIN IMMEDIATE")
+
+    async def produce(uid: str) -> None:
+        await buffer.put_group(uid, [b"w"])
+        order.append(uid)
+
+    with anyio.fail_after(20):
+        buffer.put_group_nowait("first", [b"x" * 100])
+        while buffer.stats().journal_pending_bytes <= 1:
+            await anyio.sleep(0.005)
+        async with anyio.create_task_group() as tasks:
+            for uid in ("p1", "p2", "p3"):
+                tasks.start_soon(produce, uid)
+                await anyio.sleep(0.01)
+            assert order == []
+            lock.execute("ROLLBACK")
+            lock.close()
+    assert order == ["p1", "p2", "p3"]
+    await buffer.flush()
+    assert all(uid in ReplayBuffer.recover(path).buffer for uid in ("first", "p1", "p2", "p3"))
+    await buffer.aclose()
+
+
+@pytest.fixture
+def stuck(tmp_path: Path) -> Iterator[tuple[Path, sqlite3.Connection]]:
+    """A journal path whose write lock another connection holds until the test ends."""
+    path = tmp_path / "journal.db"
+    connection = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
+    yield path, connection
+    with contextlib.suppress(sqlite3.Error):
+        connection.execute("ROLLBACK")
+    connection.close()
+
+
+async def stuck_buffer(path: Path, connection: sqlite3.Connection) -> ReplayBuffer:
+    buffer = ReplayBuffer(journal=path, journal_interval=0.001, journal_max_pending_bytes=1)
+    connection.execute("BEGIN IMMEDIATE")
+    buffer.put_group_nowait("first", [b"x" * 100])
+    while buffer.stats().journal_pending_bytes <= 1:
+        await anyio.sleep(0.005)
+    return buffer
+
+
+async def test_nowait_producers_raise_buffer_full_changing_nothing(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    buffer = await stuck_buffer(*stuck)
+    before = buffer.stats()
+    for call in (
+        lambda: buffer.put_group_nowait("refused", [b"z"]),
+        lambda: buffer.add_prompt_nowait("refused"),
+        lambda: buffer.mark_finished_nowait("first"),
+    ):
+        with pytest.raises(BufferFullError, match="journal_max_pending_bytes"):
+            call()
+    assert buffer.stats() == before and "refused" not in buffer
+    stuck[1].execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await buffer.flush()
+    buffer.put_group_nowait("accepted", [b"z"])
+    await buffer.aclose()
+
+
+async def test_a_parked_producer_times_out_changing_nothing(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    buffer = await stuck_buffer(*stuck)
+    before = buffer.stats()
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.05) as scope:
+            await buffer.add_prompt("late")
+    assert scope.cancelled_caught
+    assert buffer.stats() == before and "late" not in buffer
+    stuck[1].execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await buffer.add_prompt("late")  # the timed-out waiter left no trace in the queue
+    await buffer.aclose()
+
+
+async def test_a_cancelled_waiter_passes_the_wake_up_on(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    buffer = await stuck_buffer(*stuck)
+    done: list[str] = []
+
+    async def produce(uid: str, scope: anyio.CancelScope | None = None) -> None:
+        if scope is None:
+            await buffer.put_group(uid, [b"w"])
+            done.append(uid)
+            return
+        with scope:
+            await buffer.put_group(uid, [b"w"])
+            done.append(uid)
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            head = anyio.CancelScope()
+            tasks.start_soon(produce, "head", head)
+            await anyio.sleep(0.01)
+            tasks.start_soon(produce, "second")
+            await anyio.sleep(0.01)
+            head.cancel()  # the head leaves before the writer catches up
+            await anyio.sleep(0.01)
+            stuck[1].execute("ROLLBACK")
+    assert done == ["second"] and "head" not in buffer
+    await buffer.aclose()
+
+
+async def test_close_wakes_parked_producers_with_buffer_closed_error(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    path, connection = stuck
+    buffer = await stuck_buffer(path, connection)
+    errors: list[BaseException] = []
+
+    async def produce() -> None:
+        try:
+            await buffer.mark_running("nobody")
+        except BaseException as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(produce)
+            await anyio.sleep(0.02)
+            assert errors == []
+            connection.execute("ROLLBACK")  # let close's final commit through
+            await buffer.aclose()
+    assert len(errors) == 1 and isinstance(errors[0], BufferClosedError)
+
+
+# -- the writer's errors ------------------------------------------------------------------------
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise pickle.PicklingError("refused on purpose")
+
+
+async def test_a_payload_the_writer_cannot_encode_stops_the_journal_loudly(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    buffer.put_group_nowait("ok", [1])
+    await buffer.flush()
+    buffer.put_group_nowait("bad", [Unpicklable()])
+    with anyio.fail_after(10), pytest.raises(CheckpointError, match="refused on purpose"):
+        await buffer.flush()
+    with pytest.raises(CheckpointError, match="stopped"):
+        await buffer.flush()
+    assert "ok" in ReplayBuffer.recover(path).buffer  # what was committed stays recoverable
+    await buffer.aclose()
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+async def test_stats_report_the_journal(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    start = buffer.stats()
+    assert start.journal_commits == 1 and start.journal_bytes > 0 and start.journal_lag_seconds == 0.0
+    buffer.put_group_nowait("a", [b"x" * 1000])
+    await anyio.sleep(0.01)
+    assert buffer.stats().journal_lag_seconds > 0
+    await buffer.flush()
+    stats = buffer.stats()
+    assert stats.journal_commits == 2 and stats.journal_pending_bytes == 0
+    assert stats.journal_lag_seconds == 0.0
+    assert stats.journal_bytes == os.path.getsize(path) + os.path.getsize(f"{path}-wal")
+    assert ReplayBuffer().stats().journal_commits == 0
+    await buffer.aclose()
+
+
+async def test_statuses_survive(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    buffer.put_group_nowait("f", [1], status="failed")
+    buffer.close()
+    recovered = ReplayBuffer.recover(path).buffer
+    assert recovered.stats().total.failure == 1
+    assert recovered.checkpoint().groups[0].status is Status.FAILURE
