@@ -239,3 +239,19 @@ def test_verl_naming_table() -> None:
         new.endswith("evicted_samples") or "evicted_samples_staleness/" in new
         for new in VERL_09_NAMES.values()
     )
+
+
+@pytest.mark.parametrize("sync_step", [1, 2])
+def test_a_group_dispatched_after_the_step_counts_as_fresh_in_the_metrics(sync_step: int) -> None:
+    """Issue 25: a journal recovered at an earlier step holds groups dispatched after it (their
+    behaviour policy is newer than the restored trainer). The staleness metrics count them as
+    fresh, ``1 / S``; ``Batch.staleness`` keeps the true value, which may be <= 0."""
+    buf = make(max_off_policy_threshold=4, parameter_sync_step=sync_step)
+    buf.put_group_nowait("old", ["x"], global_steps=0)
+    buf.put_group_nowait("newer", ["x"], global_steps=3)
+    batch, metrics = buf.sample_nowait(1, 2)
+    assert batch.staleness.tolist() == [2 / sync_step, -1 / sync_step]
+    prefix = "training/off_policy/sampled_staleness"
+    assert metrics[f"{prefix}/min"] == 1 / sync_step
+    assert metrics[f"{prefix}/max"] == 2 / sync_step
+    assert metrics[f"{prefix}/mean"] == 1.5 / sync_step

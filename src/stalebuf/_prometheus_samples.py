@@ -133,7 +133,8 @@ class SampleHistograms:
         steps = np.repeat(np.fromiter((row[1] for row in rows), np.float64, n), sizes)
         sync = np.repeat(np.fromiter((row[2] for row in rows), np.float64, n), sizes)
         dispatched = np.fromiter(chain.from_iterable(row[3] for row in rows), np.float64, int(sizes.sum()))
-        self._staleness[partition].add((steps + 1 - dispatched) / sync)
+        # A group dispatched after the step (a journal recovered at an earlier one) counts as fresh.
+        self._staleness[partition].add((steps + 1 - np.minimum(dispatched, steps)) / sync)
 
 
 def tap_samples(buffer: Any, histograms: SampleHistograms) -> Callable[[], None]:

@@ -25,13 +25,17 @@ def token_metrics(batch: Batch, prefix: str) -> tuple[dict[str, float], int]:
     weights = lengths.astype(np.float64)
     total = float(weights.sum())
     g, sync_step = batch.global_steps, batch.parameter_sync_step
-    lag = arrays.staleness(versions, g, sync_step)  # per run, in S units
+    # Versions newer than the step (a journal recovered at an earlier one) count as fresh: 1 / S.
+    lag = np.maximum(arrays.staleness(versions, g, sync_step), 1.0 / sync_step)  # per run, in S units
     masked = excluded = 0
     if batch.masks:
         fresh = fresh_runs(batch, versions, offsets)
         masked = sum(lengths[~fresh].tolist())
         excluded = int(excluded_trajectories(fresh, lengths, offsets).sum())
-    head, tail = arrays.head_tail_staleness(versions, offsets, starts, g, sync_step)
+    head, tail = (
+        np.maximum(lag, 1.0 / sync_step)
+        for lag in arrays.head_tail_staleness(versions, offsets, starts, g, sync_step)
+    )
     off = f"{prefix}/off_policy"
     metrics = {
         f"{off}/token_staleness/mean": float(np.dot(lag, weights) / total),

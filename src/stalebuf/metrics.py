@@ -198,6 +198,9 @@ class SampleMetrics:
         else:
             steps = list(map(_dispatch_step_of, sampled))
             low, high, dispatched = min(steps), max(steps), sum(steps)
+        if high > global_steps:  # dispatched after this step (a journal recovered at an earlier one):
+            steps = [min(step, global_steps) for step in map(_dispatch_step_of, sampled)]  # fresh
+            low, high, dispatched = min(steps), max(steps), sum(steps)
         finished = sum(map(_finish_step_of, sampled))
         origin = global_steps + 1
         # One dict display: the common call evicted nothing, and this is all it returns.
