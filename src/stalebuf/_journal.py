@@ -104,7 +104,8 @@ class Journal:
     def _arm(self) -> None:
         """The first change since the last hand-off: have the writer post the next one."""
         post = _loop_post()
-        if post is None:  # no running loop: the change is committed at the next flush or close
+        if post is None:  # no running loop: committed at the next flush or close, or timed by
+            self.log.disarm()  # the next change made on a loop
             return
         self._post = post
         interval = self.options.interval
@@ -165,7 +166,11 @@ class Journal:
     def on_sample(self, batch: Any, _metrics: object) -> None:
         """The sample observer: record the sample and the state right after it."""
         parts = self.parts
-        state = capture_state(parts.store, parts.admission, parts.filtering, parts.mixing, parts.policy)
+        # A recovery point needs the clocks, counters and ledgers, not the evicted uids: the
+        # latest commit's serve (and copying them per sample would cost the trainer).
+        state = capture_state(
+            parts.store, parts.admission, parts.filtering, parts.mixing, parts.policy, False
+        )
         self.log.sampled(batch.partition, batch.global_steps, state)
         if self.options.interval == 0:  # the sample returns once its batch is durable
             self.writer.wait_committed(self.hand_off())

@@ -123,8 +123,8 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
         if read_only:
             uri = "file:" + _quoted(os.path.abspath(path)) + "?mode=ro"
             connection = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-        else:
-            connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        else:  # a minute for another process's lock: a reader never blocks a WAL writer anyway
+            connection = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
         try:
             (verdict,) = connection.execute("PRAGMA quick_check").fetchone()
             if verdict != "ok":

@@ -103,14 +103,20 @@ def policy_of(store: GroupStore) -> str | None:
 
 
 def capture_state(
-    store: GroupStore, admission: Admission, filtering: Filtering, mixing: Mixing, policy: str | None
+    store: GroupStore,
+    admission: Admission,
+    filtering: Filtering,
+    mixing: Mixing,
+    policy: str | None,
+    evicted: bool = True,
 ) -> BufferCheckpoint:
-    """Return the state of a buffer's parts but its groups (``policy``: :func:`policy_of`'s answer)."""
+    """Return the state of a buffer's parts but its groups (``policy``: :func:`policy_of`'s answer;
+    without the remembered in-flight evictions unless ``evicted``)."""
     partitions = tuple(
         _saved_partition(name, part, admission.last_sampled(name), filtering, mixing)
         for name, part in store.partitions.items()
     )
-    evicted = store.evicted_in_flight
+    remembered: Mapping[str, str | None] = store.evicted_in_flight if evicted else {}
     return BufferCheckpoint(
         FORMAT_VERSION,
         store.rules.config,
@@ -118,8 +124,8 @@ def capture_state(
         (),
         partitions,
         dict(admission.clocks),
-        tuple(evicted),
-        tuple(evicted.values()),
+        tuple(remembered),
+        tuple(remembered.values()),
     )
 
 

@@ -21,6 +21,7 @@ machinery.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from threading import get_ident
@@ -175,6 +176,7 @@ class ReplayBuffer:
         self.__journal = journal
         self.__sync_journal = journal if options.interval == 0 else None
         self.__consumer.subscribe(journal.on_sample)
+        weakref.finalize(self, journal.close)  # a buffer dropped unclosed: commit, stop the thread
 
     @classmethod
     def from_config(
