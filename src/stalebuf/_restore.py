@@ -116,7 +116,7 @@ def capture_state(
         _saved_partition(name, part, admission.last_sampled(name), filtering, mixing)
         for name, part in store.partitions.items()
     )
-    remembered: Mapping[str, str | None] = store.evicted_in_flight if evicted else {}
+    remembered = store.evicted_in_flight
     return BufferCheckpoint(
         FORMAT_VERSION,
         store.rules.config,
@@ -124,8 +124,8 @@ def capture_state(
         (),
         partitions,
         dict(admission.clocks),
-        tuple(remembered),
-        tuple(remembered.values()),
+        tuple(remembered) if evicted else (),
+        tuple(remembered.values()) if evicted else (),
     )
 
 
