@@ -9,10 +9,9 @@ conflicts are ``test_journal_recovery.py`` and the model test ``test_journal_mod
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,14 @@ def state_of(buffer: ReplayBuffer) -> tuple[Any, ...]:
         for g in checkpoint.groups
     ]  # fmt: skip
     return buffer.stats(), dict(checkpoint.clocks), groups, checkpoint.evicted_in_flight
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (the writer thread changes it; no event tells the loop)."""
+    for _ in range(100_000):
+        if condition():
+            return
+        await anyio.sleep(0.005)
 
 
 @contextlib.contextmanager
@@ -115,8 +122,7 @@ async def test_the_timer_commits_without_a_flush(tmp_path: Path, anyio_backend: 
     buffer = ReplayBuffer(journal=path, journal_interval=0.01)
     await buffer.put_group("a", [1, 2])
     with anyio.fail_after(10):
-        while buffer.stats().journal_commits < 2:  # the first commit is the empty start
-            await anyio.sleep(0.01)
+        await until(lambda: buffer.stats().journal_commits >= 2)  # the first commit: the empty start
     assert "a" in ReplayBuffer.recover(path).buffer  # read while the first still runs
     await buffer.aclose()
 
@@ -260,8 +266,7 @@ async def test_parked_producers_wake_in_arrival_order_once_the_writer_commits(
 
     with anyio.fail_after(20):
         buffer.put_group_nowait("first", [b"x" * 100])
-        while buffer.stats().journal_pending_bytes <= 1:
-            await anyio.sleep(0.005)
+        await until(lambda: buffer.stats().journal_pending_bytes > 1)
         async with anyio.create_task_group() as tasks:
             for uid in ("p1", "p2", "p3"):
                 tasks.start_soon(produce, uid)
@@ -290,8 +295,7 @@ async def stuck_buffer(path: Path, connection: sqlite3.Connection) -> ReplayBuff
     buffer = ReplayBuffer(journal=path, journal_interval=0.001, journal_max_pending_bytes=1)
     connection.execute("BEGIN IMMEDIATE")
     buffer.put_group_nowait("first", [b"x" * 100])
-    while buffer.stats().journal_pending_bytes <= 1:
-        await anyio.sleep(0.005)
+    await until(lambda: buffer.stats().journal_pending_bytes > 1)
     return buffer
 
 
@@ -307,7 +311,8 @@ async def test_nowait_producers_raise_buffer_full_changing_nothing(
     ):
         with pytest.raises(BufferFullError, match="journal_max_pending_bytes"):
             call()
-    assert buffer.stats() == before and "refused" not in buffer
+    assert buffer.stats() == before
+    assert "refused" not in buffer
     stuck[1].execute("ROLLBACK")
     with anyio.fail_after(10):
         await buffer.flush()
@@ -324,7 +329,8 @@ async def test_a_parked_producer_times_out_changing_nothing(
         with anyio.move_on_after(0.05) as scope:
             await buffer.add_prompt("late")
     assert scope.cancelled_caught
-    assert buffer.stats() == before and "late" not in buffer
+    assert buffer.stats() == before
+    assert "late" not in buffer
     stuck[1].execute("ROLLBACK")
     with anyio.fail_after(10):
         await buffer.add_prompt("late")  # the timed-out waiter left no trace in the queue
@@ -356,7 +362,8 @@ async def test_a_cancelled_waiter_passes_the_wake_up_on(
             head.cancel()  # the head leaves before the writer catches up
             await anyio.sleep(0.01)
             stuck[1].execute("ROLLBACK")
-    assert done == ["second"] and "head" not in buffer
+    assert done == ["second"]
+    assert "head" not in buffer
     await buffer.aclose()
 
 
@@ -380,7 +387,8 @@ async def test_close_wakes_parked_producers_with_buffer_closed_error(
             assert errors == []
             connection.execute("ROLLBACK")  # let close's final commit through
             await buffer.aclose()
-    assert len(errors) == 1 and isinstance(errors[0], BufferClosedError)
+    assert len(errors) == 1
+    assert isinstance(errors[0], BufferClosedError)
 
 
 # -- the writer's errors ------------------------------------------------------------------------
@@ -414,15 +422,18 @@ async def test_stats_report_the_journal(tmp_path: Path, anyio_backend: str) -> N
     path = tmp_path / "journal.db"
     buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
     start = buffer.stats()
-    assert start.journal_commits == 1 and start.journal_bytes > 0 and start.journal_lag_seconds == 0.0
+    assert start.journal_commits == 1
+    assert start.journal_bytes > 0
+    assert start.journal_lag_seconds == 0.0
     buffer.put_group_nowait("a", [b"x" * 1000])
     await anyio.sleep(0.01)
     assert buffer.stats().journal_lag_seconds > 0
     await buffer.flush()
     stats = buffer.stats()
-    assert stats.journal_commits == 2 and stats.journal_pending_bytes == 0
+    assert stats.journal_commits == 2
+    assert stats.journal_pending_bytes == 0
     assert stats.journal_lag_seconds == 0.0
-    assert stats.journal_bytes == os.path.getsize(path) + os.path.getsize(f"{path}-wal")
+    assert stats.journal_bytes == sum(file.stat().st_size for file in (path, Path(f"{path}-wal")))
     assert ReplayBuffer().stats().journal_commits == 0
     await buffer.aclose()
 
