@@ -19,9 +19,9 @@ from time import monotonic
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import attrs
-import sniffio
 
 from ._admission import Admission
 from ._filtering import Filtering
@@ -292,16 +292,13 @@ class Journal:
 def _loop_post() -> _Post | None:
     """How to run a callback on the running event loop from another thread (None if none runs)."""
     try:
-        library = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
+        native = anyio.lowlevel.current_token().native_token
+    except RuntimeError:  # no event loop runs in this thread
         return None
-    if library == "asyncio":
-        return asyncio.get_running_loop().call_soon_threadsafe
-    if library == "trio":
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
-    return None
+    if isinstance(native, asyncio.AbstractEventLoop):
+        return native.call_soon_threadsafe
+    run_sync_soon: _Post | None = getattr(native, "run_sync_soon", None)  # trio's token
+    return run_sync_soon
 
 
 def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
