@@ -446,3 +446,24 @@ async def test_statuses_survive(tmp_path: Path) -> None:
     recovered = ReplayBuffer.recover(path).buffer
     assert recovered.stats().total.failure == 1
     assert recovered.checkpoint().groups[0].status is Status.FAILURE
+
+
+async def test_save_compacts_the_journal(tmp_path: Path, anyio_backend: str) -> None:
+    """The write-ahead log holds every commit until a checkpoint folds it in; save() does one
+    and truncates it, so the journal's bytes drop to about the resident payloads."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    for i in range(50):
+        buffer.put_group_nowait(f"g{i}", [b"x" * 4096] * 4)
+        await buffer.flush()
+    buffer.sample_nowait(0, 50)
+    await buffer.flush()
+    wal = Path(f"{path}-wal")
+    before = wal.stat().st_size
+    assert before > 50 * 4 * 4096
+    with anyio.fail_after(10):
+        await buffer.save(tmp_path / "checkpoint")
+        await buffer.flush()  # the compaction follows the commit save asked for
+    assert wal.stat().st_size < before
+    assert buffer.stats().journal_bytes < before
+    await buffer.aclose()

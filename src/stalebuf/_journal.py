@@ -186,6 +186,15 @@ class Journal:
         number = self.hand_off()
         await anyio.to_thread.run_sync(self.writer.wait_committed, number, abandon_on_cancel=True)
 
+    def compact(self) -> None:
+        """Commit now, then fold the write-ahead log into the file and truncate it (``save``).
+
+        Raises:
+            CheckpointError: the writer stopped on an error, or was closed.
+        """
+        self.writer.request_compaction()
+        self.hand_off()
+
     def close(self) -> None:
         """Commit what is left and stop the writer (blocking; idempotent)."""
         if self._closed:

@@ -132,6 +132,8 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
             if not read_only:
                 connection.execute("PRAGMA journal_mode=WAL")
                 connection.execute("PRAGMA synchronous=FULL")
+                # After a checkpoint the log is cut back to 64 MiB: its size is not a high-water mark.
+                connection.execute(f"PRAGMA journal_size_limit={64 << 20}")
         except BaseException:
             connection.close()
             raise

@@ -87,6 +87,7 @@ class JournalWriter:
         self._oldest: deque[tuple[int, float]] = deque()  # (number, since) of uncommitted ones
         self._tick: tuple[float, Callable[[], object]] | None = None
         self._closing = False
+        self._compact = False
         self._condition = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="stalebuf-journal", daemon=True)
         self._thread.start()
@@ -117,6 +118,11 @@ class JournalWriter:
             if self._tick is None or at < self._tick[0]:
                 self._tick = (at, callback)
                 self._condition.notify_all()
+
+    def request_compaction(self) -> None:
+        """After the next commit, fold the write-ahead log back into the file and truncate it."""
+        with self._condition:
+            self._compact = True
 
     def wait_committed(self, number: int, timeout: float | None = None) -> bool:
         """Block until hand-off ``number`` is committed; False if ``timeout`` passed first.
@@ -173,6 +179,7 @@ class JournalWriter:
                 number, handoff = job
                 self._commit(handoff)
                 with self._condition:
+                    compact, self._compact = self._compact, False
                     self._queue.popleft()
                     self.committed = number
                     self.commits += 1
@@ -181,6 +188,8 @@ class JournalWriter:
                         self._oldest.popleft()
                     self._condition.notify_all()
                 self._on_commit()
+                if compact:  # (a reader may keep part of the log: SQLite then truncates less)
+                    self._connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except BaseException as exc:  # a disk error, an encode that failed: journaling stops
             logger.exception("the stalebuf journal %r stopped", self.path)
             with self._condition:

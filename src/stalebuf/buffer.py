@@ -372,6 +372,7 @@ class ReplayBuffer:
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
         the file holds no pickle at all (see the trust model on the docs' Durability page).
+        Under a journal, it also compacts the journal (commits, then truncates its log).
 
         Raises:
             CheckpointError: a value the format cannot hold (the message names it): a payload
@@ -383,6 +384,8 @@ class ReplayBuffer:
         """
         checks.check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
+        if self.__journal is not None:  # a save compacts the journal too
+            self.__journal.compact()
         await self.__saves.write(path, checkpoint, payload_codec)
 
     @property
