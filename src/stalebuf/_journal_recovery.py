@@ -101,14 +101,7 @@ def _read(
     samples = [(s, int(step)) for s, step in connection.execute("SELECT seq, step FROM samples ORDER BY seq")]
     marks = [(s, int(step)) for s, step in connection.execute("SELECT seq, step FROM marks ORDER BY seq")]
     if global_steps is None:
-        rows = connection.execute(
-            "SELECT gid, uid, admitted, removed, reason, record FROM groups "
-            "WHERE removed IS NULL ORDER BY gid"
-        ).fetchall()
-        groups = [(row, _group(codec, row)) for row in rows]
-        state = attrs.evolve(latest, groups=tuple(group for _, group in groups))
-        gids = {group.uid: row[0] for row, group in groups}
-        return Recovery(checked(state), gids, (), (), None, (), (), seq, next_gid, (samples, marks))
+        return _at_last_commit(connection, codec, latest, (seq, next_gid), (samples, marks))
     point, at_point = _point(connection, codec, global_steps, partition)
     reasons = ",".join(f"'{reason}'" for reason in sorted(CONSUMER_REASONS))
     rows = connection.execute(
@@ -151,6 +144,23 @@ def _read(
         next_gid,
         history,
     )
+
+
+def _at_last_commit(
+    connection: sqlite3.Connection,
+    codec: StateCodec,
+    latest: BufferCheckpoint,
+    counters: tuple[int, int],
+    history: tuple[list[tuple[int, int]], list[tuple[int, int]]],
+) -> Recovery:
+    """The journal's state at its last commit: ``latest`` with every group not removed."""
+    rows = connection.execute(
+        "SELECT gid, uid, admitted, removed, reason, record FROM groups WHERE removed IS NULL ORDER BY gid"
+    ).fetchall()
+    groups = [(row, _group(codec, row)) for row in rows]
+    state = attrs.evolve(latest, groups=tuple(group for _, group in groups))
+    gids = {group.uid: row[0] for row, group in groups}
+    return Recovery(checked(state), gids, (), (), None, (), (), *counters, history)
 
 
 def _group(codec: StateCodec, row: tuple[Any, ...]) -> Group:
