@@ -28,7 +28,7 @@ import hashlib
 import os
 import pickle
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ._checkpoint_checks import checked
@@ -190,7 +190,7 @@ def _write_database(
     state_codec = StateCodec(None if codec is None else (_byte_views(codec[0]), codec[1]))
     state = state_codec.state(checkpoint)
     digest = hashlib.sha256()
-    _hash(digest, state)
+    _hash(digest, (state,))
     groups = checkpoint.groups
     execute("BEGIN")
     create_schema(connection, "checkpoint", codec)
@@ -201,11 +201,13 @@ def _write_database(
     for start in range(0, len(groups), _CHUNK):
         if stop():
             raise _Stopped
-        rows = []
-        for gid, group in enumerate(groups[start : start + _CHUNK], start):
-            record = _record(state_codec, group, codec is None)
-            _hash(digest, record)
-            rows.append((gid, group.uid, group.partition, record))
+        chunk = groups[start : start + _CHUNK]
+        records = [_record(state_codec, group, codec is None) for group in chunk]
+        _hash(digest, records)
+        rows = [
+            (gid, group.uid, group.partition, record)
+            for gid, group, record in zip(range(start, start + len(chunk)), chunk, records, strict=True)
+        ]
         execute("BEGIN")
         connection.executemany(
             "INSERT INTO groups (gid, uid, partition, admitted, record) VALUES (?, ?, ?, 0, ?)", rows
@@ -262,10 +264,9 @@ def _byte_views(encode: Callable[[Any], bytes]) -> Callable[[Any], Any]:
     return encode_bytes
 
 
-def _hash(digest: Any, blob: bytes) -> None:
-    """Add ``blob`` to ``digest``, preceded by its length (so blobs cannot trade bytes)."""
-    digest.update(len(blob).to_bytes(_LENGTH, "big"))
-    digest.update(blob)
+def _hash(digest: Any, blobs: Sequence[bytes]) -> None:
+    """Add ``blobs`` to ``digest``, each preceded by its length (so blobs cannot trade bytes)."""
+    digest.update(b"".join(part for blob in blobs for part in (len(blob).to_bytes(_LENGTH, "big"), blob)))
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -338,9 +339,9 @@ def _read_compacted(connection: sqlite3.Connection, state_codec: StateCodec, nam
         raise CheckpointError(f"{name!r}: {exc}") from exc
 
 
-def _digest_of(blobs: Iterable[bytes]) -> bytes:
+def _digest_of(blobs: Sequence[bytes]) -> bytes:
     """The digest of ``blobs``, in order (see the module docs)."""
     digest = hashlib.sha256()
-    for blob in blobs:
-        _hash(digest, blob)
+    for start in range(0, len(blobs), _CHUNK):
+        _hash(digest, blobs[start : start + _CHUNK])
     return digest.digest()
