@@ -607,6 +607,27 @@ def test_a_codec_file_needs_the_codec_and_a_pickle_file_refuses_one(
     assert calls == [], "a pickle file was unpickled although a codec was given"
 
 
+def test_a_container_codec_file_needs_the_codec_and_a_pickle_one_refuses_one(
+    container: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same rule for the files the older container holds (the fixtures' JSON codec)."""
+    assert_refused(CONTAINER_CODEC, "payload_codec")
+    calls: list[Any] = []
+    monkeypatch.setattr(pickle, "loads", lambda *args, **kwargs: calls.append(args))
+    assert_refused(container, "pickle", payload_codec=JSON_CODEC)
+    assert calls == [], "a pickle file was unpickled although a codec was given"
+
+
+@pytest.mark.parametrize("name", ["a?b#c%d.ckpt", "x%3f.ckpt", "ü ñ.ckpt", "file:y.ckpt"])
+def test_a_file_name_an_sqlite_uri_would_misread_saves_and_restores(tmp_path: Path, name: str) -> None:
+    """``restore`` opens the file through a read-only SQLite URI: ``?``, ``#`` and ``%`` in its
+    name are escaped, not read as the URI's query, fragment or escapes."""
+    path = tmp_path / name
+    save(plain_buffer("a"), path)
+    assert uids(path, None) == ["a"]
+    assert names(tmp_path) == [name]
+
+
 # -- save: at once, while the loop serves --------------------------------------------------------
 
 
