@@ -24,7 +24,7 @@ benchmarks, so a timed call does not pay for collecting setup objects.
 - ``restore()``: wall time of ``ReplayBuffer.restore(path)`` (synchronous).
 
 ``--profile`` also prints cProfile's top entries for ``checkpoint()`` and for writing the file
-(the writer called in this thread, through the private ``stalebuf._checkpoint_file``, because
+(the writer called in this thread, through the private ``stalebuf._checkpoint_db``, because
 cProfile sees only the thread it runs in). No test asserts on these timings.
 """
 
@@ -183,7 +183,7 @@ def profile(title: str, call: Callable[[], object], lines: int = 12) -> None:
 
 def profile_both(buffer: ReplayBuffer, path: Path) -> None:
     profile("checkpoint()", buffer.checkpoint)
-    from stalebuf._checkpoint_file import write_checkpoint
+    from stalebuf._checkpoint_db import write_checkpoint
 
     ckpt = buffer.checkpoint()
     profile("writing the file (in this thread)", lambda: write_checkpoint(path, ckpt, None))

@@ -5,8 +5,9 @@ and its docstring lists the state): one in pickle mode, whose lazily stored grou
 ``records._group`` with a ``records.LazyTrajectories`` (one with its records built), and one with
 the JSON payload codec. Each is restored under every ``in_flight`` mode of that release, and the
 expected values below are written out by hand from that state, never read from the code under
-test. The files of commit e8b5814, the release before versioned trajectories, are checked at the
-end, under every mode of this one ("resume" too).
+test. The files of commit e8b5814, the release before versioned trajectories, are checked next,
+under every mode of this one ("resume" too); then those of commit 053194f, the last release whose
+``save`` wrote the hand-written container (later ones write SQLite).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from stalebuf import (
     Status,
 )
 from stalebuf.checkpoint import TOKEN_COUNTERS
+from stalebuf.filters import zero_variance
 
 FIXTURES = Path(__file__).parent / "fixtures"
 #: The codec the codec file was saved with.
@@ -492,3 +494,143 @@ def test_an_e8b5814_files_in_flight_groups_go_on_with_versions(name: str, mode: 
     train = buf.stats().partitions["train"]
     assert (train.admitted_tokens, train.sampled_tokens, train.tokens) == (7, 7, 0)
     assert_tokens_conserved(buf)
+
+
+# -- files written by 053194f, the last release of the hand-written container ------------------------
+#
+# ``make_checkpoint_fixtures_053194f.py`` made them (its docstring lists the state): a task mixture
+# under "borrow", a filter, versions and tokens, groups in flight. Later releases write the SQLite
+# format of the journal; these still restore exactly, under every mode. The values below were
+# printed by that script from the live buffer it saved, and are written out here by hand.
+
+C0_FILES: dict[str, tuple[Path, Any]] = {
+    "pickle": (FIXTURES / "checkpoint_053194f_pickle.ckpt", None),
+    "codec": (FIXTURES / "checkpoint_053194f_codec.ckpt", CODEC),
+}
+#: uid -> :func:`versioned` of the saved group, in admission order.
+C0_GROUPS: dict[str, tuple[Any, ...]] = {
+    "c2": ("train", 2, FAILURE, {"task": "code"}, [("c2_0_0", 0, 0, {}, '"x"')], 2, 2, [((), 7)]),
+    "pending": ("train", 2, PENDING, {"task": "math"}, [("pending_1_0", 1, 0, {"turn": 0}, '"p0"')], 2,
+                2, [(((2, 3),), 3)]),
+    "running": ("train", 2, RUNNING, {"task": "code", "n": [1, 2]},
+                [("running_0_0", 0, 0, {}, '"r0"'), ("running_0_1", 0, 1, {}, '"r1"')], 2, 2,
+                [(((2, 1), (3, 1)), 2), ((), 6)]),
+    "v0": ("val", 0, FINISHED, {"split": "val"}, [("v0_0_0", 0, 0, {}, '"v"'), ("v0_1_0", 1, 0, {}, '"w"')],
+           0, 0, [((), 10), ((), 10)]),
+    "v1": ("val", 0, RUNNING, {}, [("v1_0_0", 0, 0, {}, '{"v1": true}')], 0, 0, [(((0, 2),), 2)]),
+}  # fmt: skip
+C0_IN_FLIGHT = ("pending", "running", "v1")
+#: The in-flight groups' ages at each file's snapshot (the terminal groups' are 0).
+C0_SECONDS = {"pickle": {"pending": 1.0, "running": 0.75, "v1": 0.25},
+              "codec": {"pending": 1.25, "running": 1.0, "v1": 0.5}}  # fmt: skip
+#: The saved buffer's stats, their counters that are not 0 (the tasks apart).
+C0_STATS = {
+    "train": {"pending": 1, "running": 1, "failure": 1, "trajectories": 4, "admitted_groups": 9,
+              "admitted_trajectories": 15, "sampled_groups": 4, "sampled_trajectories": 8,
+              "evicted_stale_groups": 1, "evicted_stale_trajectories": 1, "evicted_in_flight_groups": 1,
+              "capacity": 16, "tokens": 18, "admitted_tokens": 39, "sampled_tokens": 19, "evicted_tokens": 2,
+              "evicted_filtered_groups": 1, "evicted_filtered_trajectories": 2, "resident_tokens": 7},
+    "val": {"running": 1, "finished": 1, "trajectories": 3, "admitted_groups": 2, "admitted_trajectories": 3,
+            "tokens": 22, "admitted_tokens": 22, "resident_tokens": 20},
+}  # fmt: skip
+#: Each task's saved counters that are not 0, its balance and its growth.
+C0_TASKS = {
+    "code": ({"admitted_groups": 4, "admitted_trajectories": 7, "sampled_groups": 1,
+              "sampled_trajectories": 2, "evicted_filtered_groups": 1,
+              "evicted_filtered_trajectories": 2, "admitted_tokens": 24, "sampled_tokens": 9}, 1, 1),
+    "math": ({"admitted_groups": 5, "admitted_trajectories": 8, "sampled_groups": 3,
+              "sampled_trajectories": 6, "evicted_stale_groups": 1, "evicted_stale_trajectories": 1,
+              "evicted_in_flight_groups": 1, "admitted_tokens": 15, "sampled_tokens": 10,
+              "evicted_tokens": 2}, -1, 0),
+}  # fmt: skip
+
+
+def restore_c0(name: str, mode: str) -> RestoreResult:
+    """Restore the 053194f file ``name`` under ``mode``."""
+    path, codec = C0_FILES[name]
+    return ReplayBuffer.restore(path, in_flight=mode, payload_codec=codec, status_log_interval=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", C0_FILES)
+def test_a_053194f_file_restores_exactly_what_was_saved(name: str) -> None:
+    buf = restore_c0(name, "keep").buffer
+    stats = buf.stats()
+    for partition, expected_counters in C0_STATS.items():
+        counters = {k: v for k, v in attrs.asdict(stats.partitions[partition]).items() if v and k != "tasks"}
+        assert counters == expected_counters, partition
+    assert_conserved(buf)
+    assert_tokens_conserved(buf)
+    ckpt = buf.checkpoint()
+    assert [(g.uid, versioned(g)) for g in ckpt.groups] == list(C0_GROUPS.items())
+    seconds = C0_SECONDS[name]
+    for group in ckpt.groups:  # terminal ages exact; in-flight ones still ageing from the saved one
+        saved = seconds.get(group.uid, 0.0)
+        assert saved <= group.generation_seconds < saved + (LIMIT if group.uid in seconds else 1e-9)
+    train, val = ckpt.partitions
+    assert (train.name, train.last_sampled, val.name, val.last_sampled, val.mixture, val.filters) == (
+        "train", 1, "val", -1, None, None,
+    )  # fmt: skip
+    assert train.mixture is not None
+    assert train.filters is not None
+    tasks = {t.name: ({k: v for k, v in t.counters.items() if v}, t.balance, t.growth)
+             for t in train.mixture.tasks}  # fmt: skip
+    assert tasks == C0_TASKS
+    assert (train.mixture.shares, train.mixture.batch_size) == (("math", "code", "math", "math"), 2)
+    filters = train.filters
+    assert (filters.verdicts, filters.errors, filters.recent_filtered, filters.recent_errors) == (
+        (True, False, True, True, True), 0, 0, 0,
+    )  # fmt: skip
+    assert (dict(ckpt.clocks), ckpt.evicted_in_flight, ckpt.evicted_reasons) == (
+        {"train": 2}, ("c0", "old"), ("filtered", None),
+    )  # fmt: skip
+    assert (buf.dispatch_step("train"), buf.capacity("train")) == (2, 16)
+    assert (buf.capacity("train", task="math"), buf.capacity("train", task="code")) == (8, 8)
+
+
+@pytest.mark.parametrize("mode", ["reissue", "resume", "evict"])
+@pytest.mark.parametrize("name", C0_FILES)
+def test_a_053194f_files_in_flight_groups_follow_the_mode(name: str, mode: str) -> None:
+    result = restore_c0(name, mode)
+    buf = result.buffer
+    groups = {g.uid: g for g in buf.checkpoint().groups}
+    if mode == "evict":
+        assert list(groups) == ["c2", "v0"]
+        assert list(result.reissue) == []
+        train, val = buf.stats().partitions["train"], buf.stats().partitions["val"]
+        assert (train.evicted_restart_groups, train.evicted_restart_trajectories) == (2, 3)
+        assert (val.evicted_restart_groups, val.evicted_restart_trajectories) == (1, 1)
+    else:
+        kept = mode == "resume"
+        assert [(g.uid, len(g.trajectories)) for g in result.reissue] == [
+            (uid, len(C0_GROUPS[uid][4]) if kept else 0) for uid in C0_IN_FLIGHT
+        ]
+        for uid in C0_IN_FLIGHT:
+            assert groups[uid].status is PENDING
+            assert [(t.versions, t.tokens) for t in groups[uid].trajectories] == (
+                C0_GROUPS[uid][7] if kept else []
+            ), uid
+        reissued = buf.stats().partitions["train"].reissued_trajectories
+        assert reissued == (0 if kept else 3)
+    assert_conserved(buf)
+    assert_tokens_conserved(buf)
+
+
+@pytest.mark.parametrize("name", C0_FILES)
+def test_a_053194f_buffer_goes_on_under_its_mixture_and_filter(name: str) -> None:
+    """The borrowed quota is paid back and the filter is given again: it filters from then on."""
+    path, codec = C0_FILES[name]
+    buf = ReplayBuffer.restore(path, in_flight="keep", payload_codec=codec, status_log_interval=None,
+                               filters=[zero_variance("reward")]).buffer  # fmt: skip
+    tags = [{"reward": 1}, {"reward": 0}]
+    buf.put_group_nowait("c3", ["a", "b"], tags={"task": "code"}, trajectory_tags=tags)
+    buf.put_group_nowait("c4", ["a", "b"], tags={"task": "code"}, trajectory_tags=[{"reward": 1}] * 2)
+    buf.mark_finished_nowait("running")
+    buf.mark_finished_nowait("pending")
+    batch, _ = buf.sample_nowait(2, 2)
+    assert batch.uids == ["c2", "running"]  # code is owed one: it takes both slots (failures sample)
+    train = buf.stats().partitions["train"]
+    # "c4" filtered (with the saved "c0"); "running" has no rewards: the filter raised and kept it.
+    assert (train.evicted_filtered_groups, train.filter_errors) == (2, 1)
+    code, math = train.tasks["code"], train.tasks["math"]
+    assert (code.sampled, math.sampled) == (3, 3)
+    assert_conserved(buf)

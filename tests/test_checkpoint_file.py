@@ -1,5 +1,9 @@
-"""The checkpoint file (issue 12): magic, version and checksum; truncated, corrupt, foreign and
-newer files; ``payload_codec`` (a file with no pickle in it); numpy payloads; ``save`` taking its
+"""The checkpoint file (issue 12; issue 25, "one durable format"): ``save`` writes the journal's
+SQLite format, compacted (a stalebuf file of kind "checkpoint": the state, the resident groups, a
+digest of both); truncated, corrupt (a flipped bit), foreign files and files of another format or
+kind; a journal given to ``restore``; the older hand-written container (magic, version, checksum),
+still read, from the files the last release that wrote it left (``tests/fixtures/``) and files
+built here; ``payload_codec`` (a file with no pickle in it); numpy payloads; ``save`` taking its
 checkpoint at once while the loop keeps serving. Issue 21: overlapping and cancelled saves
 (item 2), stale temporary files (item 9), huge files and FIFOs given to ``restore`` (item 10),
 symlinks and read-only files given to ``save`` (item 14). The crash tests (SIGKILL during
@@ -11,6 +15,7 @@ the buffers here are built through a custom sampler that counts its instances.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import functools
@@ -22,6 +27,7 @@ import math
 import os
 import pickle
 import random
+import sqlite3
 import stat
 import struct
 import subprocess
@@ -49,12 +55,20 @@ from stalebuf import (
     Status,
     Trajectory,
 )
+from stalebuf._checkpoint_codec import plain_manifest, write_plain_groups
 from stalebuf._checkpoint_path import STALE_AFTER_SECONDS, _host, _prefix
+from stalebuf._journal_format import create_schema, file_kind, write_key
 from stalebuf.checkpoint import FORMAT_VERSION, BufferCheckpoint, PartitionCheckpoint
 from stalebuf.errors import CheckpointError, ConfigError
 
-MAGIC = b"STALEBUF CHECKPOINT\n"  # the documented layout: magic, then version, flags, length, sha256
+MAGIC = b"STALEBUF CHECKPOINT\n"  # the container's layout: magic, then version, flags, length, sha256
 HEADER = struct.Struct(">IIQ32s")
+SQLITE_MAGIC = b"SQLite format 3\x00"
+APPLICATION_ID = 0x53425546  # "SBUF", the documented PRAGMA application_id of a stalebuf file
+FIXTURES = Path(__file__).parent / "fixtures"
+#: Files the last release that wrote the container wrote (``make_checkpoint_fixtures_053194f.py``).
+CONTAINER = FIXTURES / "checkpoint_053194f_pickle.ckpt"
+CONTAINER_CODEC = FIXTURES / "checkpoint_053194f_codec.ckpt"
 JSON_CODEC = (lambda payload: json.dumps(payload).encode(), lambda data: json.loads(data))
 
 
@@ -113,31 +127,73 @@ def numpy_codec() -> tuple[Any, Any]:
     return encode, decode
 
 
-# -- what is read back --------------------------------------------------------------------------
+@pytest.fixture
+def container(tmp_path: Path) -> Path:
+    """A copy of a container file the last release that wrote them saved (pickle form)."""
+    path = tmp_path / "container.ckpt"
+    path.write_bytes(CONTAINER.read_bytes())
+    return path
+
+
+def sqlite_read_only(path: Path) -> Any:
+    """A read-only connection to the SQLite file at ``path`` (closed by ``contextlib.closing``)."""
+    return contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True))
+
+
+def sqlite_change(path: Path, *statements: str) -> None:
+    """Run ``statements`` on the SQLite file at ``path`` (what another program could do to it)."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        for statement in statements:
+            db.execute(statement)
+
+
+def content_of(path: Path, codec: Any = None) -> Any:
+    """What the file at ``path`` restores to, compared by content."""
+    buf = ReplayBuffer.restore(path, in_flight="keep", payload_codec=codec, status_log_interval=None).buffer
+    return checkpoint_content(buf.checkpoint())
+
+
+# -- what is written and read back ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("codec", [None, JSON_CODEC], ids=["pickle", "codec"])
 def test_a_saved_file_restores_the_same_checkpoint(tmp_path: Path, codec: Any) -> None:
+    """The documented layout: an SQLite file of the journal's schema, kind "checkpoint", in
+    rollback-journal mode (complete on its own: no -wal beside it), every resident group a row in
+    admission order (none removed), no history."""
     buf = counted_buffer()
     path = tmp_path / "buffer.ckpt"
     save(buf, path, codec)
-    assert path.read_bytes().startswith(MAGIC)
-    version, flags, length, _ = HEADER.unpack_from(path.read_bytes(), len(MAGIC))
-    assert (version, flags) == (FORMAT_VERSION, 0 if codec is None else 1)
-    assert length == path.stat().st_size - len(MAGIC) - HEADER.size
+    data = path.read_bytes()
+    assert data.startswith(SQLITE_MAGIC)
+    assert data[18:20] == b"\x01\x01"  # not WAL: the file alone holds everything
+    assert int.from_bytes(data[68:72], "big") == APPLICATION_ID
+    assert len(data) % int.from_bytes(data[16:18], "big") == 0  # whole pages
+    assert file_kind(str(path)) == "checkpoint"
+    with sqlite_read_only(path) as db:
+        keys = dict(db.execute("SELECT key, value FROM stalebuf").fetchall())
+        rows = db.execute("SELECT gid, uid, partition, removed, reason FROM groups ORDER BY gid").fetchall()
+        history = [
+            db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in ("samples", "marks")
+        ]
+    assert (keys["format"], keys["kind"], keys["codec"]) == (1, "checkpoint", "plain" if codec else "pickle")
+    assert len(keys["digest"]) == 32
+    groups = buf.checkpoint().groups
+    assert rows == [(gid, g.uid, g.partition, None, None) for gid, g in enumerate(groups)]
+    assert history == [0, 0]
     restored = ReplayBuffer.restore(path, in_flight="keep", payload_codec=codec).buffer
     assert type(restored) is Counted
     assert snapshot(restored) == snapshot(buf)
     assert checkpoint_content(restored.checkpoint()) == checkpoint_content(buf.checkpoint())
-    assert [p.name for p in tmp_path.iterdir()] == ["buffer.ckpt"]  # no temporary file left
+    assert [p.name for p in tmp_path.iterdir()] == ["buffer.ckpt"]  # no temporary, -wal or -journal
 
 
 def test_numpy_payloads_round_trip_through_the_default_pickle_path(tmp_path: Path) -> None:
-    """Protocol 5 with out-of-band buffers: contiguous arrays travel as raw frames."""
+    """Pickle protocol 5: contiguous arrays, strided ones, records, objects, all exact."""
     arrays = {
         "c": np.arange(12, dtype=np.float32).reshape(3, 4),
         "fortran": np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4)),
-        "strided": np.arange(20, dtype=np.int16)[::3],  # not contiguous: pickled in band
+        "strided": np.arange(20, dtype=np.int16)[::3],  # not contiguous
         "scalar": np.array(7.5),
         "empty": np.zeros((0, 3), dtype=np.uint8),
         "record": np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")]),
@@ -160,12 +216,178 @@ def test_numpy_payloads_round_trip_through_the_default_pickle_path(tmp_path: Pat
     assert batch.payloads[1].flags.f_contiguous
 
 
-# -- refused files ------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", [None, JSON_CODEC], ids=["pickle", "codec"])
+def test_a_journal_given_to_restore_restores_its_state_at_its_last_commit(tmp_path: Path, codec: Any) -> None:
+    """A journal is the same format with history: ``restore`` reads its last committed state (and
+    leaves it a journal, for ``recover``)."""
+    path = tmp_path / "journal.db"
+    start = counted_buffer().checkpoint()
+
+    async def run() -> tuple[Any, Any]:
+        with anyio.fail_after(LIMIT):
+            buf = ReplayBuffer.restore(
+                start,
+                in_flight="keep",
+                journal=path,
+                payload_codec=codec,
+                status_log_interval=None,
+            ).buffer
+            buf.put_group_nowait("late", ["x", "y"], partition="val")
+            buf.sample_nowait(3, 1)
+            await buf.flush()
+            expected = (buf.stats(), checkpoint_content(buf.checkpoint()))
+            await buf.aclose()
+            return expected
+
+    stats, content = anyio.run(run)
+    assert file_kind(str(path)) == "journal"
+    restored = ReplayBuffer.restore(
+        path, in_flight="keep", payload_codec=codec, status_log_interval=None
+    ).buffer
+    assert type(restored) is Counted
+    assert restored.stats() == stats
+    assert checkpoint_content(restored.checkpoint()) == content
+    assert file_kind(str(path)) == "journal"
+    assert_refused(path, "payload_codec" if codec else "pickle", payload_codec=None if codec else JSON_CODEC)
+
+
+# -- refused files: the SQLite format ------------------------------------------------------------
 
 
 def test_a_file_cut_at_any_offset_is_refused(saved: Path) -> None:
     data = saved.read_bytes()
     cut = saved.with_name("cut.ckpt")
+    # Every offset in the first page's header and a little past it, a stride through the rest,
+    # and every offset of the last page.
+    page = int.from_bytes(data[16:18], "big")
+    sizes = {*range(512), *range(512, len(data), 97), *range(len(data) - page, len(data))}
+    assert len(sizes) > 500
+    for size in sorted(sizes):
+        cut.write_bytes(data[:size])
+        assert_refused(cut)
+    for trailing in (b"\0", bytes(page), data[:page]):
+        cut.write_bytes(data + trailing)
+        assert_refused(cut, "trailing data")
+
+
+def test_every_bit_flip_is_refused_or_changes_nothing(saved: Path) -> None:
+    """SQLite checks a file's structure, not its values: the digest does. A flipped bit is refused
+    (by the integrity check, the size, the format keys or the digest), or it fell where nothing
+    is read (free space in a page, a header field SQLite ignores) and the file restores the same
+    checkpoint: it never restores another one. A flip in the state or a group's record is always
+    refused. (Every bit of the database header, and seeded samples of the rest.)"""
+    data = saved.read_bytes()
+    want = content_of(saved)
+    with sqlite_read_only(saved) as db:
+        blobs = [db.execute("SELECT value FROM stalebuf WHERE key = 'state'").fetchone()[0]]
+        blobs += [record for (record,) in db.execute("SELECT record FROM groups")]
+    starts = [data.find(blob) for blob in blobs]
+    assert all(start > 0 and data.count(blob) == 1 for blob, start in zip(blobs, starts, strict=True))
+    in_values = [
+        8 * start + bit for blob, start in zip(blobs, starts, strict=True) for bit in range(len(blob) * 8)
+    ]
+    rng = random.Random(5)
+    values = set(rng.sample(in_values, 300))
+    bits = [*range(100 * 8), *rng.sample(range(100 * 8, len(data) * 8), 400), *sorted(values)]
+    flipped = saved.with_name("flipped.ckpt")
+    changed = []
+    for bit in bits:
+        corrupt = bytearray(data)
+        corrupt[bit // 8] ^= 1 << (bit % 8)
+        flipped.write_bytes(corrupt)
+        try:
+            got = content_of(flipped)
+        except CheckpointError:
+            continue
+        if got != want or bit in values:
+            changed.append((bit // 8, bit % 8))
+    assert changed == [], "flips at (byte, bit) restored another checkpoint, or a value's without an error"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("format", 2, "stalebuf file format 2; this stalebuf reads format 1"),
+        ("format", 0, "stalebuf file format 0"),
+        ("format", "'1'", "stalebuf file format '1'"),
+        ("kind", "'snapshot'", "unknown kind of stalebuf file 'snapshot'"),
+        ("codec", "'zstd'", "unknown payload codec 'zstd'"),
+        ("digest", "x'00'", "corrupt"),
+        ("state", "NULL", "corrupt"),
+    ],
+)
+def test_a_file_of_another_stalebuf_format_or_kind_is_refused_and_kept(
+    saved: Path, key: str, value: Any, match: str
+) -> None:
+    sqlite_change(saved, f"UPDATE stalebuf SET value = {value} WHERE key = '{key}'")
+    before = saved.read_bytes()
+    assert_refused(saved, match)
+    assert saved.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "DELETE FROM groups WHERE gid = 3",
+        "UPDATE groups SET removed = 5, reason = 'sampled' WHERE gid = 3",
+        "UPDATE groups SET gid = 100 WHERE gid = 0",  # the admission order changed
+        "UPDATE groups SET record = (SELECT record FROM groups WHERE gid = 1) WHERE gid = 2",
+        "INSERT INTO groups (gid, uid, partition, admitted, record) SELECT 100, uid, partition, 0, record "
+        "FROM groups WHERE gid = 1",
+    ],
+    ids=["dropped", "removed", "reordered", "replaced", "added"],
+)
+def test_a_group_row_changed_by_another_program_is_refused(saved: Path, change: str) -> None:
+    """Rows changed through SQLite, a valid database each time: the digest binds the groups, in
+    order, to the state."""
+    sqlite_change(saved, change)
+    assert_refused(saved, "corrupt")
+
+
+@pytest.mark.parametrize("journal_mode", ["delete", "wal", "our application id"])
+def test_a_foreign_sqlite_database_is_refused_and_left_as_it_was(tmp_path: Path, journal_mode: str) -> None:
+    path = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        if journal_mode == "wal":
+            db.execute("PRAGMA journal_mode=WAL")
+        if journal_mode == "our application id":
+            db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        db.execute(
+            "CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)"
+            if journal_mode != "wal"
+            else "CREATE TABLE t (x)"
+        )
+    before, listing = path.read_bytes(), names(tmp_path)
+    error = assert_refused(path, "not a stalebuf" if journal_mode != "our application id" else "format None")
+    assert path.read_bytes() == before
+    if journal_mode != "wal":  # (a read-only reader of a WAL database may create its -shm)
+        assert names(tmp_path) == listing
+    assert "SQLite" in str(error) or journal_mode == "our application id"
+
+
+def test_a_huge_sqlite_file_is_refused_without_reading_it(saved: Path) -> None:
+    """Issue 21, item 10, for the SQLite format: a valid file followed by 3 GB (sparse) is refused
+    from its declared size; SQLite reads the pages in use, not the rest (the bytes this process
+    read, counted by Linux)."""
+    os.truncate(saved, 3 << 30)
+    io_stats = Path("/proc/self/io")
+    if not io_stats.exists():
+        pytest.skip("Linux counts a process's reads in /proc/self/io")
+
+    def read_bytes() -> int:
+        return int(dict(line.split(": ") for line in io_stats.read_text().splitlines())["rchar"])
+
+    before = read_bytes()
+    assert_refused(saved, "trailing data")
+    assert read_bytes() - before < 16 << 20
+
+
+# -- refused files: the older container ----------------------------------------------------------
+
+
+def test_a_container_file_cut_at_any_offset_is_refused(container: Path) -> None:
+    data = container.read_bytes()
+    cut = container.with_name("cut.ckpt")
     header = len(MAGIC) + HEADER.size
     # Every offset in and just after the header and at the end; a stride through the body.
     sizes = {*range(header + 64), *range(header, len(data), 5), *range(len(data) - 64, len(data))}
@@ -177,17 +399,13 @@ def test_a_file_cut_at_any_offset_is_refused(saved: Path) -> None:
     assert_refused(cut, "trailing data")
 
 
-def test_every_single_bit_flip_is_detected(saved: Path) -> None:
-    """Every bit of the magic and header, and a sample of the body's, flipped one at a time.
-
-    BUG (reported): the header's version field is not covered by the checksum, so flipping its
-    lowest bit (format 1 -> 0) goes unnoticed and the file restores. Suggested fix: hash the
-    header fields (version, flags, length) together with the body, or refuse versions < 1.
-    """
-    data = saved.read_bytes()
+def test_every_single_bit_flip_of_a_container_file_is_detected(container: Path) -> None:
+    """Every bit of the magic and header, and a sample of the body's, flipped one at a time: the
+    checksum covers the header's fields and the body."""
+    data = container.read_bytes()
     header = len(MAGIC) + HEADER.size
     bits = list(range(header * 8)) + random.Random(5).sample(range(header * 8, len(data) * 8), 400)
-    flipped = saved.with_name("flipped.ckpt")
+    flipped = container.with_name("flipped.ckpt")
     undetected = []
     for bit in bits:
         corrupt = bytearray(data)
@@ -212,13 +430,17 @@ def test_every_single_bit_flip_is_detected(saved: Path) -> None:
         bytes(random.Random(1).getrandbits(8) for _ in range(4096)),
         pickle.dumps({"groups": [], "clocks": {}}),
         b"\x89PNG\r\n\x1a\n" + b"\0" * 64,
+        SQLITE_MAGIC,
+        SQLITE_MAGIC + b"\xff" * 4096,
     ],
-    ids=["empty", "magic-prefix", "magic-only", "magic-junk", "text", "random", "pickle", "png"],
-)
+    ids=["empty", "magic-prefix", "magic-only", "magic-junk", "text", "random", "pickle", "png",
+         "sqlite-magic", "sqlite-junk"],
+)  # fmt: skip
 def test_a_foreign_file_is_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "foreign.ckpt"
     path.write_bytes(content)
     assert_refused(path)
+    assert path.read_bytes() == content
 
 
 def test_a_hand_pickled_checkpoint_is_not_a_checkpoint_file(tmp_path: Path) -> None:
@@ -227,38 +449,34 @@ def test_a_hand_pickled_checkpoint_is_not_a_checkpoint_file(tmp_path: Path) -> N
     assert_refused(path, "not a stalebuf checkpoint")
 
 
-def test_a_newer_format_is_refused_with_an_upgrade_hint(saved: Path) -> None:
-    data = bytearray(saved.read_bytes())
+def test_a_newer_container_format_is_refused_with_an_upgrade_hint(container: Path) -> None:
+    data = bytearray(container.read_bytes())
     _version, flags, length, digest = HEADER.unpack_from(data, len(MAGIC))
     HEADER.pack_into(data, len(MAGIC), FORMAT_VERSION + 1, flags, length, digest)
-    saved.write_bytes(data)
-    error = assert_refused(saved, f"format {FORMAT_VERSION + 1}")
+    container.write_bytes(data)
+    error = assert_refused(container, f"format {FORMAT_VERSION + 1}")
     assert "upgrade" in str(error)
 
 
-def test_a_format_1_file_is_still_read(tmp_path: Path) -> None:
+def test_a_format_1_container_file_is_still_read(container: Path) -> None:
     # Format 2 only added a way to pickle lazily stored groups: a file whose header says 1 (and
     # whose checksum is bound to that header, as the documented layout says) restores.
-    buf = counted_buffer()
-    saved = tmp_path / "buffer.ckpt"
-    save(buf, saved)
-    data = bytearray(saved.read_bytes())
+    want = content_of(container)
+    data = bytearray(container.read_bytes())
     _version, flags, length, _digest = HEADER.unpack_from(data, len(MAGIC))
     body = hashlib.sha256(data[len(MAGIC) + HEADER.size :]).digest()
     digest = hashlib.sha256(struct.pack(">IIQ", 1, flags, length) + body).digest()
     HEADER.pack_into(data, len(MAGIC), 1, flags, length, digest)
-    saved.write_bytes(data)
-    restored = ReplayBuffer.restore(saved, in_flight="keep").buffer
-    assert snapshot(restored) == snapshot(buf)
-    assert checkpoint_content(restored.checkpoint()) == checkpoint_content(buf.checkpoint())
+    container.write_bytes(data)
+    assert content_of(container) == want
 
 
-def test_unknown_flags_are_refused(saved: Path) -> None:
-    data = bytearray(saved.read_bytes())
+def test_unknown_container_flags_are_refused(container: Path) -> None:
+    data = bytearray(container.read_bytes())
     version, _, length, digest = HEADER.unpack_from(data, len(MAGIC))
     HEADER.pack_into(data, len(MAGIC), version, 7, length, digest)
-    saved.write_bytes(data)
-    assert_refused(saved, "flags")
+    container.write_bytes(data)
+    assert_refused(container, "flags")
 
 
 def test_a_missing_file_or_a_directory_is_an_os_error(tmp_path: Path) -> None:
@@ -387,6 +605,27 @@ def test_a_codec_file_needs_the_codec_and_a_pickle_file_refuses_one(
     monkeypatch.setattr(pickle, "loads", lambda *args, **kwargs: calls.append(args))
     assert_refused(saved, "pickle", payload_codec=JSON_CODEC)
     assert calls == [], "a pickle file was unpickled although a codec was given"
+
+
+def test_a_container_codec_file_needs_the_codec_and_a_pickle_one_refuses_one(
+    container: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same rule for the files the older container holds (the fixtures' JSON codec)."""
+    assert_refused(CONTAINER_CODEC, "payload_codec")
+    calls: list[Any] = []
+    monkeypatch.setattr(pickle, "loads", lambda *args, **kwargs: calls.append(args))
+    assert_refused(container, "pickle", payload_codec=JSON_CODEC)
+    assert calls == [], "a pickle file was unpickled although a codec was given"
+
+
+@pytest.mark.parametrize("name", ["a?b#c%d.ckpt", "x%3f.ckpt", "ü ñ.ckpt", "file:y.ckpt"])
+def test_a_file_name_an_sqlite_uri_would_misread_saves_and_restores(tmp_path: Path, name: str) -> None:
+    """``restore`` opens the file through a read-only SQLite URI: ``?``, ``#`` and ``%`` in its
+    name are escaped, not read as the URI's query, fragment or escapes."""
+    path = tmp_path / name
+    save(plain_buffer("a"), path)
+    assert uids(path, None) == ["a"]
+    assert names(tmp_path) == [name]
 
 
 # -- save: at once, while the loop serves --------------------------------------------------------
@@ -1138,7 +1377,7 @@ def crafted_pickle(value: Any) -> bytes:
 
 
 def write_crafted(path: Path, flags: int, frames: list[bytes]) -> None:
-    """Write ``frames`` as a checkpoint file with a valid header and checksum (the documented
+    """Write ``frames`` as a container file with a valid header and checksum (the documented
     layout: magic, version, flags, length, the SHA-256 of the header fields and the body's)."""
     body = b"".join(struct.pack(">Q", len(frame)) + frame for frame in frames)
     fields = struct.pack(">IIQ", FORMAT_VERSION, flags, len(body))
@@ -1151,6 +1390,49 @@ def write_crafted_pickle(path: Path, checkpoint: BufferCheckpoint) -> None:
     count = len(groups) if isinstance(groups, tuple) else 0
     manifest = crafted_pickle((forge(checkpoint, groups=()), count))
     write_crafted(path, 0, [manifest, struct.pack(">I", 0) + crafted_pickle(groups)] if count else [manifest])
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` preceded by its length (8 bytes, big-endian): a frame of a container's body, or of
+    a group's record in a codec SQLite file."""
+    return len(data).to_bytes(8, "big") + data
+
+
+def frames_in(blob: bytes) -> list[bytes]:
+    """The frames of ``blob`` (see :func:`frame`)."""
+    offset, frames = 0, []
+    while offset < len(blob):
+        size = int.from_bytes(blob[offset : offset + 8], "big")
+        frames.append(blob[offset + 8 : offset + 8 + size])
+        offset += 8 + size
+    return frames
+
+
+def write_crafted_db(path: Path, state: bytes, records: list[bytes], codec: Any = None) -> None:
+    """Write ``state`` and ``records`` as an SQLite checkpoint file with a valid digest (the
+    documented layout: the journal's schema, kind "checkpoint", one ``groups`` row per record in
+    order, and the SHA-256 of the state and records, each preceded by its length)."""
+    path.unlink(missing_ok=True)
+    digest = hashlib.sha256(b"".join(frame(blob) for blob in (state, *records))).digest()
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        db.execute("BEGIN")
+        create_schema(db, "checkpoint", codec)
+        for key, value in (("state", state), ("seq", 0), ("next_gid", len(records)), ("digest", digest)):
+            write_key(db, key, value)
+        rows = [(gid, f"g{gid}", "train", record) for gid, record in enumerate(records)]
+        db.executemany(
+            "INSERT INTO groups (gid, uid, partition, admitted, record) VALUES (?, ?, ?, 0, ?)", rows
+        )
+        db.execute("COMMIT")
+
+
+def write_crafted_pickle_db(path: Path, checkpoint: BufferCheckpoint) -> None:
+    groups = tuple(checkpoint.groups) if type(checkpoint.groups) in (tuple, list) else ()
+    write_crafted_db(path, crafted_pickle(forge(checkpoint, groups=())), [crafted_pickle(g) for g in groups])
+
+
+#: How a crafted pickle file is written, in each format.
+CRAFTERS = {"container": write_crafted_pickle, "sqlite": write_crafted_pickle_db}
 
 
 @functools.lru_cache(maxsize=1)
@@ -1300,9 +1582,10 @@ IMPOSSIBLE: list[Any] = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("form", CRAFTERS)
 @pytest.mark.parametrize(("impossible", "field"), IMPOSSIBLE)
 def test_an_impossible_checkpoint_is_refused_naming_its_field(
-    impossible: Any, field: str, tmp_path: Path
+    impossible: Any, field: str, form: str, tmp_path: Path
 ) -> None:
     """Defect (issue 21, item 4): a checkpoint no live buffer could have taken (built by hand, or
     in a file whose unkeyed checksum was recomputed) escaped ``restore`` as TypeError,
@@ -1315,7 +1598,7 @@ def test_an_impossible_checkpoint_is_refused_naming_its_field(
         ReplayBuffer.restore(checkpoint)
     assert field in str(info.value)
     path = tmp_path / "crafted.ckpt"
-    write_crafted_pickle(path, checkpoint)
+    CRAFTERS[form](path, checkpoint)
     error = assert_refused(path)
     # A crafted pickle may fail to load at all (a converter refuses it): then the file is named.
     assert field in str(error) or "cannot be read" in str(error)
@@ -1324,25 +1607,15 @@ def test_an_impossible_checkpoint_is_refused_naming_its_field(
 
 def test_the_valid_checkpoint_and_its_crafted_file_restore(tmp_path: Path) -> None:
     """The crafting above changes nothing by itself: the valid checkpoint, its records copied as
-    they are, restores to the same content, and so does its crafted pickle file."""
+    they are, restores to the same content, and so do its crafted pickle files."""
     checkpoint = valid()
     same = forge(checkpoint, groups=tuple(raw(g) for g in checkpoint.groups))
-    path = tmp_path / "crafted.ckpt"
-    write_crafted_pickle(path, checkpoint)
-    for source in (same, path):
+    paths = [tmp_path / f"{form}.ckpt" for form in CRAFTERS]
+    for path, write in zip(paths, CRAFTERS.values(), strict=True):
+        write(path, checkpoint)
+    for source in (same, *paths):
         restored = ReplayBuffer.restore(source, in_flight="keep").buffer
         assert checkpoint_content(restored.checkpoint()) == checkpoint_content(checkpoint)
-
-
-def frames_of(path: Path) -> list[bytes]:
-    """The body frames of the checkpoint file at ``path`` (the documented layout)."""
-    data = path.read_bytes()
-    offset, frames = len(MAGIC) + HEADER.size, []
-    while offset < len(data):
-        (size,) = struct.unpack_from(">Q", data, offset)
-        frames.append(data[offset + 8 : offset + 8 + size])
-        offset += 8 + size
-    return frames
 
 
 def positions(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -1389,19 +1662,30 @@ def restore_or_refusal(path: Path) -> ReplayBuffer | CheckpointError:
         return exc
 
 
-def test_a_crafted_codec_file_is_refused_or_restores_a_consistent_buffer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["container", "sqlite"])
+def test_a_crafted_codec_file_is_refused_or_restores_a_consistent_buffer(tmp_path: Path, form: str) -> None:
     """Defect (issue 21, item 4), for the codec file's JSON: a value at any position (manifest,
     group rows, trajectory rows) replaced by one of another type or range, or dropped, with the
     checksum recomputed, escaped as a TypeError, KeyError or ValueError from the reader or the
     rebuild, or restored an impossible state. Now restore refuses it with a CheckpointError
     naming the file (building nothing), or restores a buffer that keeps the conservation law and
-    whose own checkpoint restores: never anything else. (A seeded sample of the positions.)"""
+    whose own checkpoint restores: never anything else. (A seeded sample of the positions.) The
+    container is built here as the last release wrote it (one chunk of rows); the SQLite file
+    is the one ``save`` wrote, its digest recomputed."""
     buf = counted_buffer()
     buf.put_group_nowait("L0", ["p", "q"], partition="val")
-    path = tmp_path / "valid.ckpt"
-    save(buf, path, JSON_CODEC)
-    manifest, rows, *payloads = frames_of(path)
-    documents = {"manifest": json.loads(manifest), "rows": json.loads(rows)}
+    if form == "container":
+        frames: list[bytes] = [plain_manifest(buf.checkpoint())]
+        write_plain_groups(buf.checkpoint().groups, JSON_CODEC[0], frames.append)
+        manifest, rows, *payloads = frames
+        documents = {"manifest": json.loads(manifest), "rows": json.loads(rows)}
+    else:
+        path = tmp_path / "valid.ckpt"
+        save(buf, path, JSON_CODEC)
+        with sqlite_read_only(path) as db:
+            state = db.execute("SELECT value FROM stalebuf WHERE key = 'state'").fetchone()[0]
+            records = [frames_in(r) for (r,) in db.execute("SELECT record FROM groups ORDER BY gid")]
+        documents = {"manifest": json.loads(state), "rows": [json.loads(r[0])[0] for r in records]}
     cases = [
         (where, value)
         for name, document in documents.items()
@@ -1417,8 +1701,17 @@ def test_a_crafted_codec_file_is_refused_or_restores_a_consistent_buffer(tmp_pat
             del parent[where[-1]]
         else:
             parent[where[-1]] = value
-        frames = [json.dumps(changed[name]).encode() for name in ("manifest", "rows")]
-        write_crafted(crafted, 1, [*frames, *payloads])
+        if form == "container":
+            frames = [json.dumps(changed[name]).encode() for name in ("manifest", "rows")]
+            write_crafted(crafted, 1, [*frames, *payloads])
+        else:  # each row in its own record, with the payloads of the group that was there
+            blobs = [
+                b"".join(
+                    map(frame, (json.dumps([row]).encode(), *(records[i][1:] if i < len(records) else [])))
+                )
+                for i, row in enumerate(changed["rows"])
+            ]
+            write_crafted_db(crafted, json.dumps(changed["manifest"]).encode(), blobs, JSON_CODEC)
         built = Counted.built
         outcome = restore_or_refusal(crafted)
         if isinstance(outcome, CheckpointError):

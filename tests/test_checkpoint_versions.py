@@ -7,7 +7,9 @@ Every expected value is written out by hand from the scenario of :func:`versione
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +187,7 @@ def test_a_file_without_versions_holds_them_as_files_before_them_did(form: str, 
     data = (tmp_path / f"{form}.ckpt").read_bytes()
     assert b"_tokens" not in data
     if form == "codec":
-        rows = json.loads(_frames(data)[1])
+        rows = _codec_rows(tmp_path / "codec.ckpt")[1]
         assert [len(row) for row in rows] == [8, 8]
         assert [len(t) for row in rows for t in row[7]] == [4, 4, 4]
     assert [view(g) for g in result.buffer.checkpoint().groups] == [
@@ -196,27 +198,30 @@ def test_a_file_without_versions_holds_them_as_files_before_them_did(form: str, 
     assert {key: counters[key] for key in TOKEN_COUNTERS} == dict.fromkeys(TOKEN_COUNTERS, 0)
 
 
-def _frames(data: bytes) -> list[bytes]:
-    """The body frames of a checkpoint file (magic, a 48-byte header, length-prefixed frames)."""
-    offset, frames = len(b"STALEBUF CHECKPOINT\n") + 48, []
-    while offset < len(data):
-        size = int.from_bytes(data[offset : offset + 8], "big")
-        frames.append(data[offset + 8 : offset + 8 + size])
-        offset += 8 + size
-    return frames
+def _codec_rows(path: Path) -> tuple[Any, list[Any]]:
+    """The JSON of a codec checkpoint file (SQLite: the ``state`` key, then each group's record,
+    length-prefixed frames whose first holds its row): its manifest and its group rows in order."""
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        (manifest,) = connection.execute("SELECT value FROM stalebuf WHERE key = 'state'").fetchone()
+        records = [record for (record,) in connection.execute("SELECT record FROM groups ORDER BY gid")]
+    rows = []
+    for record in records:
+        size = int.from_bytes(record[:8], "big")
+        rows.extend(json.loads(record[8 : 8 + size]))
+    return json.loads(manifest), rows
 
 
 def test_a_codec_file_holds_versions_and_start_versions_only_where_they_are_not_the_defaults(
     tmp_path: Path,
 ) -> None:
     save_and_restore(versioned_buffer(), "codec", "keep", tmp_path)
-    manifest, rows, *_ = _frames((tmp_path / "codec.ckpt").read_bytes())
-    counters = json.loads(manifest)["partitions"][0][2]
+    manifest, rows = _codec_rows(tmp_path / "codec.ckpt")
+    counters = manifest["partitions"][0][2]
     assert {key: counters.get(key) for key in TOKEN_COUNTERS} == {
         "admitted_tokens": 26, "sampled_tokens": 6, "masked_tokens": 4, "evicted_tokens": 2,
         "reissued_tokens": None,  # 0: not written
     }  # fmt: skip
-    by_uid = {row[0]: row for row in json.loads(rows)}
+    by_uid = {row[0]: row for row in rows}
     assert {uid: row[8:] for uid, row in by_uid.items()} == {
         "keep": [2], "lazyv": [3], "run": [1], "pend": [], "plain": []
     }  # fmt: skip

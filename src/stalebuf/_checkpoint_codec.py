@@ -1,4 +1,5 @@
-"""The codec form of a checkpoint body: JSON rows and payloads through the user's codec."""
+"""The codec form of a checkpoint: JSON rows and payloads through the user's codec (a group's
+record in the SQLite format, and the body of the older container)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import contextlib
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -33,7 +34,6 @@ __all__ = [
     "read_plain",
     "read_plain_groups",
     "read_plain_manifest",
-    "write_plain",
     "write_plain_groups",
     "written_counters",
 ]
@@ -43,25 +43,6 @@ _OMITTED_WHEN_ZERO = frozenset((*TOKEN_COUNTERS, *FILTER_COUNTERS))
 
 
 # -- writing ------------------------------------------------------------------------------------
-
-
-def write_plain(
-    checkpoint: BufferCheckpoint,
-    encode: Callable[[Any], bytes],
-    write_frame: Callable[[bytes | bytearray | memoryview], None],
-    chunks: Callable[[tuple[Group, ...]], Iterator[tuple[Group, ...]]],
-) -> None:
-    """Write ``checkpoint`` as a codec body: its manifest, then each chunk of groups (as ``chunks``
-    hands them out) as one frame of JSON rows followed by one frame per payload, made by ``encode``.
-
-    Raises:
-        CheckpointError: a value JSON cannot hold (named), or ``encode`` failed or returned
-            something other than bytes.
-        Exception: whatever ``write_frame`` or ``chunks`` raise (the file's write stopping).
-    """
-    write_frame(plain_manifest(checkpoint))
-    for chunk in chunks(checkpoint.groups):
-        write_plain_groups(chunk, encode, write_frame)
 
 
 def plain_manifest(checkpoint: BufferCheckpoint) -> bytes:
@@ -226,7 +207,8 @@ def read_plain(
     payloads decoded by ``decode``.
 
     Raises:
-        CheckpointError: the body is not shaped as ``write_plain`` writes it, ``decode`` failed,
+        CheckpointError: the body is not shaped as the container held it (its manifest, then
+            chunks as :func:`write_plain_groups` writes them), ``decode`` failed,
             or ``next_frame`` raised it (the file ends early).
     """
     checkpoint, count = read_plain_manifest(next_frame())

@@ -303,3 +303,13 @@ def size_on_disk(path: str) -> int:
 
 #: ``encode`` of a :class:`StateCodec`'s codec, for type checkers.
 Encode = Callable[[Any], bytes]
+
+
+def opened_kind(connection: sqlite3.Connection, path: str) -> Literal["journal", "checkpoint"]:
+    """What the SQLite file at ``path``, open on ``connection``, is (``file_kind`` without opening
+    it again: its integrity check reads the whole file).
+
+    Raises:
+        CheckpointError: it is not a stalebuf file of this format (it stays as it was).
+    """
+    return _stalebuf_kind(connection, path)

@@ -21,7 +21,7 @@ import attrs
 
 from ._admission import Admission
 from ._checkpoint_checks import checked
-from ._checkpoint_file import read_checkpoint
+from ._checkpoint_db import read_checkpoint
 from ._custom_sampler import build_from_config, load_custom_sampler
 from ._eviction import Eviction, check_on_evict
 from ._filtering import Filtering

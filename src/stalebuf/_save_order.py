@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from ._checkpoint_file import write_checkpoint
+from ._checkpoint_db import write_checkpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,7 +1,7 @@
 """Checkpoint and resume: the value types of a buffer's saved state.
 
 A :class:`BufferCheckpoint` is a buffer's whole state as one frozen value; ``_restore.py``
-captures and rebuilds it through the buffer's parts, ``_checkpoint_file.py`` writes and reads
+captures and rebuilds it through the buffer's parts, ``_checkpoint_db.py`` writes and reads
 the file.
 """
 

@@ -27,7 +27,8 @@ from typing import Any, TypeVar, cast
 
 import ray
 
-from .._checkpoint_file import PayloadCodec, read_checkpoint
+from .._checkpoint_db import read_checkpoint
+from .._checkpoint_file import PayloadCodec
 from .._save_order import SaveSequencer, SaveTicket
 from .._validation import describe, int_at_least
 from ..buffer import ReplayBuffer
