@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from _helpers import assert_conserved
 from stalebuf import (
+    BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
     CheckpointError,
@@ -467,3 +469,35 @@ async def test_save_compacts_the_journal(tmp_path: Path, anyio_backend: str) -> 
     assert wal.stat().st_size < before
     assert buffer.stats().journal_bytes < before
     await buffer.aclose()
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda payload: memoryview(np.arange(4, dtype=np.int64)),  # 8-byte items
+        lambda payload: memoryview(np.arange(8, dtype=np.uint8))[::2],  # strided
+        lambda payload: memoryview(np.zeros((0, 3), dtype=np.uint8)),  # empty, two dimensions
+    ],
+)
+def test_a_codec_returning_odd_memoryviews_is_journaled_byte_for_byte(tmp_path: Path, view: Any) -> None:
+    """Defect (found by review): the journal's codec frames cast every view to bytes, which
+    raises for a strided or an empty multi-dimensional one, stopping the writer thread."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, payload_codec=(view, bytes))
+    buffer.put_group_nowait("a", [b"payload"])
+    buffer.close()
+    recovered = ReplayBuffer.recover(path, payload_codec=(view, bytes)).buffer
+    batch, _ = recovered.sample_nowait(0, 1)
+    assert batch.groups[0].trajectories[0].payload == bytes(view(None).tobytes())
+
+
+def test_a_sample_that_returns_nothing_journals_the_clock_it_moved(tmp_path: Path) -> None:
+    """Defect (found by the model test): a sample that returned no batch moved the dispatch
+    clock without recording a change, so the final commit skipped it and the recovered buffer
+    tagged new groups at the old step."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    with pytest.raises(BatchNotReadyError):
+        buffer.sample_nowait(5, 1)
+    buffer.close()
+    assert ReplayBuffer.recover(path).buffer.dispatch_step() == 5

@@ -187,7 +187,7 @@ def _write_database(
     # The file is not in place until the rename: no rollback journal and no sync until then.
     execute("PRAGMA journal_mode=OFF")
     execute("PRAGMA synchronous=OFF")
-    state_codec = StateCodec(None if codec is None else (_byte_views(codec[0]), codec[1]))
+    state_codec = StateCodec(codec)
     state = state_codec.state(checkpoint)
     digest = hashlib.sha256()
     _hash(digest, (state,))
@@ -248,20 +248,6 @@ def _unpicklable(group: Group, error: BaseException) -> CheckpointError:
         f"{where} cannot be pickled: {describe_error(error)}; pass payload_codec= to save payloads "
         "pickle cannot hold"
     )
-
-
-def _byte_views(encode: Callable[[Any], bytes]) -> Callable[[Any], Any]:
-    """``encode``, its memoryviews made views of bytes: a view of 8-byte items (``ndarray.data``)
-    has 8x more bytes than len() says, a strided one cannot be written as it is, and an empty one
-    of several dimensions cannot be cast. Anything else is returned as it is (and checked)."""
-
-    def encode_bytes(payload: Any) -> Any:
-        data: object = encode(payload)  # user code: it may return anything
-        if type(data) is memoryview and (data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous):
-            return data.cast("B") if data.c_contiguous and data.nbytes else memoryview(data.tobytes())
-        return data
-
-    return encode_bytes
 
 
 def _hash(digest: Any, blobs: Sequence[bytes]) -> None:

@@ -237,7 +237,11 @@ class StateCodec:
         frames = bytearray()
 
         def frame(data: bytes | bytearray | memoryview) -> None:
-            data = memoryview(data).cast("B")
+            # A view of 8-byte items (``ndarray.data``) has 8x more bytes than len() says, a
+            # strided one cannot be written as it is, an empty one of several dimensions not cast.
+            data = memoryview(data)
+            if data.itemsize != 1 or data.ndim != 1 or not data.c_contiguous:
+                data = data.cast("B") if data.c_contiguous and data.nbytes else memoryview(data.tobytes())
             frames.extend(_FRAME.pack(len(data)))
             frames.extend(data)
 

@@ -115,6 +115,12 @@ class ChangeLog:
         if not self.armed:
             self._first()
 
+    def touched(self) -> None:
+        """Record that the state beyond the groups changed (a clock a sample moved): the next
+        commit takes it."""
+        if not self.armed:
+            self._first()
+
     def marked(self, step: int) -> None:
         """Record the trainer's mark: its state at ``step`` is durable."""
         seq = self.seq = self.seq + 1

@@ -125,7 +125,7 @@ def _read(
         latest.format_version,
         latest.config,
         latest.policy,
-        tuple(group for _, group in resident),
+        (),
         partitions,
         dict(at_point.clocks),
         tuple(uid for uid, _ in evicted),
@@ -133,7 +133,7 @@ def _read(
     )
     history = ([s for s in samples if s[0] <= point], [m for m in marks if m[0] <= point])
     return Recovery(
-        checked(state),
+        checked(state, tuple(group for _, group in resident)),
         {group.uid: row[0] for row, group in resident},
         tuple(group for row, group in resident if row[2] > point),
         tuple(group for _, group in dropped),
@@ -158,9 +158,9 @@ def _at_last_commit(
         "SELECT gid, uid, admitted, removed, reason, record FROM groups WHERE removed IS NULL ORDER BY gid"
     ).fetchall()
     groups = [(row, _group(codec, row)) for row in rows]
-    state = attrs.evolve(latest, groups=tuple(group for _, group in groups))
+    state = checked(latest, tuple(group for _, group in groups))  # (no converter on unchecked values)
     gids = {group.uid: row[0] for row, group in groups}
-    return Recovery(checked(state), gids, (), (), None, (), (), *counters, history)
+    return Recovery(state, gids, (), (), None, (), (), *counters, history)
 
 
 def _group(codec: StateCodec, row: tuple[Any, ...]) -> Group:

@@ -451,6 +451,14 @@ class ReplayBuffer:
         if self.__journal is not None:
             self.__journal.check_room()
 
+    def __sampled_nothing(self) -> None:
+        """A sample that returned no batch (yet) may have moved the clock: journal it (and, under
+        ``journal_interval=0``, the evictions it made, before it returns)."""
+        journal = self.__journal
+        if journal is not None:
+            journal.log.touched()
+            self.__settle()
+
     def __settle(self) -> None:
         """Under ``journal_interval=0``: commit what the call changed before it returns."""
         if self.__sync_journal is not None:
@@ -1087,7 +1095,7 @@ class ReplayBuffer:
         result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         if result is not None:
             return result
-        self.__settle()  # the evictions it made
+        self.__sampled_nothing()
         wanted = batch_size if token_budget is None else f"{token_budget} tokens"
         where = checks.describe(partition)
         raise BatchNotReadyError(f"no batch of {wanted} may be returned from partition {where} now")
@@ -1148,6 +1156,7 @@ class ReplayBuffer:
         result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         if result is not None:
             return result
+        self.__sampled_nothing()
         if timeout == 0:
             wanted = batch_size if token_budget is None else f"{token_budget} tokens"
             raise TimeoutError(f"no batch of {wanted} ready in partition {checks.describe(partition)}")
