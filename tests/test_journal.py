@@ -45,6 +45,10 @@ def state_of(buffer: ReplayBuffer) -> tuple[Any, ...]:
     return buffer.stats(), dict(checkpoint.clocks), groups, checkpoint.evicted_in_flight
 
 
+def size(path: Path) -> int:
+    return path.stat().st_size
+
+
 async def until(condition: Callable[[], bool]) -> None:
     """Poll ``condition`` (the writer thread changes it; no event tells the loop)."""
     for _ in range(100_000):
@@ -435,7 +439,7 @@ async def test_stats_report_the_journal(tmp_path: Path, anyio_backend: str) -> N
     assert stats.journal_commits == 2
     assert stats.journal_pending_bytes == 0
     assert stats.journal_lag_seconds == 0.0
-    assert stats.journal_bytes == sum(file.stat().st_size for file in (path, Path(f"{path}-wal")))
+    assert stats.journal_bytes == size(path) + size(Path(f"{path}-wal"))
     assert ReplayBuffer().stats().journal_commits == 0
     await buffer.aclose()
 
@@ -461,12 +465,12 @@ async def test_save_compacts_the_journal(tmp_path: Path, anyio_backend: str) -> 
     buffer.sample_nowait(0, 50)
     await buffer.flush()
     wal = Path(f"{path}-wal")
-    before = wal.stat().st_size
+    before = size(wal)
     assert before > 50 * 4 * 4096
     with anyio.fail_after(10):
         await buffer.save(tmp_path / "checkpoint")
         await buffer.flush()  # the compaction follows the commit save asked for
-    assert wal.stat().st_size < before
+    assert size(wal) < before
     assert buffer.stats().journal_bytes < before
     await buffer.aclose()
 
