@@ -505,3 +505,19 @@ def test_a_sample_that_returns_nothing_journals_the_clock_it_moved(tmp_path: Pat
         buffer.sample_nowait(5, 1)
     buffer.close()
     assert ReplayBuffer.recover(path).buffer.dispatch_step() == 5
+
+
+def test_another_programs_wal_database_gets_no_file_beside_it(tmp_path: Path) -> None:
+    """Review: telling a foreign WAL database apart opened it, and SQLite left -wal and -shm
+    files beside it; its header's application id tells it without opening."""
+    path = tmp_path / "other.db"
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("CREATE TABLE t (x)")
+    connection.commit()
+    connection.close()
+    before = sorted(tmp_path.iterdir())
+    for attempt in (lambda: ReplayBuffer(journal=path), lambda: ReplayBuffer.recover(path)):
+        with pytest.raises(CheckpointError, match="not a stalebuf"):
+            attempt()
+    assert sorted(tmp_path.iterdir()) == before

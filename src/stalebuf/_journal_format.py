@@ -56,6 +56,7 @@ JOURNAL_FORMAT = 1
 APPLICATION_ID = 0x53425546
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _FRAME = struct.Struct(">Q")
+_HEADER = 100  # bytes of an SQLite file's header
 
 _SCHEMA = (
     "CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)",
@@ -81,15 +82,21 @@ def file_kind(path: str) -> FileKind:
     """
     try:
         with open(path, "rb") as file:
-            head = file.read(len(SQLITE_MAGIC))
+            head = file.read(_HEADER)
     except FileNotFoundError:
         return "absent"
     if not head:
         return "empty"
     if head.startswith(MAGIC[: len(head)]) and len(head) >= 8:
         return "container"
-    if head != SQLITE_MAGIC:
+    if not head.startswith(SQLITE_MAGIC):
         raise CheckpointError(f"{path!r} is not a stalebuf journal or checkpoint")
+    # The application id is in the header: another program's database is told apart without
+    # opening it (SQLite would leave -wal/-shm files beside one in WAL mode). Only while no
+    # write-ahead log is beside it: a live journal's first pages may still be in its log.
+    foreign = len(head) == _HEADER and int.from_bytes(head[68:72], "big") != APPLICATION_ID
+    if foreign and not os.path.exists(path + "-wal"):
+        raise CheckpointError(f"{path!r} is an SQLite database, but not a stalebuf journal or checkpoint")
     with contextlib.closing(connect(path, read_only=True)) as connection:
         return _stalebuf_kind(connection, path)
 
