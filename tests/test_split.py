@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -296,6 +297,22 @@ def test_a_part_pickles_and_prints_as_a_batch() -> None:
     assert again.uids == ["g1"]
     assert again.group_thresholds == (2,)
     assert repr(part).startswith("Batch(")
+
+
+def test_a_subclass_of_batch_splits_into_its_own_class() -> None:
+    """Parts of a subclass keep its class and its own fields (built through its __init__)."""
+
+    @attrs.frozen(eq=False)
+    class Noted(Batch):
+        note: str = ""
+
+    plain = make_batch([[((), 2)], [((), 5)], [((), 4)]], thresholds=[1, 2, None])
+    batch = Noted(*attrs.astuple(plain, recurse=False), note="rank-local")
+    parts = batch.split(2)
+    assert [type(part) for part in parts] == [Noted, Noted]
+    assert [part.note for part in parts] == ["rank-local", "rank-local"]
+    assert uid_parts(parts) == uid_parts(plain.split(2)) == [["g1"], ["g0", "g2"]]
+    assert [part.group_thresholds for part in parts] == [(2,), (1, None)]
 
 
 # -- batches the buffer returns ---------------------------------------------------------------
