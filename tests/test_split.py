@@ -193,6 +193,17 @@ def test_a_worked_example_and_the_tie_rules() -> None:
     ]
 
 
+@pytest.mark.parametrize("big", [2**20, 2**61])
+def test_ties_keep_batch_order_whatever_the_largest_cost(big: int) -> None:
+    """Equal costs are taken in batch order both when ``largest * count`` fits int64 and when
+    it does not (while the loads still do): the two ways the items are ranked by cost."""
+    batch = token_batch([[3], [big], [3], [2], [0], [0]])
+    # big -> 0; the first 3 -> 1, the second -> 2; 2 -> 1 (equal loads: the lowest part); 0s -> 2
+    assert uid_parts(batch.split(3)) == [["g1"], ["g0", "g3"], ["g2", "g4", "g5"]]
+    for n in (2, 3, 4):
+        assert uid_parts(batch.split(n)) == expected_uids(batch, n, "tokens")
+
+
 def test_more_parts_than_groups_gives_empty_valid_batches() -> None:
     batch = make_batch([[(((4, 2),), 0)], [((), 3)]], masks=True, thresholds=[1, None])
     parts = batch.split(4)

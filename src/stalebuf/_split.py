@@ -118,6 +118,22 @@ def _group_sums(values: list[int], sizes: Sequence[int]) -> list[int]:
     return [totals[b] - totals[a] for a, b in pairwise(bounds)]
 
 
+def _by_cost(costs: Int64s) -> Int64s:
+    """The items in decreasing cost, equal costs in increasing index (``costs >= 0``)."""
+    count = costs.size
+    longest = int(costs.max())
+    if (longest + 1) * count > _MAX_INT64:
+        order: Int64s = np.argsort(-costs, kind="stable")
+        return order
+    # One unique key per item, (longest - cost) * count + index: an unstable sort of them (twice
+    # as fast as a stable argsort here) gives the same order, and the key modulo count its item.
+    keys = (longest - costs) * count
+    keys += np.arange(count, dtype=np.int64)
+    keys.sort()
+    keys %= count
+    return keys
+
+
 def lpt_parts(costs: Costs, n: int) -> list[list[int]]:
     """The items of each of ``n`` parts by the LPT rule (see the module docstring), given their
     costs (``>= 0``; an int64 array must have a total int64 holds): ``n`` lists of item indices,
@@ -138,7 +154,7 @@ def lpt_parts(costs: Costs, n: int) -> list[list[int]]:
     if fits:
         if array is None:
             array = np.array(costs, dtype=np.int64)
-        order = np.argsort(-array, kind="stable")  # stable: equal costs keep batch order
+        order = _by_cost(array)
         steps: list[int] = (array[order] * n).tolist()
     else:
         exact: list[int] = costs.tolist() if isinstance(costs, np.ndarray) else list(costs)
