@@ -61,7 +61,10 @@ def _export(rev: str, into: Path) -> Path:
     """``rev``'s ``src/`` under ``into`` (a plain export, no worktree)."""
     archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, check=True, capture_output=True)
     with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+: git's own archive, still checked
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)
     return into / "src"
 
 
