@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -192,6 +193,17 @@ def test_a_worked_example_and_the_tie_rules() -> None:
     ]
 
 
+@pytest.mark.parametrize("big", [2**20, 2**61])
+def test_ties_keep_batch_order_whatever_the_largest_cost(big: int) -> None:
+    """Equal costs are taken in batch order both when ``largest * count`` fits int64 and when
+    it does not (while the loads still do): the two ways the items are ranked by cost."""
+    batch = token_batch([[3], [big], [3], [2], [0], [0]])
+    # big -> 0; the first 3 -> 1, the second -> 2; 2 -> 1 (equal loads: the lowest part); 0s -> 2
+    assert uid_parts(batch.split(3)) == [["g1"], ["g0", "g3"], ["g2", "g4", "g5"]]
+    for n in (2, 3, 4):
+        assert uid_parts(batch.split(n)) == expected_uids(batch, n, "tokens")
+
+
 def test_more_parts_than_groups_gives_empty_valid_batches() -> None:
     batch = make_batch([[(((4, 2),), 0)], [((), 3)]], masks=True, thresholds=[1, None])
     parts = batch.split(4)
@@ -296,6 +308,22 @@ def test_a_part_pickles_and_prints_as_a_batch() -> None:
     assert again.uids == ["g1"]
     assert again.group_thresholds == (2,)
     assert repr(part).startswith("Batch(")
+
+
+def test_a_subclass_of_batch_splits_into_its_own_class() -> None:
+    """Parts of a subclass keep its class and its own fields (built through its __init__)."""
+
+    @attrs.frozen(eq=False)
+    class Noted(Batch):
+        note: str = ""
+
+    plain = make_batch([[((), 2)], [((), 5)], [((), 4)]], thresholds=[1, 2, None])
+    batch = Noted(*attrs.astuple(plain, recurse=False), note="rank-local")
+    parts = batch.split(2)
+    assert [type(part) for part in parts] == [Noted, Noted]
+    assert [part.note for part in parts] == ["rank-local", "rank-local"]
+    assert uid_parts(parts) == uid_parts(plain.split(2)) == [["g1"], ["g0", "g2"]]
+    assert [part.group_thresholds for part in parts] == [(2,), (1, None)]
 
 
 # -- batches the buffer returns ---------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import attrs
 import numpy as np
@@ -22,6 +22,7 @@ _runs_of = itemgetter(7)  # Trajectory._runs
 _tokens_of = itemgetter(6)  # Trajectory.tokens
 _start_of = attrgetter("start_version")
 _trajectories_of = attrgetter("trajectories")
+_T = TypeVar("_T")
 
 __all__ = [
     "Batch",
@@ -205,7 +206,8 @@ class Batch:
         n, cost, by = check_split(n, cost, by)
         if by == "trajectory":
             trajectories = self.trajectories
-            costs = item_costs(list(map(_tokens_of, trajectories)), None, cost)
+            tokens = np.fromiter(map(_tokens_of, trajectories), np.int64, len(trajectories))
+            costs = item_costs(tokens, None, cost)
             return [[trajectories[i] for i in part] for part in lpt_parts(costs, n)]
         return split_groups(self, n, cost)
 
@@ -264,17 +266,41 @@ def split_groups(batch: Batch, n: int, cost: SplitCost) -> list[Batch]:
         costs = np.ones(len(groups), dtype=np.int64)
     else:
         per_group = list(map(_trajectories_of, groups))
-        tokens = list(map(_tokens_of, chain.from_iterable(per_group)))
-        costs = item_costs(tokens, list(map(len, per_group)), cost)
+        sizes = list(map(len, per_group))
+        # One C-level pass from the records into int64: no list of ints in between.
+        tokens = np.fromiter(map(_tokens_of, chain.from_iterable(per_group)), np.int64, sum(sizes))
+        costs = item_costs(tokens, sizes, cost)
     thresholds = batch.group_thresholds
-    return [
-        attrs.evolve(
-            batch,
-            groups=tuple([groups[i] for i in part]),
-            group_thresholds=None if thresholds is None else tuple([thresholds[i] for i in part]),
+    parts = lpt_parts(costs, n)
+    if type(batch) is not Batch:  # a subclass: its own class, through its __init__
+        return [
+            attrs.evolve(
+                batch,
+                groups=_picked(groups, part),
+                group_thresholds=None if thresholds is None else _picked(thresholds, part),
+            )
+            for part in parts
+        ]
+    return [  # new_batch: what evolve builds, without its per-field __init__
+        new_batch(
+            batch.partition,
+            batch.global_steps,
+            _picked(groups, part),
+            batch.parameter_sync_step,
+            batch.max_off_policy_threshold,
+            batch.masks,
+            None if thresholds is None else _picked(thresholds, part),
         )
-        for part in lpt_parts(costs, n)
+        for part in parts
     ]
+
+
+def _picked(values: tuple[_T, ...], indices: list[int]) -> tuple[_T, ...]:
+    """``tuple(values[i] for i in indices)``, by one C call when there are several."""
+    if len(indices) > 1:
+        picked: tuple[_T, ...] = itemgetter(*indices)(values)
+        return picked
+    return tuple([values[i] for i in indices])
 
 
 def _token_offsets(run_lengths: arrays.Int64s, run_offsets: arrays.Int64s) -> arrays.Int64s:

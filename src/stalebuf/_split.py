@@ -81,29 +81,29 @@ def check_split(n: object, cost: object, by: object) -> tuple[int, SplitCost, Sp
     return n, checked_cost, checked_by  # type: ignore[return-value]
 
 
-def item_costs(tokens: Sequence[int], sizes: Sequence[int] | None, cost: SplitCost) -> Costs:
+def item_costs(tokens: Int64s, sizes: Sequence[int] | None, cost: SplitCost) -> Costs:
     """The cost of each item: of each group of ``sizes[i]`` consecutive trajectories (``sizes``
-    None: each trajectory is an item) whose token counts are ``tokens``. Exact: int64 when
-    their total fits it, else Python ints."""
+    None: each trajectory is an item) whose token counts are ``tokens`` (int64, each ``>= 0``).
+    Exact: int64 when their total fits it, else Python ints."""
     count = len(tokens) if sizes is None else len(sizes)
     if cost == "groups":
         return np.ones(count, dtype=np.int64)
-    if not tokens:
+    if not tokens.size:
         return np.zeros(count, dtype=np.int64)
-    array = np.array(tokens, dtype=np.int64)
-    longest = int(array.max())
+    longest = int(tokens.max())
     per_item = longest * longest if cost == "quadratic" else longest
-    if per_item * len(tokens) > _MAX_INT64:  # int64 could overflow: exact Python ints instead
-        values = [t * t for t in tokens] if cost == "quadratic" else list(tokens)
+    if per_item * tokens.size > _MAX_INT64:  # int64 could overflow: exact Python ints instead
+        values: list[int] = tokens.tolist()
+        if cost == "quadratic":
+            values = [t * t for t in values]
         return values if sizes is None else _group_sums(values, sizes)
-    if cost == "quadratic":
-        array *= array
+    array = tokens * tokens if cost == "quadratic" else tokens
     if sizes is None:
         return array
     if sizes.count(sizes[0]) == count:  # groups of one size, the usual case
         sums: Int64s = array.reshape(count, sizes[0]).sum(axis=1)
         return sums
-    totals = np.zeros(len(tokens) + 1, dtype=np.int64)
+    totals = np.zeros(tokens.size + 1, dtype=np.int64)
     np.cumsum(array, out=totals[1:])
     bounds = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(np.asarray(sizes, dtype=np.int64), out=bounds[1:])
@@ -116,6 +116,22 @@ def _group_sums(values: list[int], sizes: Sequence[int]) -> list[int]:
     totals = [0, *accumulate(values)]
     bounds = [0, *accumulate(sizes)]
     return [totals[b] - totals[a] for a, b in pairwise(bounds)]
+
+
+def _by_cost(costs: Int64s) -> Int64s:
+    """The items in decreasing cost, equal costs in increasing index (``costs >= 0``)."""
+    count = costs.size
+    longest = int(costs.max())
+    if (longest + 1) * count > _MAX_INT64:
+        order: Int64s = np.argsort(-costs, kind="stable")
+        return order
+    # One unique key per item, (longest - cost) * count + index: an unstable sort of them (twice
+    # as fast as a stable argsort here) gives the same order, and the key modulo count its item.
+    keys = (longest - costs) * count
+    keys += np.arange(count, dtype=np.int64)
+    keys.sort()
+    keys %= count
+    return keys
 
 
 def lpt_parts(costs: Costs, n: int) -> list[list[int]]:
@@ -138,7 +154,7 @@ def lpt_parts(costs: Costs, n: int) -> list[list[int]]:
     if fits:
         if array is None:
             array = np.array(costs, dtype=np.int64)
-        order = np.argsort(-array, kind="stable")  # stable: equal costs keep batch order
+        order = _by_cost(array)
         steps: list[int] = (array[order] * n).tolist()
     else:
         exact: list[int] = costs.tolist() if isinstance(costs, np.ndarray) else list(costs)
@@ -156,10 +172,15 @@ def lpt_parts(costs: Costs, n: int) -> list[list[int]]:
         for items in parts:
             items.sort()  # back to batch order
         return parts
-    owner = np.empty(count, dtype=np.int64)
-    owner[order] = np.array(keys, dtype=np.int64) % n
-    by_part = np.argsort(owner, kind="stable")  # stable: each part's items in batch order
-    ends = np.cumsum(np.bincount(owner, minlength=min(n, count)))
-    parts = [chunk.tolist() for chunk in np.split(by_part, ends[:-1])]
+    # The part of each item in cost order, then every item as part * count + item: one sort
+    # puts them by part, each part's in batch order (the keys are unique), and one list of the
+    # items is cut into the parts (cheaper than a stable argsort and a split into arrays).
+    owner = np.fromiter(keys, np.int64, count) % n
+    by_part = owner * count
+    by_part += order
+    by_part.sort()
+    flat: list[int] = (by_part % count).tolist()
+    ends: list[int] = np.bincount(owner, minlength=min(n, count)).cumsum().tolist()
+    parts = [flat[start:end] for start, end in pairwise([0, *ends])]
     parts.extend([] for _ in repeat(None, n - len(parts)))
     return parts
