@@ -1,0 +1,789 @@
+"""Recovering from a journal (issue 25) without a crash: each test closes its buffer (the final
+commit) and recovers from the file, on asyncio and trio, every wait bounded by ``anyio.fail_after``.
+
+The conflicts of recovering at a trainer's step ``g`` (consumer side after the point undone,
+producer side kept): a uid sampled after the point and added again keeps the newer group; slots
+later samples freed may leave a tag above its admission cap; an ``on_evict`` refill is kept while
+the group it replaced comes back. Refusals (no such step, a file that is no journal) leave the
+file as it was; recovering twice at one step gives one state; the counters conserve the groups,
+checked against a brute-force model of seeded runs; a payload codec round-trips.
+(``tests/test_journal_crash.py`` kills processes.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import shutil
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+
+from _helpers import LIMIT, assert_conserved, resident_count, resident_groups, snapshot
+from stalebuf import (
+    BufferFullError,
+    EvictionEvent,
+    Group,
+    GroupEvictedError,
+    ReplayBuffer,
+    SamplerConfig,
+    Status,
+)
+from stalebuf.errors import CheckpointError
+
+pytestmark = pytest.mark.anyio
+
+
+def payloads(group: Group) -> list[Any]:
+    return [trajectory.payload for trajectory in group.trajectories]
+
+
+def contents(buffer: ReplayBuffer) -> dict[str, tuple[Status, int, list[Any]]]:
+    """Every resident group's status, dispatch step and payloads, by uid."""
+    return {
+        uid: (group.status, group.dispatch_step, [t.payload for t in group.trajectories])
+        for uid, group in resident_groups(buffer).items()
+    }
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def logical(path: Path, scratch: Path) -> list[str]:
+    """The journal's content as SQL, read from a copy (so reading it changes nothing)."""
+    scratch.mkdir(exist_ok=True)
+    copy = scratch / "copy.db"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{copy}{suffix}").unlink(missing_ok=True)
+    copy_journal(path, copy)
+    connection = sqlite3.connect(copy)
+    try:
+        return list(connection.iterdump())
+    finally:
+        connection.close()
+
+
+def copy_journal(source: Path, target: Path) -> None:
+    """Copy a closed journal (and its write-ahead log, if one was left)."""
+    for suffix in ("", "-wal"):
+        if Path(f"{source}{suffix}").exists():
+            shutil.copyfile(f"{source}{suffix}", f"{target}{suffix}")
+
+
+def recover(path: Path, **options: Any) -> Any:
+    return ReplayBuffer.recover(path, status_log_interval=None, **options)
+
+
+# -- conflicts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("again", ["finished", "in flight", "sampled again"])
+async def test_a_uid_sampled_after_the_point_and_added_again_keeps_the_newer_group(
+    tmp_path: Path, again: str
+) -> None:
+    """The older group of the uid comes back from the undone sample, the newer was added after
+    the point: the newer is kept, the older dropped (``dropped``) and counted evicted "restart"."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=4), journal=path, status_log_interval=None
+        )
+        await buffer.put_group("a", [b"a0"])
+        await buffer.put_group("x", [b"old0", b"old1"])
+        assert (await buffer.sample(0, 1))[0].uids == ["a"]
+        await buffer.flush(checkpoint_step=0)
+        assert (await buffer.sample(1, 1))[0].uids == ["x"]
+        if again == "in flight":
+            await buffer.add_prompt("x")
+            await buffer.put("x", b"new0")
+        else:
+            await buffer.put_group("x", [b"new0"])
+        if again == "sampled again":  # both incarnations removed by samples after the point
+            assert (await buffer.sample(2, 1))[0].uids == ["x"]
+        await buffer.aclose()
+
+        result = recover(path, global_steps=0)
+        buffer = result.buffer
+        assert [(group.uid, payloads(group)) for group in result.dropped] == [("x", [b"old0", b"old1"])]
+        newer = [] if again == "in flight" else [b"new0"]  # reissued: its partial work discarded
+        assert [(group.uid, payloads(group)) for group in result.kept] == [("x", [b"new0"])]
+        assert [group.uid for group in result.reissue] == (["x"] if again == "in flight" else [])
+        assert {uid: body for uid, (_, _, body) in contents(buffer).items()} == {"x": newer}
+        total = buffer.stats().total
+        assert (total.evicted_restart_groups, total.evicted_restart_trajectories) == (1, 2)
+        assert (total.admitted_groups, total.sampled_groups, total.groups) == (3, 1, 1)
+        assert_conserved(buffer)
+        if again != "in flight":  # the resumed trainer trains the newer group
+            batch, _ = await buffer.sample(1, 1)
+            assert [payloads(group) for group in batch] == [[b"new0"]]
+        await buffer.aclose()
+
+
+async def test_slots_later_samples_freed_may_leave_a_tag_over_its_cap_until_admission_drains_it(
+    tmp_path: Path,
+) -> None:
+    """Recovered at step 1, tag 1 holds the groups sample(2) had taken (twice) and the ones
+    admitted into the slots they freed: 6 > b = 2, and 8 resident > capacity() = 6. Admission at
+    the clock waits until the tag it would use is below the cap; from the moment the buffer is
+    within capacity() it stays so, with producers filling every slot at every step."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        config = SamplerConfig(max_off_policy_threshold=3, admission_batch_size=2)
+        buffer = ReplayBuffer(config, journal=path, status_log_interval=None)
+
+        def put(uid: str, step: int | None = None) -> None:
+            buffer.put_group_nowait(uid, [uid.encode()], global_steps=step)
+
+        put("a0"), put("a1")
+        await buffer.sample(0, 2)
+        put("b0"), put("b1")
+        await buffer.sample(1, 2)
+        await buffer.flush(checkpoint_step=1)  # the point
+        put("c0"), put("c1")
+        await buffer.sample(2, 2)  # takes c0, c1: tag 1's slots free again
+        put("d0", 1), put("d1", 1)
+        await buffer.sample(2, 2)  # takes d0, d1
+        put("d2", 1), put("d3", 1), put("e0"), put("e1")  # e*: tag 2
+        assert resident_count(buffer) <= buffer.capacity()  # type: ignore[operator]
+        await buffer.aclose()
+
+        result = recover(path, global_steps=1)
+        buffer = result.buffer
+        steps = {uid: step for uid, (_, step, _) in contents(buffer).items()}
+        assert steps == {"c0": 1, "c1": 1, "d0": 1, "d1": 1, "d2": 1, "d3": 1, "e0": 2, "e1": 2}
+        assert [group.uid for group in result.kept] == list(steps)  # all admitted after the point
+        assert buffer.dispatch_step() == 1
+        assert (resident_count(buffer), buffer.capacity(), buffer.free_slots()) == (8, 6, 0)
+        assert buffer.full()
+        with pytest.raises(BufferFullError):
+            buffer.add_prompt_nowait("refused")
+
+        admitted: list[str] = []
+
+        async def producer(uid: str) -> None:
+            await buffer.add_prompt(uid)
+            admitted.append(uid)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(producer, "n")
+            await anyio.wait_all_tasks_blocked()
+            assert (admitted, buffer.stats().total.waiting_producers) == ([], 1)
+            assert (await buffer.sample(2, 2))[0].uids == ["c0", "c1"]
+            await anyio.wait_all_tasks_blocked()
+            assert admitted == []  # tag 2 (the clock's) is full: e0, e1
+            assert resident_count(buffer) == 6  # within capacity() from here on
+            assert (await buffer.sample(3, 2))[0].uids == ["d0", "d1"]
+            await anyio.wait_all_tasks_blocked()
+            assert admitted == ["n"]
+            assert steps_of_uid(buffer, "n") == 3
+        for step in range(4, 10):  # producers take every slot admission gives; the trainer samples
+            for i in range(10):
+                try:
+                    buffer.put_group_nowait(f"s{step}-{i}", [b"x"])
+                except BufferFullError:
+                    break
+            assert resident_count(buffer) <= buffer.capacity()  # type: ignore[operator]
+            await buffer.sample(step, 2)
+            assert resident_count(buffer) <= buffer.capacity()  # type: ignore[operator]
+        assert_conserved(buffer)
+        await buffer.aclose()
+
+
+def steps_of_uid(buffer: ReplayBuffer, uid: str) -> int:
+    return resident_groups(buffer)[uid].dispatch_step
+
+
+async def test_an_on_evict_refill_after_the_point_is_kept_and_the_group_it_replaced_comes_back(
+    tmp_path: Path,
+) -> None:
+    """sample(2) evicts b and c as stale and ``on_evict`` refills their prompts: recovered at 0,
+    b and c are resident again and so are their refills; ``kept`` lists every group admitted
+    after the point (c, b's refill, c's refill), so a data loader restored to step 0 skips them."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffers: list[ReplayBuffer] = []
+
+        def refill(event: EvictionEvent) -> None:
+            for group in event.groups:
+                buffers[0].add_prompt_nowait(f"{group.uid}-refill")
+
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=2),
+            journal=path,
+            on_evict=refill,
+            status_log_interval=None,
+        )
+        buffers.append(buffer)
+        buffer.put_group_nowait("a", [b"a"])
+        buffer.put_group_nowait("b", [b"b"])
+        assert (await buffer.sample(0, 1))[0].uids == ["a"]
+        await buffer.flush(checkpoint_step=0)
+        buffer.put_group_nowait("c", [b"c"])
+        async with anyio.create_task_group() as tasks:
+            batches: list[list[str]] = []
+
+            async def trainer() -> None:
+                batches.append((await buffer.sample(2, 1))[0].uids)
+
+            tasks.start_soon(trainer)
+            await anyio.wait_all_tasks_blocked()  # b and c evicted, refilled; the sample waits
+            await buffer.mark_running("b-refill")
+            await buffer.put("b-refill", b"b2")
+            await buffer.mark_finished("b-refill")
+        assert batches == [["b-refill"]]
+        assert buffer.stats().total.evicted_stale_groups == 2
+        await buffer.aclose()
+
+        result = recover(path, global_steps=0)
+        buffer = result.buffer
+        assert contents(buffer) == {
+            "b": (Status.FINISHED, 0, [b"b"]),
+            "c": (Status.FINISHED, 0, [b"c"]),
+            "b-refill": (Status.FINISHED, 2, [b"b2"]),
+            "c-refill": (Status.PENDING, 2, []),
+        }
+        assert [group.uid for group in result.kept] == ["c", "b-refill", "c-refill"]
+        assert [group.uid for group in result.reissue] == ["c-refill"]
+        total = buffer.stats().total
+        assert (total.evicted_stale_groups, total.sampled_groups, total.admitted_groups) == (0, 1, 5)
+        assert_conserved(buffer)
+        await buffer.aclose()
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+async def test_a_step_with_no_committed_sample_is_refused_naming_the_recoverable_steps(
+    tmp_path: Path,
+) -> None:
+    """With ``journal_retention_steps=1`` the journal keeps the samples of steps 3 and 4: step 0
+    (deleted), step 9 (never sampled) and a partition never sampled are refused, the journal
+    stays logically as it was, and recovering at its last commit gives the buffer it held."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8),
+            journal=path,
+            journal_retention_steps=1,
+            status_log_interval=None,
+        )
+        for i in range(8):
+            buffer.put_group_nowait(f"g{i}", [i.to_bytes(1, "big")])
+        for step in range(5):
+            await buffer.sample(step, 1)
+        before = snapshot(buffer)
+        await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+        for step, partition, message in (
+            (0, "train", "its recoverable steps on it are 3 (oldest) to 4 (newest)"),
+            (9, "train", "its recoverable steps on it are 3 (oldest) to 4 (newest)"),
+            (3, "other", "it holds no committed sample on it"),
+        ):
+            with pytest.raises(
+                CheckpointError, match=re.escape(f"global_steps={step})") + ".*" + re.escape(message)
+            ):
+                recover(path, global_steps=step, partition=partition)
+            assert logical(path, tmp_path / "scratch") == dump
+        result = recover(path)
+        assert snapshot(result.buffer) == before
+        await result.buffer.aclose()
+
+
+async def test_a_recover_whose_on_evict_raises_leaves_the_journal_as_it_was(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        buffer.put_group_nowait("done", [b"d"])
+        buffer.add_prompt_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        buffer.put_group_nowait("later", [b"l"])
+        await buffer.sample(1, 1)
+        await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+
+        def boom(event: EvictionEvent) -> None:
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            recover(path, global_steps=0, in_flight="evict", on_evict=boom)
+        assert logical(path, tmp_path / "scratch") == dump
+        result = recover(path, global_steps=0, in_flight="evict")  # recoverable as before
+        assert sorted(contents(result.buffer)) == ["later"]
+        assert result.buffer.stats().total.evicted_restart_groups == 1
+        assert_conserved(result.buffer)
+        await result.buffer.aclose()
+
+
+async def make_journal(path: Path, **options: Any) -> None:
+    buffer = ReplayBuffer(
+        SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None, **options
+    )
+    for i in range(16):
+        buffer.put_group_nowait(f"g{i}", [bytes(4096), bytes(4096)])
+    await buffer.sample(0, 2)
+    await buffer.flush(checkpoint_step=0)
+    await buffer.aclose()
+
+
+async def write_file(kind: str, path: Path) -> None:
+    """A file ``recover`` must refuse: ``kind`` says what it holds."""
+    if kind == "checkpoint":
+        buffer = ReplayBuffer(SamplerConfig(), status_log_interval=None)
+        buffer.put_group_nowait("g", [b"p"])
+        await buffer.save(path)
+    elif kind in ("torn", "format 2"):
+        await make_journal(path)
+    alter(kind, path)
+
+
+def alter(kind: str, path: Path) -> None:
+    """Write (or change) the file of ``kind`` (see :func:`write_file`)."""
+    if kind == "text":
+        path.write_text("not a database\n" * 100)
+    elif kind == "sqlite":
+        connection = sqlite3.connect(path)
+        connection.execute("CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)")
+        connection.execute("INSERT INTO stalebuf VALUES ('format', 1)")
+        connection.commit()
+        connection.close()
+    elif kind == "torn":  # a journal cut in the middle
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "format 2":
+        connection = sqlite3.connect(path)
+        connection.execute("UPDATE stalebuf SET value = 2 WHERE key = 'format'")
+        connection.commit()
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("text", "is not a stalebuf journal"),
+        ("sqlite", "not a stalebuf journal"),
+        ("checkpoint", "restore it with ReplayBuffer.restore"),
+        ("torn", "malformed"),
+        ("format 2", "format 2"),
+    ],
+)
+async def test_a_file_that_is_no_journal_is_refused_and_left_byte_for_byte(
+    tmp_path: Path, kind: str, message: str
+) -> None:
+    """A foreign file, an SQLite database of another program, a checkpoint, a torn journal and a
+    journal of another format: ``recover`` raises CheckpointError, and so does a new buffer
+    journaling into it; the file keeps every byte."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "file.db"
+        await write_file(kind, path)
+        before = digest(path)
+        with pytest.raises(CheckpointError, match=message):
+            recover(path)
+        assert digest(path) == before
+        with pytest.raises(CheckpointError):
+            recover(path, global_steps=0)
+        assert digest(path) == before
+        with pytest.raises(CheckpointError):
+            ReplayBuffer(SamplerConfig(), journal=path)
+        assert digest(path) == before
+
+
+@pytest.mark.parametrize("kind", ["absent", "empty"])
+async def test_no_journal_to_recover_from_is_refused(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "journal.db"
+    if kind == "empty":
+        path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no journal to recover from"):
+        recover(path)
+    assert path.exists() is (kind == "empty")
+    if kind == "empty":
+        assert path.read_bytes() == b""
+
+
+async def test_a_new_buffer_refuses_an_existing_journal_and_leaves_it_as_it_was(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        before = digest(path)
+        with pytest.raises(CheckpointError, match="recover from it"):
+            ReplayBuffer(SamplerConfig(), journal=path)
+        assert digest(path) == before
+
+
+# -- idempotence -------------------------------------------------------------------------------
+
+
+async def test_recovering_twice_at_one_step_gives_one_state_and_the_history_after_it_is_void(
+    tmp_path: Path,
+) -> None:
+    """A crash right after a recovery at step 0 recovers at step 0 again: the same groups, the
+    same counters (but ``reissued_groups``, which counts each recovery's reissued groups), the
+    same clock; the steps sampled after the point are no longer recoverable."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        for i in range(6):
+            buffer.put_group_nowait(f"g{i}", [b"p", b"q"])
+        buffer.add_prompt_nowait("half")
+        buffer.mark_running_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        buffer.add_prompt_nowait("late")
+        await buffer.sample(1, 2)
+        await buffer.sample(2, 2)
+        await buffer.aclose()
+
+        first = recover(path, global_steps=0)
+        once = snapshot(first.buffer)
+        assert [group.uid for group in first.reissue] == ["half", "late"]
+        await first.buffer.aclose()
+        second = recover(path, global_steps=0)
+        twice = snapshot(second.buffer)
+        assert [group.uid for group in second.reissue] == ["half", "late"]
+        assert [group.uid for group in second.kept] == [group.uid for group in first.kept] == ["late"]
+        assert second.buffer.dispatch_step() == 0
+        await second.buffer.aclose()
+        assert twice[1:] == once[1:]  # the groups and the order
+        assert twice[0].total.reissued_groups == once[0].total.reissued_groups + 2
+        assert without_reissued(twice[0]) == without_reissued(once[0])
+        for step in (1, 2):
+            with pytest.raises(
+                CheckpointError, match=re.escape("recoverable steps on it are 0 (oldest) to 0 (newest)")
+            ):
+                recover(path, global_steps=step)
+        last = recover(path)  # the last commit: the second recovery's state
+        assert snapshot(last.buffer)[1:] == twice[1:]
+        await last.buffer.aclose()
+
+
+def without_reissued(stats: Any) -> Any:
+    partitions = {name: attrs.evolve(p, reissued_groups=0) for name, p in stats.partitions.items()}
+    return attrs.evolve(stats, total=attrs.evolve(stats.total, reissued_groups=0), partitions=partitions)
+
+
+# -- conservation, against a model -------------------------------------------------------------
+
+
+@dataclass
+class Incarnation:
+    """One group of a uid, from its admission to its removal (times are the model's events)."""
+
+    uid: str
+    admitted: int
+    status: str = "pending"  # "pending", "running", "finished", "failed"
+    payloads: list[bytes] = field(default_factory=list)
+    removed: int | None = None
+    reason: str | None = None
+
+
+@dataclass
+class Model:
+    """What a run did, observed from outside (calls, batches, ``on_evict``), and what a recovery
+    at each step must therefore give."""
+
+    time: int = 0
+    groups: list[Incarnation] = field(default_factory=list)
+    live: dict[str, Incarnation] = field(default_factory=dict)
+    points: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> (time, clock)
+
+    def tick(self) -> int:
+        self.time += 1
+        return self.time
+
+    def admit(self, uid: str, status: str = "pending", body: list[bytes] | None = None) -> None:
+        group = Incarnation(uid, self.tick(), status, list(body or ()))
+        self.groups.append(group)
+        self.live[uid] = group
+
+    def forget(self, uid: str) -> None:
+        """The group just admitted in the model was refused by the buffer: it never existed."""
+        group = self.groups.pop()
+        assert group.uid == uid
+        assert self.live.pop(uid) is group
+
+    def remove(self, uid: str, reason: str) -> None:
+        group = self.live.pop(uid)
+        group.removed, group.reason = self.tick(), reason
+
+    def recovered(self, point: int) -> tuple[dict[str, Incarnation], list[Incarnation], list[Incarnation]]:
+        """The groups resident after recovering at event ``point``, the kept and the dropped ones."""
+        back = [
+            group
+            for group in self.groups
+            if group.removed is None
+            or (group.removed > point and group.reason in ("sampled", "stale", "failure"))
+        ]
+        newest = {group.uid: group for group in back}
+        kept = sorted(
+            (group for group in newest.values() if group.admitted > point), key=lambda g: g.admitted
+        )
+        dropped = [group for group in back if newest[group.uid] is not group]
+        return newest, kept, dropped
+
+    def before(self, point: int, reason: str) -> list[Incarnation]:
+        return [g for g in self.groups if g.reason == reason and g.removed is not None and g.removed <= point]
+
+
+def rejects(uid: str) -> bool:
+    return uid.endswith("3")
+
+
+def keep(group: Group) -> bool:
+    return not rejects(group.uid)
+
+
+async def run_model_scenario(seed: int, path: Path) -> tuple[Model, dict[str, Any]]:
+    """A seeded run of nowait producer calls and ``sample(timeout=0)`` calls; each change is
+    recorded in the model as the buffer reports it."""
+    rng = random.Random(seed)
+    strategy = ("drop", "wait")[seed % 2]
+    options: dict[str, Any] = {
+        "filters": [keep] if seed % 3 != 2 else [],
+        "config": SamplerConfig(
+            max_off_policy_threshold=2,
+            max_off_policy_strategy=strategy,  # type: ignore[arg-type]
+            failure_strategy=("sample", "evict")[(seed // 2) % 2],
+            evict_stale_in_flight=strategy == "drop" and seed % 4 == 0,
+            admission_batch_size=3 if seed % 5 == 1 else None,
+        ),
+    }
+    model = Model()
+    gone: list[str] = []  # uids sampled or evicted: added again now and then
+
+    def on_evict(event: EvictionEvent) -> None:
+        for group in event.groups:
+            model.remove(group.uid, event.reason)
+            gone.append(group.uid)
+
+    buffer = ReplayBuffer(
+        options["config"],
+        journal=path,
+        journal_retention_steps=100,
+        filters=options["filters"],
+        on_evict=on_evict,
+        status_log_interval=None,
+    )
+    count = 0
+    for step in range(8):
+        for _ in range(rng.randint(2, 7)):
+            live = [uid for uid, group in model.live.items() if group.status in ("pending", "running")]
+            roll = rng.random()
+            if roll < 0.25 or (roll < 0.35 and not gone):
+                uid, count = f"u{count}", count + 1
+                body = [f"{uid}/{i}".encode() for i in range(rng.randint(1, 3))]
+                admit(buffer, model, uid, body)
+            elif roll < 0.35:
+                uid = rng.choice(gone)
+                gone.remove(uid)
+                admit(buffer, model, uid, [b"again"])
+            elif roll < 0.55 or not live:
+                uid, count = f"u{count}", count + 1
+                admit(buffer, model, uid, None)
+            else:
+                advance(buffer, model, model.live[rng.choice(live)], rng)
+        if strategy == "wait":  # the producers finish what the wait gate would wait for
+            for uid, group in resident_groups(buffer).items():
+                if group.in_flight and group.dispatch_step < step and uid in model.live:
+                    while uid in model.live and model.live[uid].status in ("pending", "running"):
+                        advance(buffer, model, model.live[uid], rng, finish=True)
+        for _ in range(2 if rng.random() < 0.15 else 1):  # now and then sample(step) twice
+            if rng.random() < 0.8:
+                try:
+                    batch, _ = await buffer.sample(step, 2, timeout=0)
+                except TimeoutError:
+                    continue
+                for uid in batch.uids:
+                    model.remove(uid, "sampled")
+                    gone.append(uid)
+                model.points[step] = (model.tick(), buffer.dispatch_step())
+        gone[:] = [uid for uid in dict.fromkeys(gone) if uid not in model.live]
+    final = contents(buffer)
+    await buffer.aclose()
+    return model, {"final": final, **options}
+
+
+def admit(buffer: ReplayBuffer, model: Model, uid: str, body: list[bytes] | None) -> None:
+    """Add a group (FINISHED with ``body``, else PENDING); a uid the buffer remembers as evicted
+    in flight or filtered is refused ``put_group`` (GroupEvictedError), so it is added PENDING."""
+    model.admit(uid, "pending" if body is None else "finished", body)  # a filter may remove it at once
+    try:
+        if body is None:
+            buffer.add_prompt_nowait(uid)
+        else:
+            buffer.put_group_nowait(uid, body, tokens=[len(b) for b in body])
+    except GroupEvictedError:
+        model.forget(uid)
+        admit(buffer, model, uid, None)
+    except BufferFullError:
+        model.forget(uid)
+
+
+def advance(
+    buffer: ReplayBuffer, model: Model, group: Incarnation, rng: random.Random, finish: bool = False
+) -> None:
+    """Take the in-flight ``group`` one call further (a call on a group evicted in flight raises
+    GroupEvictedError: on_evict told the model)."""
+    try:
+        _advance(buffer, group, rng.random(), finish)
+    except GroupEvictedError:
+        assert group.removed is not None
+
+
+def _advance(buffer: ReplayBuffer, group: Incarnation, roll: float, finish: bool) -> None:
+    """One call: run, put, finish or fail (``finish``: run, put one if none, then end)."""
+    uid = group.uid
+    if group.status == "pending" and (roll < 0.5 or finish):
+        buffer.mark_running_nowait(uid)
+        group.status = "running"
+    elif (roll < 0.7 and not finish) or not group.payloads:
+        body = f"{uid}/{len(group.payloads)}".encode()
+        buffer.put_nowait(uid, body, session_id=len(group.payloads), tokens=len(body))
+        group.payloads.append(body)
+    elif roll < 0.92:
+        buffer.mark_finished_nowait(uid)  # (a filter's on_evict may have removed it meanwhile)
+        group.status = "finished"
+    else:
+        buffer.mark_failed_nowait(uid)
+        group.status = "failed"
+
+
+_STATUS = {"pending": Status.PENDING, "running": Status.PENDING, "finished": Status.FINISHED}
+
+
+@pytest.mark.parametrize("seed", range(10))
+async def test_recovering_at_every_sampled_step_conserves_and_matches_the_model(
+    tmp_path: Path, seed: int
+) -> None:
+    """Recovered at each step some ``sample`` returned at, the buffer holds exactly the groups
+    the model says (every group removed by a later sample back, the producers' side kept, the
+    newest group of a uid added again), the counters are the model's (sampled and evicted up to
+    the point, admitted and filtered in all, the dropped ones as "restart") and conserve
+    ``admitted = resident + sampled + evicted`` (all reasons), for groups and trajectories."""
+    with anyio.fail_after(LIMIT * 3):
+        path = tmp_path / "journal.db"
+        model, run = await run_model_scenario(seed, path)
+        assert model.points, "the scenario never sampled"
+        for step, (point, clock) in [*model.points.items(), (None, (model.time, None))]:
+            copy = tmp_path / f"at-{step}.db"
+            copy_journal(path, copy)
+            result = recover(copy, global_steps=step, filters=run["filters"])
+            buffer = result.buffer
+            newest, kept, dropped = model.recovered(point)
+            if step is None:
+                assert contents(buffer) == {
+                    uid: value
+                    if value[0] not in (Status.PENDING, Status.RUNNING)
+                    else (Status.PENDING, value[1], [])
+                    for uid, value in run["final"].items()
+                }
+            expected = {uid: _STATUS.get(group.status, Status.FAILURE) for uid, group in newest.items()}
+            assert {uid: status for uid, (status, _, _) in contents(buffer).items()} == expected, step
+            for uid, (status, _, body) in contents(buffer).items():
+                assert body == ([] if status is Status.PENDING else newest[uid].payloads), uid
+            assert [group.uid for group in result.kept] == ([] if step is None else [g.uid for g in kept])
+            assert [group.uid for group in result.dropped] == [g.uid for g in dropped]
+            if clock is not None:
+                assert buffer.dispatch_step() == clock
+            total = buffer.stats().total
+            sampled = model.before(point, "sampled")
+            assert total.sampled_groups == len(sampled)
+            assert total.sampled_trajectories == sum(len(g.payloads) for g in sampled)
+            assert total.sampled_tokens == sum(len(b) for g in sampled for b in g.payloads)
+            assert total.evicted_stale_groups == len(model.before(point, "stale"))
+            assert total.evicted_failure_groups == len(model.before(point, "failure"))
+            assert total.evicted_filtered_groups == len(model.before(model.time, "filtered"))
+            assert total.evicted_restart_groups == len(dropped)
+            assert total.admitted_groups == len(model.groups)
+            assert total.reissued_groups == sum(g.status in ("pending", "running") for g in newest.values())
+            assert_conserved(buffer)
+            await buffer.aclose()
+
+
+# -- the payload codec -------------------------------------------------------------------------
+
+CODEC = (bytes, bytes)  # bytes payloads stored as they are: no pickle in the file
+
+
+async def test_a_codec_journal_round_trips_and_refuses_the_wrong_codec(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=4),
+            journal=path,
+            payload_codec=CODEC,
+            status_log_interval=None,
+        )
+        buffer.put_group_nowait("a", [b"a"])
+        buffer.put_group_nowait("b", [b"\x00b", bytes(range(256))], tags={"task": "math"}, tokens=[3, 4])
+        buffer.add_prompt_nowait("c")
+        buffer.mark_running_nowait("c")
+        buffer.put_nowait("c", b"partial", versions=[(0, 2)])
+        assert (await buffer.sample(0, 1))[0].uids == ["a"]
+        await buffer.flush(checkpoint_step=0)
+        buffer.put_group_nowait("d", [b"d"], trajectory_tags=[{"reward": 0.5}])
+        assert (await buffer.sample(1, 1))[0].uids == ["b"]
+        await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+        with pytest.raises(CheckpointError, match="pass payload_codec="):
+            recover(path, global_steps=0)
+        assert logical(path, tmp_path / "scratch") == dump
+
+        result = recover(path, global_steps=0, payload_codec=CODEC, in_flight="resume")
+        buffer = result.buffer
+        groups = resident_groups(buffer)
+        assert sorted(groups) == ["b", "c", "d"]
+        assert [t.payload for t in groups["b"].trajectories] == [b"\x00b", bytes(range(256))]
+        assert [t.tokens for t in groups["b"].trajectories] == [3, 4]
+        assert dict(groups["b"].tags) == {"task": "math"}
+        assert dict(groups["d"].trajectories[0].tags) == {"reward": 0.5}
+        assert [(g.uid, payloads(g)) for g in result.reissue] == [("c", [b"partial"])]
+        assert [tuple(v) for v in result.reissue[0].trajectories[0].versions] == [(0, 2)]
+        batch, _ = await buffer.sample(1, 1)  # the resumed trainer trains b again, as it was
+        assert [payloads(group) for group in batch] == [[b"\x00b", bytes(range(256))]]
+        await buffer.aclose()
+
+
+async def test_a_pickle_journal_is_refused_with_a_codec(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    await make_journal(path)
+    before = digest(path)
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        recover(path, payload_codec=CODEC)
+    assert digest(path) == before
+
+
+async def test_a_payload_the_codec_cannot_encode_stops_the_journal_at_its_last_commit(
+    tmp_path: Path,
+) -> None:
+    """``bytes("text")`` raises in the writer thread: the flush raises CheckpointError, the
+    journal keeps its last commit, and a recovery gives the buffer as it was then."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=4),
+            journal=path,
+            payload_codec=CODEC,
+            status_log_interval=None,
+        )
+        buffer.put_group_nowait("good", [b"g"])
+        await buffer.flush()
+        buffer.put_group_nowait("bad", ["text"])
+        with pytest.raises(CheckpointError):
+            await buffer.flush()
+        await buffer.aclose()
+        result = recover(path, payload_codec=CODEC)
+        assert contents(result.buffer) == {"good": (Status.FINISHED, 0, [b"g"])}
+        await result.buffer.aclose()
