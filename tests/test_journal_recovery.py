@@ -469,6 +469,38 @@ async def test_recovering_twice_at_one_step_gives_one_state_and_the_history_afte
         await last.buffer.aclose()
 
 
+async def test_a_crash_after_a_recovery_and_before_the_next_mark_recovers_at_the_same_step(
+    tmp_path: Path,
+) -> None:
+    """Resumed at its mark (step 0) and killed again before it marked anew, the trainer's newest
+    checkpoint is still step 0: the journal keeps the history since it, however many steps the
+    resumed run sampled past ``journal_retention_steps`` ("history since the newest marked step
+    is always kept"), and recovers at step 0 again."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8),
+            journal=path,
+            journal_retention_steps=1,
+            status_log_interval=None,
+        )
+        for i in range(12):
+            buffer.put_group_nowait(f"g{i}", [i.to_bytes(1, "big")])
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        await buffer.sample(1, 1)
+        await buffer.aclose()
+        first = recover(path, global_steps=0, journal_retention_steps=1)
+        resumed = contents(first.buffer)
+        for step in range(1, 5):  # no mark: the trainer dies before its next checkpoint
+            await first.buffer.sample(step, 1)
+        await first.buffer.aclose()
+        again = recover(path, global_steps=0, journal_retention_steps=1)
+        assert contents(again.buffer) == resumed
+        assert again.buffer.dispatch_step() == 0
+        await again.buffer.aclose()
+
+
 def without_reissued(stats: Any) -> Any:
     partitions = {name: attrs.evolve(p, reissued_groups=0) for name, p in stats.partitions.items()}
     return attrs.evolve(stats, total=attrs.evolve(stats.total, reissued_groups=0), partitions=partitions)
