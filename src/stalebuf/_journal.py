@@ -104,7 +104,8 @@ class Journal:
     def _arm(self) -> None:
         """The first change since the last hand-off: have the writer post the next one."""
         post = _loop_post()
-        if post is None:  # no running loop: the change is committed at the next flush or close
+        if post is None:  # no running loop to time a commit on: the next change made on one will
+            self.log.disarm()
             return
         self._post = post
         interval = self.options.interval
