@@ -23,8 +23,10 @@ restored to the mark's position and skipping the prompts of ``RestoreResult.kept
   recovery, as it ended (not reissued).
 - **Every prompt the run dispatched is accounted for** at the end: trained once, evicted with a
   reason, or still resident.
+- The state at the journal's last commit (``recover`` without a step, from a copy) loads, keeps
+  the conservation law and holds no group trained up to the mark.
 
-``STALEBUF_CRASH_SEEDS=300`` runs 300 seeds instead of the default 32 (about 0.5 s each).
+``STALEBUF_CRASH_SEEDS=300`` runs 300 seeds instead of the default 32 (about 0.5 s each on 2 cores).
 """
 
 from __future__ import annotations
@@ -201,6 +203,15 @@ def check_seed(server: ForkServer, seed: int, directory: Path) -> Coverage:
                 trained_before[uid] = step
     undone = [uid for step, uids in child.trained if step > g for uid in uids]
     evicted_before = {uid: reason for step, reason, uid in child.evicted if reason == "filtered" or step <= g}
+
+    # The state at the last commit (from the copy): consistent (recover checks it), conserved,
+    # and no group trained up to the mark in it.
+    last = ReplayBuffer.recover(
+        directory / "scratch" / JOURNAL, status_log_interval=None, filters=spec.group_filters()
+    ).buffer
+    assert_conserved(last)
+    assert not set(resident_groups(last)) & set(trained_before)
+    last.close()
 
     resumed = Logs(directory, "resumed-")
     result = ReplayBuffer.recover(
