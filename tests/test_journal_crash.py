@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import os
 import random
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -49,7 +48,7 @@ import anyio
 import pytest
 
 import stalebuf
-from _helpers import assert_conserved, resident_groups
+from _helpers import assert_conserved, copy_journal, resident_groups
 from _journal_crash_worker import ERROR, JOURNAL, Logs, Run, Spec, job_line, read_mark, rejected
 from stalebuf import ReplayBuffer, Status
 
@@ -138,9 +137,7 @@ def commit_walls(journal: Path, scratch: Path) -> list[float]:
     """The wall times of the journal's committed commits, read from a copy (the journal is
     recovered from untouched)."""
     scratch.mkdir()
-    for suffix in ("", "-wal"):
-        if Path(f"{journal}{suffix}").exists():
-            shutil.copyfile(f"{journal}{suffix}", scratch / f"{JOURNAL}{suffix}")
+    copy_journal(journal, scratch / JOURNAL)
     connection = sqlite3.connect(scratch / JOURNAL)
     try:
         return [wall for (wall,) in connection.execute("SELECT wall FROM commits ORDER BY seq")]

@@ -5,19 +5,16 @@ The conflicts of recovering at a trainer's step ``g`` (consumer side after the p
 producer side kept): a uid sampled after the point and added again keeps the newer group; slots
 later samples freed may leave a tag above its admission cap; an ``on_evict`` refill is kept while
 the group it replaced comes back. Refusals (no such step, a file that is no journal) leave the
-file as it was; recovering twice at one step gives one state; the counters conserve the groups,
-checked against a brute-force model of seeded runs; a payload codec round-trips.
-(``tests/test_journal_crash.py`` kills processes.)
+file as it was; recovering twice at one step gives one state; a payload codec round-trips.
+(``tests/test_journal_recovery_model.py`` checks recoveries at every step of seeded runs against a
+brute-force model; ``tests/test_journal_crash.py`` kills processes.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 import re
-import shutil
 import sqlite3
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +22,19 @@ import anyio
 import attrs
 import pytest
 
-from _helpers import LIMIT, assert_conserved, resident_count, resident_groups, snapshot
+from _helpers import (
+    LIMIT,
+    assert_conserved,
+    copy_journal,
+    group_contents,
+    resident_count,
+    resident_groups,
+    snapshot,
+)
 from stalebuf import (
     BufferFullError,
     EvictionEvent,
     Group,
-    GroupEvictedError,
     ReplayBuffer,
     SamplerConfig,
     Status,
@@ -42,14 +46,6 @@ pytestmark = pytest.mark.anyio
 
 def payloads(group: Group) -> list[Any]:
     return [trajectory.payload for trajectory in group.trajectories]
-
-
-def contents(buffer: ReplayBuffer) -> dict[str, tuple[Status, int, list[Any]]]:
-    """Every resident group's status, dispatch step and payloads, by uid."""
-    return {
-        uid: (group.status, group.dispatch_step, [t.payload for t in group.trajectories])
-        for uid, group in resident_groups(buffer).items()
-    }
 
 
 def digest(path: Path) -> str:
@@ -68,13 +64,6 @@ def logical(path: Path, scratch: Path) -> list[str]:
         return list(connection.iterdump())
     finally:
         connection.close()
-
-
-def copy_journal(source: Path, target: Path) -> None:
-    """Copy a closed journal (and its write-ahead log, if one was left)."""
-    for suffix in ("", "-wal"):
-        if Path(f"{source}{suffix}").exists():
-            shutil.copyfile(f"{source}{suffix}", f"{target}{suffix}")
 
 
 def recover(path: Path, **options: Any) -> Any:
@@ -115,7 +104,7 @@ async def test_a_uid_sampled_after_the_point_and_added_again_keeps_the_newer_gro
         newer = [] if again == "in flight" else [b"new0"]  # reissued: its partial work discarded
         assert [(group.uid, payloads(group)) for group in result.kept] == [("x", [b"new0"])]
         assert [group.uid for group in result.reissue] == (["x"] if again == "in flight" else [])
-        assert {uid: body for uid, (_, _, body) in contents(buffer).items()} == {"x": newer}
+        assert {uid: body for uid, (_, _, body) in group_contents(buffer).items()} == {"x": newer}
         total = buffer.stats().total
         assert (total.evicted_restart_groups, total.evicted_restart_trajectories) == (1, 2)
         assert (total.admitted_groups, total.sampled_groups, total.groups) == (3, 1, 1)
@@ -156,7 +145,7 @@ async def test_slots_later_samples_freed_may_leave_a_tag_over_its_cap_until_admi
 
         result = recover(path, global_steps=1)
         buffer = result.buffer
-        steps = {uid: step for uid, (_, step, _) in contents(buffer).items()}
+        steps = {uid: step for uid, (_, step, _) in group_contents(buffer).items()}
         assert steps == {"c0": 1, "c1": 1, "d0": 1, "d1": 1, "d2": 1, "d3": 1, "e0": 2, "e1": 2}
         assert [group.uid for group in result.kept] == list(steps)  # all admitted after the point
         assert buffer.dispatch_step() == 1
@@ -243,7 +232,7 @@ async def test_an_on_evict_refill_after_the_point_is_kept_and_the_group_it_repla
 
         result = recover(path, global_steps=0)
         buffer = result.buffer
-        assert contents(buffer) == {
+        assert group_contents(buffer) == {
             "b": (Status.FINISHED, 0, [b"b"]),
             "c": (Status.FINISHED, 0, [b"c"]),
             "b-refill": (Status.FINISHED, 2, [b"b2"]),
@@ -319,7 +308,7 @@ async def test_a_recover_whose_on_evict_raises_leaves_the_journal_as_it_was(tmp_
             recover(path, global_steps=0, in_flight="evict", on_evict=boom)
         assert logical(path, tmp_path / "scratch") == dump
         result = recover(path, global_steps=0, in_flight="evict")  # recoverable as before
-        assert sorted(contents(result.buffer)) == ["later"]
+        assert sorted(group_contents(result.buffer)) == ["later"]
         assert result.buffer.stats().total.evicted_restart_groups == 1
         assert_conserved(result.buffer)
         await result.buffer.aclose()
@@ -469,13 +458,19 @@ async def test_recovering_twice_at_one_step_gives_one_state_and_the_history_afte
         await last.buffer.aclose()
 
 
+def without_reissued(stats: Any) -> Any:
+    partitions = {name: attrs.evolve(p, reissued_groups=0) for name, p in stats.partitions.items()}
+    return attrs.evolve(stats, total=attrs.evolve(stats.total, reissued_groups=0), partitions=partitions)
+
+
 async def test_a_crash_after_a_recovery_and_before_the_next_mark_recovers_at_the_same_step(
     tmp_path: Path,
 ) -> None:
     """Resumed at its mark (step 0) and killed again before it marked anew, the trainer's newest
     checkpoint is still step 0: the journal keeps the history since it, however many steps the
     resumed run sampled past ``journal_retention_steps`` ("history since the newest marked step
-    is always kept"), and recovers at step 0 again."""
+    is always kept"), and recovers at step 0 again. (``recover`` used to delete the mark of the
+    step it recovered at, which follows that step's sample: retention then deleted the sample.)"""
     with anyio.fail_after(LIMIT):
         path = tmp_path / "journal.db"
         buffer = ReplayBuffer(
@@ -491,257 +486,14 @@ async def test_a_crash_after_a_recovery_and_before_the_next_mark_recovers_at_the
         await buffer.sample(1, 1)
         await buffer.aclose()
         first = recover(path, global_steps=0, journal_retention_steps=1)
-        resumed = contents(first.buffer)
+        resumed = group_contents(first.buffer)
         for step in range(1, 5):  # no mark: the trainer dies before its next checkpoint
             await first.buffer.sample(step, 1)
         await first.buffer.aclose()
         again = recover(path, global_steps=0, journal_retention_steps=1)
-        assert contents(again.buffer) == resumed
+        assert group_contents(again.buffer) == resumed
         assert again.buffer.dispatch_step() == 0
         await again.buffer.aclose()
-
-
-def without_reissued(stats: Any) -> Any:
-    partitions = {name: attrs.evolve(p, reissued_groups=0) for name, p in stats.partitions.items()}
-    return attrs.evolve(stats, total=attrs.evolve(stats.total, reissued_groups=0), partitions=partitions)
-
-
-# -- conservation, against a model -------------------------------------------------------------
-
-
-@dataclass
-class Incarnation:
-    """One group of a uid, from its admission to its removal (times are the model's events)."""
-
-    uid: str
-    admitted: int
-    status: str = "pending"  # "pending", "running", "finished", "failed"
-    payloads: list[bytes] = field(default_factory=list)
-    removed: int | None = None
-    reason: str | None = None
-
-
-@dataclass
-class Model:
-    """What a run did, observed from outside (calls, batches, ``on_evict``), and what a recovery
-    at each step must therefore give."""
-
-    time: int = 0
-    groups: list[Incarnation] = field(default_factory=list)
-    live: dict[str, Incarnation] = field(default_factory=dict)
-    points: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> (time, clock)
-
-    def tick(self) -> int:
-        self.time += 1
-        return self.time
-
-    def admit(self, uid: str, status: str = "pending", body: list[bytes] | None = None) -> None:
-        group = Incarnation(uid, self.tick(), status, list(body or ()))
-        self.groups.append(group)
-        self.live[uid] = group
-
-    def forget(self, uid: str) -> None:
-        """The group just admitted in the model was refused by the buffer: it never existed."""
-        group = self.groups.pop()
-        assert group.uid == uid
-        assert self.live.pop(uid) is group
-
-    def remove(self, uid: str, reason: str) -> None:
-        group = self.live.pop(uid)
-        group.removed, group.reason = self.tick(), reason
-
-    def recovered(self, point: int) -> tuple[dict[str, Incarnation], list[Incarnation], list[Incarnation]]:
-        """The groups resident after recovering at event ``point``, the kept and the dropped ones."""
-        back = [
-            group
-            for group in self.groups
-            if group.removed is None
-            or (group.removed > point and group.reason in ("sampled", "stale", "failure"))
-        ]
-        newest = {group.uid: group for group in back}
-        kept = sorted(
-            (group for group in newest.values() if group.admitted > point), key=lambda g: g.admitted
-        )
-        dropped = [group for group in back if newest[group.uid] is not group]
-        return newest, kept, dropped
-
-    def before(self, point: int, reason: str) -> list[Incarnation]:
-        return [g for g in self.groups if g.reason == reason and g.removed is not None and g.removed <= point]
-
-
-def rejects(uid: str) -> bool:
-    return uid.endswith("3")
-
-
-def keep(group: Group) -> bool:
-    return not rejects(group.uid)
-
-
-async def run_model_scenario(seed: int, path: Path) -> tuple[Model, dict[str, Any]]:
-    """A seeded run of nowait producer calls and ``sample(timeout=0)`` calls; each change is
-    recorded in the model as the buffer reports it."""
-    rng = random.Random(seed)
-    strategy = ("drop", "wait")[seed % 2]
-    options: dict[str, Any] = {
-        "filters": [keep] if seed % 3 != 2 else [],
-        "config": SamplerConfig(
-            max_off_policy_threshold=2,
-            max_off_policy_strategy=strategy,  # type: ignore[arg-type]
-            failure_strategy=("sample", "evict")[(seed // 2) % 2],
-            evict_stale_in_flight=strategy == "drop" and seed % 4 == 0,
-            admission_batch_size=3 if seed % 5 == 1 else None,
-        ),
-    }
-    model = Model()
-    gone: list[str] = []  # uids sampled or evicted: added again now and then
-
-    def on_evict(event: EvictionEvent) -> None:
-        for group in event.groups:
-            model.remove(group.uid, event.reason)
-            gone.append(group.uid)
-
-    buffer = ReplayBuffer(
-        options["config"],
-        journal=path,
-        journal_retention_steps=100,
-        filters=options["filters"],
-        on_evict=on_evict,
-        status_log_interval=None,
-    )
-    count = 0
-    for step in range(8):
-        for _ in range(rng.randint(2, 7)):
-            live = [uid for uid, group in model.live.items() if group.status in ("pending", "running")]
-            roll = rng.random()
-            if roll < 0.25 or (roll < 0.35 and not gone):
-                uid, count = f"u{count}", count + 1
-                body = [f"{uid}/{i}".encode() for i in range(rng.randint(1, 3))]
-                admit(buffer, model, uid, body)
-            elif roll < 0.35:
-                uid = rng.choice(gone)
-                gone.remove(uid)
-                admit(buffer, model, uid, [b"again"])
-            elif roll < 0.55 or not live:
-                uid, count = f"u{count}", count + 1
-                admit(buffer, model, uid, None)
-            else:
-                advance(buffer, model, model.live[rng.choice(live)], rng)
-        if strategy == "wait":  # the producers finish what the wait gate would wait for
-            for uid, group in resident_groups(buffer).items():
-                if group.in_flight and group.dispatch_step < step and uid in model.live:
-                    while uid in model.live and model.live[uid].status in ("pending", "running"):
-                        advance(buffer, model, model.live[uid], rng, finish=True)
-        for _ in range(2 if rng.random() < 0.15 else 1):  # now and then sample(step) twice
-            if rng.random() < 0.8:
-                try:
-                    batch, _ = await buffer.sample(step, 2, timeout=0)
-                except TimeoutError:
-                    continue
-                for uid in batch.uids:
-                    model.remove(uid, "sampled")
-                    gone.append(uid)
-                model.points[step] = (model.tick(), buffer.dispatch_step())
-        gone[:] = [uid for uid in dict.fromkeys(gone) if uid not in model.live]
-    final = contents(buffer)
-    await buffer.aclose()
-    return model, {"final": final, **options}
-
-
-def admit(buffer: ReplayBuffer, model: Model, uid: str, body: list[bytes] | None) -> None:
-    """Add a group (FINISHED with ``body``, else PENDING); a uid the buffer remembers as evicted
-    in flight or filtered is refused ``put_group`` (GroupEvictedError), so it is added PENDING."""
-    model.admit(uid, "pending" if body is None else "finished", body)  # a filter may remove it at once
-    try:
-        if body is None:
-            buffer.add_prompt_nowait(uid)
-        else:
-            buffer.put_group_nowait(uid, body, tokens=[len(b) for b in body])
-    except GroupEvictedError:
-        model.forget(uid)
-        admit(buffer, model, uid, None)
-    except BufferFullError:
-        model.forget(uid)
-
-
-def advance(
-    buffer: ReplayBuffer, model: Model, group: Incarnation, rng: random.Random, finish: bool = False
-) -> None:
-    """Take the in-flight ``group`` one call further (a call on a group evicted in flight raises
-    GroupEvictedError: on_evict told the model)."""
-    try:
-        _advance(buffer, group, rng.random(), finish)
-    except GroupEvictedError:
-        assert group.removed is not None
-
-
-def _advance(buffer: ReplayBuffer, group: Incarnation, roll: float, finish: bool) -> None:
-    """One call: run, put, finish or fail (``finish``: run, put one if none, then end)."""
-    uid = group.uid
-    if group.status == "pending" and (roll < 0.5 or finish):
-        buffer.mark_running_nowait(uid)
-        group.status = "running"
-    elif (roll < 0.7 and not finish) or not group.payloads:
-        body = f"{uid}/{len(group.payloads)}".encode()
-        buffer.put_nowait(uid, body, session_id=len(group.payloads), tokens=len(body))
-        group.payloads.append(body)
-    elif roll < 0.92:
-        buffer.mark_finished_nowait(uid)  # (a filter's on_evict may have removed it meanwhile)
-        group.status = "finished"
-    else:
-        buffer.mark_failed_nowait(uid)
-        group.status = "failed"
-
-
-_STATUS = {"pending": Status.PENDING, "running": Status.PENDING, "finished": Status.FINISHED}
-
-
-@pytest.mark.parametrize("seed", range(10))
-async def test_recovering_at_every_sampled_step_conserves_and_matches_the_model(
-    tmp_path: Path, seed: int
-) -> None:
-    """Recovered at each step some ``sample`` returned at, the buffer holds exactly the groups
-    the model says (every group removed by a later sample back, the producers' side kept, the
-    newest group of a uid added again), the counters are the model's (sampled and evicted up to
-    the point, admitted and filtered in all, the dropped ones as "restart") and conserve
-    ``admitted = resident + sampled + evicted`` (all reasons), for groups and trajectories."""
-    with anyio.fail_after(LIMIT * 3):
-        path = tmp_path / "journal.db"
-        model, run = await run_model_scenario(seed, path)
-        assert model.points, "the scenario never sampled"
-        for step, (point, clock) in [*model.points.items(), (None, (model.time, None))]:
-            copy = tmp_path / f"at-{step}.db"
-            copy_journal(path, copy)
-            result = recover(copy, global_steps=step, filters=run["filters"])
-            buffer = result.buffer
-            newest, kept, dropped = model.recovered(point)
-            if step is None:
-                assert contents(buffer) == {
-                    uid: value
-                    if value[0] not in (Status.PENDING, Status.RUNNING)
-                    else (Status.PENDING, value[1], [])
-                    for uid, value in run["final"].items()
-                }
-            expected = {uid: _STATUS.get(group.status, Status.FAILURE) for uid, group in newest.items()}
-            assert {uid: status for uid, (status, _, _) in contents(buffer).items()} == expected, step
-            for uid, (status, _, body) in contents(buffer).items():
-                assert body == ([] if status is Status.PENDING else newest[uid].payloads), uid
-            assert [group.uid for group in result.kept] == ([] if step is None else [g.uid for g in kept])
-            assert [group.uid for group in result.dropped] == [g.uid for g in dropped]
-            if clock is not None:
-                assert buffer.dispatch_step() == clock
-            total = buffer.stats().total
-            sampled = model.before(point, "sampled")
-            assert total.sampled_groups == len(sampled)
-            assert total.sampled_trajectories == sum(len(g.payloads) for g in sampled)
-            assert total.sampled_tokens == sum(len(b) for g in sampled for b in g.payloads)
-            assert total.evicted_stale_groups == len(model.before(point, "stale"))
-            assert total.evicted_failure_groups == len(model.before(point, "failure"))
-            assert total.evicted_filtered_groups == len(model.before(model.time, "filtered"))
-            assert total.evicted_restart_groups == len(dropped)
-            assert total.admitted_groups == len(model.groups)
-            assert total.reissued_groups == sum(g.status in ("pending", "running") for g in newest.values())
-            assert_conserved(buffer)
-            await buffer.aclose()
 
 
 # -- the payload codec -------------------------------------------------------------------------
@@ -789,12 +541,13 @@ async def test_a_codec_journal_round_trips_and_refuses_the_wrong_codec(tmp_path:
 
 
 async def test_a_pickle_journal_is_refused_with_a_codec(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
-    await make_journal(path)
-    before = digest(path)
-    with pytest.raises(CheckpointError, match="refusing to unpickle"):
-        recover(path, payload_codec=CODEC)
-    assert digest(path) == before
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        before = digest(path)
+        with pytest.raises(CheckpointError, match="refusing to unpickle"):
+            recover(path, payload_codec=CODEC)
+        assert digest(path) == before
 
 
 async def test_a_payload_the_codec_cannot_encode_stops_the_journal_at_its_last_commit(
@@ -817,5 +570,5 @@ async def test_a_payload_the_codec_cannot_encode_stops_the_journal_at_its_last_c
             await buffer.flush()
         await buffer.aclose()
         result = recover(path, payload_codec=CODEC)
-        assert contents(result.buffer) == {"good": (Status.FINISHED, 0, [b"g"])}
+        assert group_contents(result.buffer) == {"good": (Status.FINISHED, 0, [b"g"])}
         await result.buffer.aclose()

@@ -7,14 +7,13 @@ timer owes, and checks what a recovery from a copy of the file then holds.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import pytest
 
-from _helpers import LIMIT
+from _helpers import LIMIT, copy_journal
 from stalebuf import ReplayBuffer, SamplerConfig
 
 pytestmark = pytest.mark.anyio
@@ -25,24 +24,19 @@ async def committed_uids(buffer: ReplayBuffer, path: Path, copy: Path, commits: 
     copy of the file then holds."""
     while buffer.stats().journal_commits <= commits:  # noqa: ASYNC110 (no event tells of a commit)
         await anyio.sleep(0.01)
-    await anyio.to_thread.run_sync(_copy, path, copy)
+    await anyio.to_thread.run_sync(copy_journal, path, copy)
     result = ReplayBuffer.recover(copy, status_log_interval=None)
     uids = sorted(group.uid for group in result.buffer.checkpoint().groups)
     result.buffer.close()
     return uids
 
 
-def _copy(path: Path, copy: Path) -> None:
-    for suffix in ("", "-wal"):
-        if Path(f"{path}{suffix}").exists():
-            shutil.copyfile(f"{path}{suffix}", f"{copy}{suffix}")
-
-
 def test_a_change_made_before_the_loop_runs_is_committed_by_the_timer_once_it_runs(
     tmp_path: Path, anyio_backend: str
 ) -> None:
     """A group put before ``anyio.run`` (no loop to schedule a commit on), then one put on the
-    loop: the timer commits both, without a flush."""
+    loop: the timer commits both, without a flush. (The change made with no loop used to leave
+    the log armed with no timer: nothing was committed until a flush or close.)"""
     path = tmp_path / "journal.db"
     buffer = ReplayBuffer(SamplerConfig(), journal=path, journal_interval=0.01, status_log_interval=None)
     buffer.put_group_nowait("before", [b"b"])
