@@ -7,6 +7,8 @@ stalebuf module), so a rename inside stalebuf needs this file updated and no tes
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +43,10 @@ __all__ = [
     "add_group",
     "admission_counts",
     "assert_conserved",
+    "copy_journal",
     "evaluations",
     "full_snapshot",
+    "group_contents",
     "in_flight_heads",
     "in_flight_heap_size",
     "in_flight_step_count",
@@ -292,6 +296,22 @@ def full_snapshot(buf: ReplayBuffer) -> Any:
     admission = (dict(_admission(buf).clocks), list(_store(buf).evicted_in_flight))
     parked = sampleable_waiters(buf)
     return buf.stats(), buf.closed, groups, versions, indexes, admission, _store(buf).next_seq, parked
+
+
+def group_contents(buf: ReplayBuffer) -> dict[str, tuple[Status, int, list[Any]]]:
+    """Every resident group's status, dispatch step and payloads, by uid (admission order)."""
+    return {
+        uid: (group.status, group.dispatch_step, [t.payload for t in group.trajectories])
+        for uid, group in resident_groups(buf).items()
+    }
+
+
+def copy_journal(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Copy a journal file with its write-ahead log, if one is there (a journal killed mid-run,
+    or read while open): the copy opens as the journal's last commit, the journal untouched."""
+    for suffix in ("", "-wal"):
+        if os.path.exists(f"{os.fspath(source)}{suffix}"):
+            shutil.copyfile(f"{os.fspath(source)}{suffix}", f"{os.fspath(target)}{suffix}")
 
 
 # -- reading the buffer's internals (the only code that does) -----------------------------------

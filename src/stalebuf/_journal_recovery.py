@@ -55,7 +55,7 @@ class Recovery:
         dropped_gids: gids of ``dropped``.
         seq, next_gid: the journal's counters.
         history: the (event number, step) of its samples and of its marks, oldest first, up to
-            the point.
+            the point (and the marks of steps up to the recovered one after it).
     """
 
     checkpoint: BufferCheckpoint
@@ -131,7 +131,12 @@ def _read(
         tuple(uid for uid, _ in evicted),
         tuple(why for _, why in evicted),
     )
-    history = ([s for s in samples if s[0] <= point], [m for m in marks if m[0] <= point])
+    # The trainer's mark of the recovered step itself comes after its sample: it stays, so the
+    # history since the resumed trainer's newest checkpoint is kept until it marks again.
+    history = (
+        [s for s in samples if s[0] <= point],
+        [m for m in marks if m[0] <= point or m[1] <= global_steps],
+    )
     return Recovery(
         checked(state, tuple(group for _, group in resident)),
         {group.uid: row[0] for row, group in resident},
@@ -284,16 +289,21 @@ def _mixture(
 def void_after(
     connection: sqlite3.Connection, recovery: Recovery, restarted: Iterable[int], seq: int
 ) -> None:
-    """Make the journal hold the recovered history in one transaction: samples and marks after
-    the point void, the undone groups resident again, the dropped ones and ``restarted`` (gids
-    the restore evicted) removed at event ``seq`` for "restart"."""
+    """Make the journal hold the recovered history in one transaction: samples after the point
+    void, and marks after it (but those of steps up to the recovered one), the undone groups
+    resident again, the dropped ones and ``restarted`` (gids the restore evicted) removed at
+    event ``seq`` for "restart"."""
     execute = connection.execute
     execute("BEGIN IMMEDIATE")
     try:
         point = recovery.point
         if point is not None:
             execute("DELETE FROM samples WHERE seq > ?", (point,))
-            execute("DELETE FROM marks WHERE seq > ?", (point,))
+            marks = [seq for seq, _ in recovery.history[1]]
+            execute(
+                f"DELETE FROM marks WHERE seq > ? AND seq NOT IN ({','.join('?' * len(marks))})",
+                (point, *marks),
+            )
         for gid in recovery.undone:
             execute("UPDATE groups SET removed = NULL, reason = NULL WHERE gid = ?", (gid,))
         for gid in (*recovery.dropped_gids, *restarted):

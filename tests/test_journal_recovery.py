@@ -1,0 +1,574 @@
+"""Recovering from a journal (issue 25) without a crash: each test closes its buffer (the final
+commit) and recovers from the file, on asyncio and trio, every wait bounded by ``anyio.fail_after``.
+
+The conflicts of recovering at a trainer's step ``g`` (consumer side after the point undone,
+producer side kept): a uid sampled after the point and added again keeps the newer group; slots
+later samples freed may leave a tag above its admission cap; an ``on_evict`` refill is kept while
+the group it replaced comes back. Refusals (no such step, a file that is no journal) leave the
+file as it was; recovering twice at one step gives one state; a payload codec round-trips.
+(``tests/test_journal_recovery_model.py`` checks recoveries at every step of seeded runs against a
+brute-force model; ``tests/test_journal_crash.py`` kills processes.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+
+from _helpers import (
+    LIMIT,
+    assert_conserved,
+    copy_journal,
+    group_contents,
+    resident_count,
+    resident_groups,
+    snapshot,
+)
+from stalebuf import (
+    BufferFullError,
+    EvictionEvent,
+    Group,
+    ReplayBuffer,
+    SamplerConfig,
+    Status,
+)
+from stalebuf.errors import CheckpointError
+
+pytestmark = pytest.mark.anyio
+
+
+def payloads(group: Group) -> list[Any]:
+    return [trajectory.payload for trajectory in group.trajectories]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def logical(path: Path, scratch: Path) -> list[str]:
+    """The journal's content as SQL, read from a copy (so reading it changes nothing)."""
+    scratch.mkdir(exist_ok=True)
+    copy = scratch / "copy.db"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{copy}{suffix}").unlink(missing_ok=True)
+    copy_journal(path, copy)
+    connection = sqlite3.connect(copy)
+    try:
+        return list(connection.iterdump())
+    finally:
+        connection.close()
+
+
+def recover(path: Path, **options: Any) -> Any:
+    return ReplayBuffer.recover(path, status_log_interval=None, **options)
+
+
+# -- conflicts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("again", ["finished", "in flight", "sampled again"])
+async def test_a_uid_sampled_after_the_point_and_added_again_keeps_the_newer_group(
+    tmp_path: Path, again: str
+) -> None:
+    """The older group of the uid comes back from the undone sample, the newer was added after
+    the point: the newer is kept, the older dropped (``dropped``) and counted evicted "restart"."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=4), journal=path, status_log_interval=None
+        )
+        await buffer.put_group("a", [b"a0"])
+        await buffer.put_group("x", [b"old0", b"old1"])
+        assert (await buffer.sample(0, 1))[0].uids == ["a"]
+        await buffer.flush(checkpoint_step=0)
+        assert (await buffer.sample(1, 1))[0].uids == ["x"]
+        if again == "in flight":
+            await buffer.add_prompt("x")
+            await buffer.put("x", b"new0")
+        else:
+            await buffer.put_group("x", [b"new0"])
+        if again == "sampled again":  # both incarnations removed by samples after the point
+            assert (await buffer.sample(2, 1))[0].uids == ["x"]
+        await buffer.aclose()
+
+        result = recover(path, global_steps=0)
+        buffer = result.buffer
+        assert [(group.uid, payloads(group)) for group in result.dropped] == [("x", [b"old0", b"old1"])]
+        newer = [] if again == "in flight" else [b"new0"]  # reissued: its partial work discarded
+        assert [(group.uid, payloads(group)) for group in result.kept] == [("x", [b"new0"])]
+        assert [group.uid for group in result.reissue] == (["x"] if again == "in flight" else [])
+        assert {uid: body for uid, (_, _, body) in group_contents(buffer).items()} == {"x": newer}
+        total = buffer.stats().total
+        assert (total.evicted_restart_groups, total.evicted_restart_trajectories) == (1, 2)
+        assert (total.admitted_groups, total.sampled_groups, total.groups) == (3, 1, 1)
+        assert_conserved(buffer)
+        if again != "in flight":  # the resumed trainer trains the newer group
+            batch, _ = await buffer.sample(1, 1)
+            assert [payloads(group) for group in batch] == [[b"new0"]]
+        await buffer.aclose()
+
+
+async def test_slots_later_samples_freed_may_leave_a_tag_over_its_cap_until_admission_drains_it(
+    tmp_path: Path,
+) -> None:
+    """Recovered at step 1, tag 1 holds the groups sample(2) had taken (twice) and the ones
+    admitted into the slots they freed: 6 > b = 2, and 8 resident > capacity() = 6. Admission at
+    the clock waits until the tag it would use is below the cap; from the moment the buffer is
+    within capacity() it stays so, with producers filling every slot at every step."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        config = SamplerConfig(max_off_policy_threshold=3, admission_batch_size=2)
+        buffer = ReplayBuffer(config, journal=path, status_log_interval=None)
+
+        def put(uid: str, step: int | None = None) -> None:
+            buffer.put_group_nowait(uid, [uid.encode()], global_steps=step)
+
+        put("a0"), put("a1")
+        await buffer.sample(0, 2)
+        put("b0"), put("b1")
+        await buffer.sample(1, 2)
+        await buffer.flush(checkpoint_step=1)  # the point
+        put("c0"), put("c1")
+        await buffer.sample(2, 2)  # takes c0, c1: tag 1's slots free again
+        put("d0", 1), put("d1", 1)
+        await buffer.sample(2, 2)  # takes d0, d1
+        put("d2", 1), put("d3", 1), put("e0"), put("e1")  # e*: tag 2
+        assert resident_count(buffer) <= buffer.capacity()  # type: ignore[operator]
+        await buffer.aclose()
+
+        result = recover(path, global_steps=1)
+        buffer = result.buffer
+        steps = {uid: step for uid, (_, step, _) in group_contents(buffer).items()}
+        assert steps == {"c0": 1, "c1": 1, "d0": 1, "d1": 1, "d2": 1, "d3": 1, "e0": 2, "e1": 2}
+        assert [group.uid for group in result.kept] == list(steps)  # all admitted after the point
+        assert buffer.dispatch_step() == 1
+        assert (resident_count(buffer), buffer.capacity(), buffer.free_slots()) == (8, 6, 0)
+        assert buffer.full()
+        with pytest.raises(BufferFullError):
+            buffer.add_prompt_nowait("refused")
+
+        admitted: list[str] = []
+
+        async def producer(uid: str) -> None:
+            await buffer.add_prompt(uid)
+            admitted.append(uid)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(producer, "n")
+            await anyio.wait_all_tasks_blocked()
+            assert (admitted, buffer.stats().total.waiting_producers) == ([], 1)
+            assert (await buffer.sample(2, 2))[0].uids == ["c0", "c1"]
+            await anyio.wait_all_tasks_blocked()
+            assert admitted == []  # tag 2 (the clock's) is full: e0, e1
+            assert resident_count(buffer) == 6  # within capacity() from here on
+            assert (await buffer.sample(3, 2))[0].uids == ["d0", "d1"]
+            await anyio.wait_all_tasks_blocked()
+            assert admitted == ["n"]
+            assert steps_of_uid(buffer, "n") == 3
+        for step in range(4, 10):  # producers take every slot admission gives; the trainer samples
+            for i in range(10):
+                try:
+                    buffer.put_group_nowait(f"s{step}-{i}", [b"x"])
+                except BufferFullError:
+                    break
+            assert resident_count(buffer) <= buffer.capacity()  # type: ignore[operator]
+            await buffer.sample(step, 2)
+            assert resident_count(buffer) <= buffer.capacity()  # type: ignore[operator]
+        assert_conserved(buffer)
+        await buffer.aclose()
+
+
+def steps_of_uid(buffer: ReplayBuffer, uid: str) -> int:
+    return resident_groups(buffer)[uid].dispatch_step
+
+
+async def test_an_on_evict_refill_after_the_point_is_kept_and_the_group_it_replaced_comes_back(
+    tmp_path: Path,
+) -> None:
+    """sample(2) evicts b and c as stale and ``on_evict`` refills their prompts: recovered at 0,
+    b and c are resident again and so are their refills; ``kept`` lists every group admitted
+    after the point (c, b's refill, c's refill), so a data loader restored to step 0 skips them."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffers: list[ReplayBuffer] = []
+
+        def refill(event: EvictionEvent) -> None:
+            for group in event.groups:
+                buffers[0].add_prompt_nowait(f"{group.uid}-refill")
+
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=2),
+            journal=path,
+            on_evict=refill,
+            status_log_interval=None,
+        )
+        buffers.append(buffer)
+        buffer.put_group_nowait("a", [b"a"])
+        buffer.put_group_nowait("b", [b"b"])
+        assert (await buffer.sample(0, 1))[0].uids == ["a"]
+        await buffer.flush(checkpoint_step=0)
+        buffer.put_group_nowait("c", [b"c"])
+        async with anyio.create_task_group() as tasks:
+            batches: list[list[str]] = []
+
+            async def trainer() -> None:
+                batches.append((await buffer.sample(2, 1))[0].uids)
+
+            tasks.start_soon(trainer)
+            await anyio.wait_all_tasks_blocked()  # b and c evicted, refilled; the sample waits
+            await buffer.mark_running("b-refill")
+            await buffer.put("b-refill", b"b2")
+            await buffer.mark_finished("b-refill")
+        assert batches == [["b-refill"]]
+        assert buffer.stats().total.evicted_stale_groups == 2
+        await buffer.aclose()
+
+        result = recover(path, global_steps=0)
+        buffer = result.buffer
+        assert group_contents(buffer) == {
+            "b": (Status.FINISHED, 0, [b"b"]),
+            "c": (Status.FINISHED, 0, [b"c"]),
+            "b-refill": (Status.FINISHED, 2, [b"b2"]),
+            "c-refill": (Status.PENDING, 2, []),
+        }
+        assert [group.uid for group in result.kept] == ["c", "b-refill", "c-refill"]
+        assert [group.uid for group in result.reissue] == ["c-refill"]
+        total = buffer.stats().total
+        assert (total.evicted_stale_groups, total.sampled_groups, total.admitted_groups) == (0, 1, 5)
+        assert_conserved(buffer)
+        await buffer.aclose()
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+async def test_a_step_with_no_committed_sample_is_refused_naming_the_recoverable_steps(
+    tmp_path: Path,
+) -> None:
+    """With ``journal_retention_steps=1`` the journal keeps the samples of steps 3 and 4: step 0
+    (deleted), step 9 (never sampled) and a partition never sampled are refused, the journal
+    stays logically as it was, and recovering at its last commit gives the buffer it held."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8),
+            journal=path,
+            journal_retention_steps=1,
+            status_log_interval=None,
+        )
+        for i in range(8):
+            buffer.put_group_nowait(f"g{i}", [i.to_bytes(1, "big")])
+        for step in range(5):
+            await buffer.sample(step, 1)
+        before = snapshot(buffer)
+        await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+        for step, partition, message in (
+            (0, "train", "its recoverable steps on it are 3 (oldest) to 4 (newest)"),
+            (9, "train", "its recoverable steps on it are 3 (oldest) to 4 (newest)"),
+            (3, "other", "it holds no committed sample on it"),
+        ):
+            with pytest.raises(
+                CheckpointError, match=re.escape(f"global_steps={step})") + ".*" + re.escape(message)
+            ):
+                recover(path, global_steps=step, partition=partition)
+            assert logical(path, tmp_path / "scratch") == dump
+        result = recover(path)
+        assert snapshot(result.buffer) == before
+        await result.buffer.aclose()
+
+
+async def test_a_recover_whose_on_evict_raises_leaves_the_journal_as_it_was(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        buffer.put_group_nowait("done", [b"d"])
+        buffer.add_prompt_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        buffer.put_group_nowait("later", [b"l"])
+        await buffer.sample(1, 1)
+        await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+
+        def boom(event: EvictionEvent) -> None:
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            recover(path, global_steps=0, in_flight="evict", on_evict=boom)
+        assert logical(path, tmp_path / "scratch") == dump
+        result = recover(path, global_steps=0, in_flight="evict")  # recoverable as before
+        assert sorted(group_contents(result.buffer)) == ["later"]
+        assert result.buffer.stats().total.evicted_restart_groups == 1
+        assert_conserved(result.buffer)
+        await result.buffer.aclose()
+
+
+async def make_journal(path: Path, **options: Any) -> None:
+    buffer = ReplayBuffer(
+        SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None, **options
+    )
+    for i in range(16):
+        buffer.put_group_nowait(f"g{i}", [bytes(4096), bytes(4096)])
+    await buffer.sample(0, 2)
+    await buffer.flush(checkpoint_step=0)
+    await buffer.aclose()
+
+
+async def write_file(kind: str, path: Path) -> None:
+    """A file ``recover`` must refuse: ``kind`` says what it holds."""
+    if kind == "checkpoint":
+        buffer = ReplayBuffer(SamplerConfig(), status_log_interval=None)
+        buffer.put_group_nowait("g", [b"p"])
+        await buffer.save(path)
+    elif kind in ("torn", "format 2"):
+        await make_journal(path)
+    alter(kind, path)
+
+
+def alter(kind: str, path: Path) -> None:
+    """Write (or change) the file of ``kind`` (see :func:`write_file`)."""
+    if kind == "text":
+        path.write_text("not a database\n" * 100)
+    elif kind == "sqlite":
+        connection = sqlite3.connect(path)
+        connection.execute("CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)")
+        connection.execute("INSERT INTO stalebuf VALUES ('format', 1)")
+        connection.commit()
+        connection.close()
+    elif kind == "torn":  # a journal cut in the middle
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "format 2":
+        connection = sqlite3.connect(path)
+        connection.execute("UPDATE stalebuf SET value = 2 WHERE key = 'format'")
+        connection.commit()
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("text", "is not a stalebuf journal"),
+        ("sqlite", "not a stalebuf journal"),
+        ("checkpoint", "restore it with ReplayBuffer.restore"),
+        ("torn", "malformed"),
+        ("format 2", "format 2"),
+    ],
+)
+async def test_a_file_that_is_no_journal_is_refused_and_left_byte_for_byte(
+    tmp_path: Path, kind: str, message: str
+) -> None:
+    """A foreign file, an SQLite database of another program, a checkpoint, a torn journal and a
+    journal of another format: ``recover`` raises CheckpointError, and so does a new buffer
+    journaling into it; the file keeps every byte."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "file.db"
+        await write_file(kind, path)
+        before = digest(path)
+        with pytest.raises(CheckpointError, match=message):
+            recover(path)
+        assert digest(path) == before
+        with pytest.raises(CheckpointError):
+            recover(path, global_steps=0)
+        assert digest(path) == before
+        with pytest.raises(CheckpointError):
+            ReplayBuffer(SamplerConfig(), journal=path)
+        assert digest(path) == before
+
+
+@pytest.mark.parametrize("kind", ["absent", "empty"])
+async def test_no_journal_to_recover_from_is_refused(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "journal.db"
+    if kind == "empty":
+        path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no journal to recover from"):
+        recover(path)
+    assert path.exists() is (kind == "empty")
+    if kind == "empty":
+        assert path.read_bytes() == b""
+
+
+async def test_a_new_buffer_refuses_an_existing_journal_and_leaves_it_as_it_was(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        before = digest(path)
+        with pytest.raises(CheckpointError, match="recover from it"):
+            ReplayBuffer(SamplerConfig(), journal=path)
+        assert digest(path) == before
+
+
+# -- idempotence -------------------------------------------------------------------------------
+
+
+async def test_recovering_twice_at_one_step_gives_one_state_and_the_history_after_it_is_void(
+    tmp_path: Path,
+) -> None:
+    """A crash right after a recovery at step 0 recovers at step 0 again: the same groups, the
+    same counters (but ``reissued_groups``, which counts each recovery's reissued groups), the
+    same clock; the steps sampled after the point are no longer recoverable."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        for i in range(6):
+            buffer.put_group_nowait(f"g{i}", [b"p", b"q"])
+        buffer.add_prompt_nowait("half")
+        buffer.mark_running_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        buffer.add_prompt_nowait("late")
+        await buffer.sample(1, 2)
+        await buffer.sample(2, 2)
+        await buffer.aclose()
+
+        first = recover(path, global_steps=0)
+        once = snapshot(first.buffer)
+        assert [group.uid for group in first.reissue] == ["half", "late"]
+        await first.buffer.aclose()
+        second = recover(path, global_steps=0)
+        twice = snapshot(second.buffer)
+        assert [group.uid for group in second.reissue] == ["half", "late"]
+        assert [group.uid for group in second.kept] == [group.uid for group in first.kept] == ["late"]
+        assert second.buffer.dispatch_step() == 0
+        await second.buffer.aclose()
+        assert twice[1:] == once[1:]  # the groups and the order
+        assert twice[0].total.reissued_groups == once[0].total.reissued_groups + 2
+        assert without_reissued(twice[0]) == without_reissued(once[0])
+        for step in (1, 2):
+            with pytest.raises(
+                CheckpointError, match=re.escape("recoverable steps on it are 0 (oldest) to 0 (newest)")
+            ):
+                recover(path, global_steps=step)
+        last = recover(path)  # the last commit: the second recovery's state
+        assert snapshot(last.buffer)[1:] == twice[1:]
+        await last.buffer.aclose()
+
+
+def without_reissued(stats: Any) -> Any:
+    partitions = {name: attrs.evolve(p, reissued_groups=0) for name, p in stats.partitions.items()}
+    return attrs.evolve(stats, total=attrs.evolve(stats.total, reissued_groups=0), partitions=partitions)
+
+
+async def test_a_crash_after_a_recovery_and_before_the_next_mark_recovers_at_the_same_step(
+    tmp_path: Path,
+) -> None:
+    """Resumed at its mark (step 0) and killed again before it marked anew, the trainer's newest
+    checkpoint is still step 0: the journal keeps the history since it, however many steps the
+    resumed run sampled past ``journal_retention_steps`` ("history since the newest marked step
+    is always kept"), and recovers at step 0 again. (``recover`` used to delete the mark of the
+    step it recovered at, which follows that step's sample: retention then deleted the sample.)"""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8),
+            journal=path,
+            journal_retention_steps=1,
+            status_log_interval=None,
+        )
+        for i in range(12):
+            buffer.put_group_nowait(f"g{i}", [i.to_bytes(1, "big")])
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        await buffer.sample(1, 1)
+        await buffer.aclose()
+        first = recover(path, global_steps=0, journal_retention_steps=1)
+        resumed = group_contents(first.buffer)
+        for step in range(1, 5):  # no mark: the trainer dies before its next checkpoint
+            await first.buffer.sample(step, 1)
+        await first.buffer.aclose()
+        again = recover(path, global_steps=0, journal_retention_steps=1)
+        assert group_contents(again.buffer) == resumed
+        assert again.buffer.dispatch_step() == 0
+        await again.buffer.aclose()
+
+
+# -- the payload codec -------------------------------------------------------------------------
+
+CODEC = (bytes, bytes)  # bytes payloads stored as they are: no pickle in the file
+
+
+async def test_a_codec_journal_round_trips_and_refuses_the_wrong_codec(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=4),
+            journal=path,
+            payload_codec=CODEC,
+            status_log_interval=None,
+        )
+        buffer.put_group_nowait("a", [b"a"])
+        buffer.put_group_nowait("b", [b"\x00b", bytes(range(256))], tags={"task": "math"}, tokens=[3, 4])
+        buffer.add_prompt_nowait("c")
+        buffer.mark_running_nowait("c")
+        buffer.put_nowait("c", b"partial", versions=[(0, 2)])
+        assert (await buffer.sample(0, 1))[0].uids == ["a"]
+        await buffer.flush(checkpoint_step=0)
+        buffer.put_group_nowait("d", [b"d"], trajectory_tags=[{"reward": 0.5}])
+        assert (await buffer.sample(1, 1))[0].uids == ["b"]
+        await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+        with pytest.raises(CheckpointError, match="pass payload_codec="):
+            recover(path, global_steps=0)
+        assert logical(path, tmp_path / "scratch") == dump
+
+        result = recover(path, global_steps=0, payload_codec=CODEC, in_flight="resume")
+        buffer = result.buffer
+        groups = resident_groups(buffer)
+        assert sorted(groups) == ["b", "c", "d"]
+        assert [t.payload for t in groups["b"].trajectories] == [b"\x00b", bytes(range(256))]
+        assert [t.tokens for t in groups["b"].trajectories] == [3, 4]
+        assert dict(groups["b"].tags) == {"task": "math"}
+        assert dict(groups["d"].trajectories[0].tags) == {"reward": 0.5}
+        assert [(g.uid, payloads(g)) for g in result.reissue] == [("c", [b"partial"])]
+        assert [tuple(v) for v in result.reissue[0].trajectories[0].versions] == [(0, 2)]
+        batch, _ = await buffer.sample(1, 1)  # the resumed trainer trains b again, as it was
+        assert [payloads(group) for group in batch] == [[b"\x00b", bytes(range(256))]]
+        await buffer.aclose()
+
+
+async def test_a_pickle_journal_is_refused_with_a_codec(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        before = digest(path)
+        with pytest.raises(CheckpointError, match="refusing to unpickle"):
+            recover(path, payload_codec=CODEC)
+        assert digest(path) == before
+
+
+async def test_a_payload_the_codec_cannot_encode_stops_the_journal_at_its_last_commit(
+    tmp_path: Path,
+) -> None:
+    """``bytes("text")`` raises in the writer thread: the flush raises CheckpointError, the
+    journal keeps its last commit, and a recovery gives the buffer as it was then."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=4),
+            journal=path,
+            payload_codec=CODEC,
+            status_log_interval=None,
+        )
+        buffer.put_group_nowait("good", [b"g"])
+        await buffer.flush()
+        buffer.put_group_nowait("bad", ["text"])
+        with pytest.raises(CheckpointError):
+            await buffer.flush()
+        await buffer.aclose()
+        result = recover(path, payload_codec=CODEC)
+        assert group_contents(result.buffer) == {"good": (Status.FINISHED, 0, [b"g"])}
+        await result.buffer.aclose()

@@ -1,0 +1,61 @@
+"""The journal's commit timer (issue 25): every change is committed within ``journal_interval``
+of being made while an event loop runs, wherever the first uncommitted change was made.
+
+No timing is asserted: each test waits (bounded by ``anyio.fail_after``) for the commit the
+timer owes, and checks what a recovery from a copy of the file then holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from _helpers import LIMIT, copy_journal
+from stalebuf import ReplayBuffer, SamplerConfig
+
+pytestmark = pytest.mark.anyio
+
+
+async def committed_uids(buffer: ReplayBuffer, path: Path, copy: Path, commits: int) -> list[str]:
+    """Wait until the journal has made more than ``commits`` commits; the uids a recovery from a
+    copy of the file then holds."""
+    while buffer.stats().journal_commits <= commits:  # noqa: ASYNC110 (no event tells of a commit)
+        await anyio.sleep(0.01)
+    await anyio.to_thread.run_sync(copy_journal, path, copy)
+    result = ReplayBuffer.recover(copy, status_log_interval=None)
+    uids = sorted(group.uid for group in result.buffer.checkpoint().groups)
+    result.buffer.close()
+    return uids
+
+
+def test_a_change_made_before_the_loop_runs_is_committed_by_the_timer_once_it_runs(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """A group put before ``anyio.run`` (no loop to schedule a commit on), then one put on the
+    loop: the timer commits both, without a flush. (The change made with no loop used to leave
+    the log armed with no timer: nothing was committed until a flush or close.)"""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(SamplerConfig(), journal=path, journal_interval=0.01, status_log_interval=None)
+    buffer.put_group_nowait("before", [b"b"])
+    commits = buffer.stats().journal_commits
+
+    async def main() -> list[str]:
+        with anyio.fail_after(LIMIT):
+            await buffer.put_group("on-the-loop", [b"l"])
+            return await committed_uids(buffer, path, tmp_path / "copy.db", commits)
+
+    assert anyio.run(main, backend=anyio_backend) == ["before", "on-the-loop"]
+    buffer.close()
+
+
+async def test_a_change_on_the_loop_is_committed_by_the_timer(tmp_path: Path) -> None:
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(SamplerConfig(), journal=path, journal_interval=0.01, status_log_interval=None)
+        commits = buffer.stats().journal_commits
+        await buffer.put_group("a", [b"a"])
+        assert await committed_uids(buffer, path, tmp_path / "copy.db", commits) == ["a"]
+        await buffer.aclose()
