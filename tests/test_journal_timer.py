@@ -59,3 +59,18 @@ async def test_a_change_on_the_loop_is_committed_by_the_timer(tmp_path: Path) ->
         await buffer.put_group("a", [b"a"])
         assert await committed_uids(buffer, path, tmp_path / "copy.db", commits) == ["a"]
         await buffer.aclose()
+
+
+async def test_changes_made_in_loop_callbacks_arm_the_timer(tmp_path: Path, anyio_backend: str) -> None:
+    """Defect (found with Ray): a change made in a plain loop callback (what the thread handle
+    and the Ray actor run producer calls as) found no running loop through anyio, so no commit
+    was ever timed and nothing committed until flush() or close()."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0.01)
+    handle = buffer.threadsafe()
+    await anyio.to_thread.run_sync(lambda: handle.put_group_nowait("a", [b"x"]))
+    with anyio.fail_after(10):
+        while buffer.stats().journal_commits < 2:  # noqa: ASYNC110 (the writer thread changes it)
+            await anyio.sleep(0.01)
+    assert "a" in ReplayBuffer.recover(path).buffer
+    await buffer.aclose()

@@ -302,8 +302,11 @@ def _loop_post() -> _Post | None:
     """How to run a callback on the running event loop from another thread (None if none runs)."""
     try:
         native = anyio.lowlevel.current_token().native_token
-    except RuntimeError:  # no event loop runs in this thread
-        return None
+    except RuntimeError:  # no task runs: a plain loop callback (the thread handle's calls), or no loop
+        try:
+            native = asyncio.get_running_loop()  # (trio's token is found inside its callbacks)
+        except RuntimeError:
+            return None
     if isinstance(native, asyncio.AbstractEventLoop):
         return native.call_soon_threadsafe
     run_sync_soon: _Post | None = getattr(native, "run_sync_soon", None)  # trio's token
