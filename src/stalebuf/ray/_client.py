@@ -20,8 +20,6 @@ from typing import Any, TypeVar
 import ray
 
 from .._checkpoint_file import PayloadCodec
-from .._restore import check_in_flight
-from .._validation import check_payload_codec
 from ..checkpoint import NOT_GIVEN, InFlightMode, RestoreResult
 from ..config import SamplerConfig
 from ..errors import ConfigError
@@ -29,8 +27,8 @@ from ..filters import GroupFilter
 from ._buffer_calls import BufferCalls
 from ._connection import ActorConnection, connect_actor, start_actor
 from ._events import EvictionStream
-from ._options import PayloadMode, journal_request, recover_request
-from ._protocol import RestoreRequest
+from ._options import PayloadMode, journal_request, recover_request, restore_request
+from ._protocol import JournalRequest, RecoverRequest, RestoreRequest
 
 __all__ = ["RemoteReplayBuffer", "RemoteRestoreResult"]
 
@@ -44,6 +42,20 @@ def _on(cls: type[_Client], connection: ActorConnection) -> _Client:
     client = cls.__new__(cls)
     BufferCalls.__init__(client, connection)
     return client
+
+
+def _rebuilt(
+    cls: type[RemoteReplayBuffer],
+    request: RestoreRequest | RecoverRequest,
+    journal: JournalRequest | None,
+    **options: Any,
+) -> RemoteRestoreResult:
+    """Start a new actor that rebuilds its buffer as ``request`` says (with the class's ``options``);
+    once it has (blocking), return its client and what it listed; raise what the rebuild raised."""
+    connection = start_actor(
+        None, False, on_evict=None, get_if_exists=False, restore=request, journal=journal, **options
+    )
+    return RemoteRestoreResult(_on(cls, connection), *connection.restored())
 
 
 def _attached(*connection: Any) -> RemoteReplayBuffer:
@@ -297,14 +309,13 @@ class RemoteReplayBuffer(BufferCalls):
         With ``journal``, it journals into that new file (``payload_codec`` encoding its payloads).
 
         The actor reads ``path`` (on its node; a relative one is made absolute here, against the
-        caller's working directory). Unless ``payloads="inline"``, it stores each
-        restored group's payloads in the object store (one object per group, owned by the
-        actor), so sampled batches carry PayloadRefs as usual (and so do the prefixes a
-        ``in_flight="resume"`` restore lists in ``reissue``). Under ``in_flight="evict"`` the
-        "restart" evictions are the first events of ``evictions(from_oldest=True)``. Filters are
-        code, never in a checkpoint: pass them again as ``filters`` (picklable, as for the class).
-        The other options are as for the class (``status_log_interval`` and ``filters`` passed on
-        only when given, as for :meth:`from_config`).
+        caller's working directory). Unless ``payloads="inline"``, it stores each restored group's
+        payloads in the object store (one object per group, owned by the actor), so sampled batches
+        carry PayloadRefs as usual (and so do the prefixes an ``in_flight="resume"`` restore lists).
+        Under ``in_flight="evict"`` the "restart" evictions are the first events of
+        ``evictions(from_oldest=True)``. Filters are code, never in a checkpoint: pass them again as
+        ``filters`` (picklable). The other options are as for the class (``status_log_interval``
+        and ``filters`` passed on only when given, as for :meth:`from_config`).
 
         Raises:
             CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must
@@ -314,31 +325,25 @@ class RemoteReplayBuffer(BufferCalls):
                 journal argument; OSError: the file cannot be read (e.g. FileNotFoundError).
             BufferUnavailableError: the actor did not start within ``start_timeout``.
         """
-        codec = check_payload_codec(payload_codec)
-        request = RestoreRequest(
-            os.path.abspath(os.fspath(path)), check_in_flight(in_flight), codec, payloads != "inline"
-        )
+        request = restore_request(path, in_flight, payload_codec, payloads)
+        codec = request.payload_codec
         journaled = journal_request(
             journal, journal_interval, journal_retention_steps, journal_max_pending_bytes, codec, payloads
         )
-        connection = start_actor(
-            None,
-            False,
-            on_evict=None,
+        return _rebuilt(
+            cls,
+            request,
+            journaled,
             status_log_interval=status_log_interval,
             name=name,
             namespace=namespace,
-            get_if_exists=False,
             actor_options=actor_options,
             payloads=payloads,
             eviction_queue_size=eviction_queue_size,
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
-            restore=request,
             filters=filters,
-            journal=journaled,
         )
-        return RemoteRestoreResult(_on(cls, connection), *connection.restored())
 
     @classmethod
     def recover(
@@ -386,25 +391,20 @@ class RemoteReplayBuffer(BufferCalls):
             payload_codec,
             payloads,
         )
-        request = recover_request(journaled, global_steps, partition, in_flight)
-        connection = start_actor(
-            None,
-            False,
-            on_evict=None,
+        return _rebuilt(
+            cls,
+            recover_request(journaled, global_steps, partition, in_flight),
+            journaled,
             status_log_interval=status_log_interval,
             name=name,
             namespace=namespace,
-            get_if_exists=False,
             actor_options=actor_options,
             payloads=payloads,
             eviction_queue_size=eviction_queue_size,
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
-            restore=request,
             filters=filters,
-            journal=journaled,
         )
-        return RemoteRestoreResult(_on(cls, connection), *connection.restored())
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle as the actor handle plus options; queued calls and tasks stay behind."""

@@ -338,18 +338,9 @@ def start_actor(
         raise ConfigError(
             f"actor_options['concurrency_groups'] must be a mapping, got {type(groups).__name__}"
         )
-    arguments = (
-        config,
-        use_factory,
-        interval,
-        eviction_queue_size,
-        keep_evicted_payloads,
-        restore,
-        checked,
-        journal,
-    )
+    arguments = (config, use_factory, interval, eviction_queue_size, keep_evicted_payloads)
     try:
-        handle = actor_class(groups).options(**options).remote(*arguments)
+        handle = actor_class(groups).options(**options).remote(*arguments, restore, checked, journal)
     except (TypeError, ValueError) as exc:  # bad options, or the name is taken
         raise ConfigError(f"cannot start the buffer actor: {exc}") from exc
     connection = ActorConnection(

@@ -24,7 +24,7 @@ from .._validation import (
 from ..checkpoint import NOT_GIVEN
 from ..errors import ConfigError
 from ..filters import GroupFilter, check_filters
-from ._protocol import JournalRequest, RecoverRequest
+from ._protocol import JournalRequest, RecoverRequest, RestoreRequest
 
 __all__ = [
     "PAYLOAD_MODES",
@@ -38,6 +38,7 @@ __all__ = [
     "ray_actor_options",
     "recover_request",
     "requested_resources",
+    "restore_request",
 ]
 
 #: Where payload values given to ``put``/``put_group`` go (see :class:`RemoteReplayBuffer`).
@@ -158,6 +159,21 @@ def journal_request(
         codec,
         payloads != "inline",
     )
+
+
+def restore_request(
+    path: object, in_flight: object, payload_codec: object, payloads: object
+) -> RestoreRequest:
+    """Return what ``RemoteReplayBuffer.restore`` restores from: ``path`` made absolute against the
+    caller's working directory, payloads stored again unless ``payloads="inline"``.
+
+    Raises:
+        ConfigError: ``in_flight`` is not a mode, or ``payload_codec`` not None or a pair of callables.
+        TypeError: ``path`` is not a path.
+    """
+    codec: PayloadCodec | None = check_payload_codec(payload_codec)
+    target = os.path.abspath(os.fspath(cast("str", path)))
+    return RestoreRequest(target, check_in_flight(in_flight), codec, payloads != "inline")
 
 
 def recover_request(
