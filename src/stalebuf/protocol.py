@@ -8,8 +8,8 @@ drift apart. Default values are not compared by the type checker: they are writt
 all three places by hand.
 
 Both share, besides the producer calls and ``sample``: ``rollout()`` (an ``async with`` block
-yielding a :class:`RolloutHandle`) and ``save``. Left out on purpose, because a process boundary
-makes them differ:
+yielding a :class:`RolloutHandle`), ``save`` and ``flush``. Left out on purpose, because a process
+boundary makes them differ:
 
 - ``sampleable_count``, ``stats``, ``explain_wait`` and the flow-control queries ``dispatch_step``,
   ``capacity``, ``free_slots`` and ``full`` are plain methods locally but coroutines remotely (they ask the
@@ -21,8 +21,8 @@ makes them differ:
   local only (a synchronous call cannot wait for an actor, and a callable cannot cross
   processes; remote clients read ``evictions()`` instead).
 - a rollout group's ``put_nowait`` (local only), ``checkpoint`` (local only: a remote checkpoint
-  is the file ``save`` writes), and ``restore``, a classmethod on both whose results differ
-  (``RestoreResult`` holds a ReplayBuffer, ``RemoteRestoreResult`` a RemoteReplayBuffer).
+  is the file ``save`` writes), and ``restore`` and ``recover``, classmethods on both whose results
+  differ (``RestoreResult`` holds a ReplayBuffer, ``RemoteRestoreResult`` a RemoteReplayBuffer).
 - ``config`` and ``closed`` (local properties) and ``info``, ``evictions``, ``kill`` (remote
   only).
 """
@@ -178,6 +178,10 @@ class AsyncReplayBuffer(Protocol):
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
         """Checkpoint the buffer at once and write it to ``path`` atomically."""
+
+    async def flush(self, *, checkpoint_step: int | None = None) -> None:
+        """Commit the journal now and wait until it is durable (with ``checkpoint_step=g``, also
+        record that the trainer's state at step ``g`` is durable); without a journal, return."""
 
     async def aclose(self) -> None:
         """Close the buffer: parked and later samplers and producers raise BufferClosedError."""

@@ -9,7 +9,9 @@ Install with ``pip install 'stalebuf[ray]'``; ``import stalebuf`` never imports 
   :meth:`~RemoteReplayBuffer.evictions` (eviction events as an async iterator). Admission waits
   in the actor; :meth:`~RemoteReplayBuffer.rollout` yields a :class:`RemoteRolloutGroup` whose
   body is cancelled when the group is evicted in flight; :meth:`~RemoteReplayBuffer.save` and
-  :meth:`~RemoteReplayBuffer.restore` (a :class:`RemoteRestoreResult`) checkpoint the buffer.
+  :meth:`~RemoteReplayBuffer.restore` (a :class:`RemoteRestoreResult`) checkpoint the buffer, and
+  with ``journal=`` the actor journals it, so that :meth:`~RemoteReplayBuffer.recover` rebuilds it
+  in a new actor after the old one's process died.
 - Payloads live in the Ray object store; batches carry :class:`PayloadRef`\\ s, and
   :func:`resolve` (or :func:`resolve_sync`) turns a batch into values in one call.
 """

@@ -10,9 +10,9 @@ waiting for admission hold only ``admission`` slots (see ``_admission``) and wat
 ``watch`` slots (see ``_watches``), and every buffer method still runs on the one loop, so each
 call stays atomic exactly as in the local buffer.
 
-The actor also writes and reads checkpoint files (paths on its node): ``save`` stores payloads by
-value, and a restoring actor puts each restored group's payloads back into the object store, one
-object per group, which it owns (see ``_payloads``).
+The actor also writes and reads checkpoint files and its buffer's journal (paths on its node):
+``save`` and the journal store payloads by value, and a restoring or recovering actor puts the
+payloads it reads back into the object store, which it owns (see ``_payloads`` and ``_hosted``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any, TypeVar, cast
 
 import ray
 
-from .._checkpoint_db import read_checkpoint
 from .._checkpoint_file import PayloadCodec
 from .._save_order import SaveSequencer, SaveTicket
 from .._validation import describe, int_at_least
@@ -39,14 +38,16 @@ from ..filters import GroupFilter
 from ..records import Batch, EvictionEvent, Group
 from ..stats import BufferStats
 from ._admission import AdmissionAbandonedError, AdmissionLedger
+from ._hosted import HostedBuffer, Restored, build_buffer
 from ._ledger import SampleLedger, SampleResult
 from ._options import buffer_options
-from ._payloads import checkpoint_values, stored_checkpoint
+from ._payloads import checkpoint_values
 from ._protocol import (
     FLOW_QUERIES,
     PROTOCOL_VERSION,
     AddPrompt,
     EndRollout,
+    JournalRequest,
     MarkFailed,
     MarkFinished,
     Op,
@@ -55,6 +56,7 @@ from ._protocol import (
     Parked,
     ProtocolError,
     PutGroup,
+    RecoverRequest,
     RestoreRequest,
     SampleRequest,
     WaitingOp,
@@ -116,30 +118,25 @@ class BufferHost:
         status_log_interval: tuple[float | None, ...],
         eviction_queue_size: int,
         keep_evicted_payloads: bool,
-        restore: RestoreRequest | None = None,
+        restore: RestoreRequest | RecoverRequest | None = None,
         filters: tuple[GroupFilter, ...] = (),
+        journal: JournalRequest | None = None,
     ) -> None:
         self._home = _home_loop()
         self._ring = EvictionRing(eviction_queue_size, keep_evicted_payloads, lambda: self._buffer.closed)
         self._init_error: Exception | None = None
         self._ledger = SampleLedger(self._readmit_batch)
         self._admissions = AdmissionLedger()
-        self._reissue: tuple[Group, ...] = ()
         self._saves = SaveSequencer()  # orders this actor's overlapping saves (see save)
         options = buffer_options(status_log_interval, filters)  # as the client gave them
         try:
-            if restore is not None:
-                self._buffer, self._reissue = _restored(restore, self._record_eviction, options)
-            elif use_factory:
-                assert config is not None
-                self._buffer = ReplayBuffer.from_config(config, on_evict=self._record_eviction, **options)
-            else:
-                assert config is None or isinstance(config, SamplerConfig)
-                self._buffer = ReplayBuffer(config, on_evict=self._record_eviction, **options)
+            hosted = build_buffer(config, use_factory, options, self._record_eviction, restore, journal)
         except Exception as exc:  # reported to every caller instead of killing the actor
             self._init_error = exc
-            self._buffer = ReplayBuffer(status_log_interval=None)
-            self._buffer.close()
+            hosted = HostedBuffer(ReplayBuffer(status_log_interval=None))
+            hosted.buffer.close()
+        self._buffer = hosted.buffer
+        self._restored: Restored = hosted.restored()
         self._watches = RolloutWatches(self._buffer)
 
     # -- plumbing ---------------------------------------------------------------------
@@ -339,10 +336,16 @@ class BufferHost:
             raise
 
     @_method(CONTROL_GROUP)
-    async def reissued(self) -> tuple[Group, ...]:
-        """The groups a restored actor's buffer lists for reissue (empty unless restored)."""
+    async def restored(self) -> Restored:
+        """``(reissue, kept, dropped)`` of a restored or recovered actor's buffer (see HostedBuffer)."""
         self._check_ready()
-        return self._reissue
+        return self._restored
+
+    @_method(CONTROL_GROUP)
+    async def flush(self, checkpoint_step: int | None) -> None:
+        """``ReplayBuffer.flush`` on the home loop (the commit awaited in a worker thread)."""
+        self._check_ready()
+        await self._await_on_home(self._buffer.flush(checkpoint_step=checkpoint_step))
 
     @_method(CONTROL_GROUP)
     async def stats(self) -> BufferStats:
@@ -352,14 +355,16 @@ class BufferHost:
 
     @_method(CONTROL_GROUP)
     async def close(self) -> None:
-        """Close the buffer (waking parked samplers and eviction pollers)."""
+        """Close the buffer (waking parked samplers and eviction pollers), its journal's final
+        commit awaited in a worker thread."""
         self._check_ready()
+        await self._await_on_home(self._aclose())
 
-        def close() -> None:
-            self._buffer.close()
+    async def _aclose(self) -> None:
+        try:
+            await self._buffer.aclose()
+        finally:
             self._ring.notify()
-
-        await self._on_home(close)
 
     @_method(CONTROL_GROUP)
     async def cancel_sample(self, request_id: str) -> None:
@@ -446,22 +451,6 @@ def _end_drawn_ticket(taking: asyncio.Future[tuple[BufferCheckpoint, SaveTicket]
     """End the ticket a cancelled save drew, if it drew one (nothing will write it)."""
     if not taking.cancelled() and taking.exception() is None:
         taking.result()[1].end()
-
-
-def _restored(
-    request: RestoreRequest, on_evict: Callable[[EvictionEvent], object], options: Mapping[str, Any]
-) -> tuple[ReplayBuffer, tuple[Group, ...]]:
-    """Read the checkpoint file, store its payloads (unless ``request.store`` is False) and restore the
-    buffer (``options``: ``status_log_interval``, if given); return it and the groups to reissue.
-
-    Raises:
-        What ``ReplayBuffer.restore`` raises (CheckpointError, ConfigError, OSError, ...).
-    """
-    checkpoint = read_checkpoint(request.path, request.payload_codec)
-    if request.store:  # (in-flight groups keep their trajectories only under "keep" and "resume")
-        checkpoint = stored_checkpoint(checkpoint, keep_in_flight=request.in_flight in ("keep", "resume"))
-    result = ReplayBuffer.restore(checkpoint, in_flight=request.in_flight, on_evict=on_evict, **options)
-    return result.buffer, result.reissue
 
 
 def _home_loop() -> asyncio.AbstractEventLoop:

@@ -5,7 +5,8 @@ also has, as a call through the client's connection to its actor.
 set) and holds the methods that mirror ReplayBuffer's, documented as members of
 RemoteReplayBuffer, which inherits them: the producer calls (their arguments copied as the local
 buffer copies them, then sent as protocol records), ``rollout``, ``sample``, the queries and flow
-control, ``save`` and ``aclose``. What only a remote buffer has (starting, attaching and
+control, ``save``, ``flush`` and ``aclose`` (the operations the producer calls send are built in
+``_ops``). What only a remote buffer has (starting, attaching and
 restoring, the actor's identity, ``info``, ``kill``, ``evictions``, pickling) is
 RemoteReplayBuffer's own, in ``_client``.
 """
@@ -19,96 +20,17 @@ from typing import Any, cast
 
 from .._checkpoint_file import PayloadCodec
 from .._status_log import logger
-from .._validation import check_generation_seconds, materialise
-from .._versions import check_group_versions, check_start_version
+from .._validation import check_step
+from .._versions import check_start_version
 from ..buffer import GroupStatus
 from ..records import Batch
 from ..stats import BufferStats, WaitExplanation
 from ._connection import ActorConnection
-from ._protocol import AddPrompt, MarkFailed, MarkFinished, MarkRunning, PutGroup, put_op
+from ._ops import add_prompt_op, plain_tags, put_group_op
+from ._protocol import MarkFailed, MarkFinished, MarkRunning, put_op
 from ._rollout import RemoteRolloutGroup, rollout
 
 __all__ = ["BufferCalls"]
-
-
-def _plain_tags(tags: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """Return ``tags`` as a plain dict (a mappingproxy does not pickle); anything that is not a
-    mapping goes as it is, for the actor to reject with the local buffer's error."""
-    return dict(tags) if isinstance(tags, Mapping) else tags
-
-
-def _add_prompt_op(
-    token: str | None, uid: str, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
-) -> AddPrompt:
-    """The ``add_prompt`` operation (with a token it may wait for admission)."""
-    return AddPrompt(token, uid, global_steps, partition, _plain_tags(tags))
-
-
-def _group_versions(
-    count: int, versions: object, tokens: object
-) -> tuple[list[tuple[tuple[int, int], ...] | None] | None, list[int] | None]:
-    """``put_group``'s per-trajectory versions and tokens, checked and copied as the local buffer
-    takes them (None, None when neither was given).
-
-    Raises:
-        TypeError, ValueError: as the local ``put_group`` refuses them.
-    """
-    rows = check_group_versions(count, versions, tokens)
-    if rows is None:
-        return None, None
-    return [segments or None for segments, _ in rows], [total for _, total in rows]
-
-
-def _put_group_op(
-    token: str | None,
-    uid: str,
-    payloads: Collection[Any],
-    global_steps: int | None,
-    partition: str,
-    tags: Mapping[str, Any] | None,
-    trajectory_tags: Sequence[Mapping[str, Any] | None] | None,
-    session_ids: Sequence[int] | None,
-    indices: Sequence[int] | None,
-    status: GroupStatus,
-    versioning: tuple[Any, Any, int | None] = (None, None, None),
-    generation_seconds: float | None = None,
-) -> PutGroup:
-    """The ``put_group`` operation (with a token a new group may wait for admission);
-    ``versioning`` is its ``(versions, tokens, version)``.
-
-    Raises:
-        TypeError: ``payloads`` is not a collection of per-trajectory items, or a per-trajectory
-            collection cannot be iterated.
-        ValueError: a per-trajectory collection's ``len()`` disagrees with what it yields.
-        TypeError, ValueError: ``versions``, ``tokens``, ``version`` or ``generation_seconds``
-            as the local ``put_group`` refuses them.
-    """
-    if isinstance(payloads, (str, bytes, Mapping)) or not isinstance(payloads, Collection):
-        raise TypeError(f"payloads must hold one item per trajectory, got {type(payloads).__name__}")
-    # Copied as the local buffer copies them, so a collection that lies about its length or whose
-    # iteration raises fails here with the local error, not with whatever it yielded in the actor.
-    items = materialise("payloads", payloads)
-    sessions = None if session_ids is None else list(materialise("session_ids", session_ids))
-    positions = None if indices is None else list(materialise("indices", indices))
-    per_tags = None if trajectory_tags is None else materialise("trajectory_tags", trajectory_tags)
-    versions, tokens = _group_versions(len(items), versioning[0], versioning[1])
-    version = None if versioning[2] is None else check_start_version(versioning[2])
-    return PutGroup(
-        token,
-        uid,
-        list(items),
-        global_steps,
-        partition,
-        _plain_tags(tags),
-        None if per_tags is None else [_plain_tags(t) for t in per_tags],
-        sessions,
-        positions,
-        status,
-        versions,
-        tokens,
-        version,
-        check_generation_seconds(generation_seconds),
-    )
 
 
 class BufferCalls:
@@ -146,7 +68,7 @@ class BufferCalls:
             is gone.
         """
         connection = self._connection
-        await connection.admit(_add_prompt_op(connection.new_token(), uid, global_steps, partition, tags))
+        await connection.admit(add_prompt_op(connection.new_token(), uid, global_steps, partition, tags))
 
     async def add_prompt_nowait(
         self,
@@ -163,7 +85,7 @@ class BufferCalls:
             BufferFullError: admission control has no slot for it now; nothing changed.
             The other errors of ReplayBuffer.add_prompt_nowait; BufferUnavailableError.
         """
-        await self._connection.submit(_add_prompt_op(None, uid, global_steps, partition, tags))
+        await self._connection.submit(add_prompt_op(None, uid, global_steps, partition, tags))
 
     async def mark_running(self, uid: str, *, version: int | None = None) -> None:
         """Move a group from PENDING to RUNNING, as :meth:`ReplayBuffer.mark_running`;
@@ -243,7 +165,7 @@ class BufferCalls:
             The same errors as ReplayBuffer.put_group; BufferUnavailableError.
         """
         connection = self._connection
-        op = _put_group_op(
+        op = put_group_op(
             connection.new_token(),
             uid,
             payloads,
@@ -284,7 +206,7 @@ class BufferCalls:
             BufferFullError: the group is new and admission control has no slot for it now.
             The other errors of ReplayBuffer.put_group_nowait; BufferUnavailableError.
         """
-        op = _put_group_op(
+        op = put_group_op(
             None,
             uid,
             payloads,
@@ -329,7 +251,7 @@ class BufferCalls:
                 bad ``version`` (checked before the actor is asked).
         """
         checked = None if version is None else check_start_version(version)
-        return rollout(self._connection, uid, global_steps, partition, _plain_tags(tags), checked)
+        return rollout(self._connection, uid, global_steps, partition, plain_tags(tags), checked)
 
     # -- consumer ---------------------------------------------------------------------
 
@@ -469,6 +391,25 @@ class BufferCalls:
         """
         return cast(bool, await self._connection.call("flow", "full", partition, task))
 
+    async def free_tokens(self, partition: str = "train") -> int | None:
+        """Return the tokens a group could take at the clock's step now, as
+        :meth:`ReplayBuffer.free_tokens` (a coroutine here; may be stale on arrival). A flow query
+        like ``free_slots``.
+
+        Raises:
+            TypeError, ValueError: a bad ``partition``; BufferUnavailableError.
+        """
+        return cast("int | None", await self._connection.call("flow", "free_tokens", partition))
+
+    async def capacity_tokens(self, partition: str = "train") -> int | None:
+        """Return the bound on ``partition``'s resident tokens, as :meth:`ReplayBuffer.capacity_tokens`
+        (a coroutine here).
+
+        Raises:
+            TypeError, ValueError: a bad ``partition``; BufferUnavailableError.
+        """
+        return cast("int | None", await self._connection.call("flow", "capacity_tokens", partition))
+
     # -- checkpoint and closing -------------------------------------------------------
 
     async def save(self, path: str | os.PathLike[str], *, payload_codec: PayloadCodec | None = None) -> None:
@@ -488,6 +429,20 @@ class BufferCalls:
         """
         target = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - one getcwd(), no file I/O
         await self._connection.call("save", target, payload_codec)
+
+    async def flush(self, *, checkpoint_step: int | None = None) -> None:
+        """Commit the actor's journal now and wait until it is durable, as :meth:`ReplayBuffer.flush`
+        (with ``checkpoint_step=g``, also record that the trainer's state at step ``g`` is durable);
+        without a journal it returns once the actor answered.
+
+        Raises:
+            TypeError, ValueError: ``checkpoint_step`` is not None or an int >= 0 (raised here).
+            CheckpointError: the journal's writer stopped on an error, or the buffer is closed;
+                BufferUnavailableError.
+        """
+        if checkpoint_step is not None:
+            check_step(checkpoint_step, "checkpoint_step")
+        await self._connection.call("flush", checkpoint_step)
 
     async def aclose(self) -> None:
         """Close the hosted buffer, as :meth:`ReplayBuffer.aclose` (for every client: parked and

@@ -3,7 +3,8 @@
 
 This module owns what only a remote buffer has: starting an actor (the constructor,
 ``from_config``), attaching to one (``connect``, unpickling), restoring one from a checkpoint file
-(``restore``: the client builds the request, the actor rebuilds the buffer), the actor's identity
+or recovering one from a journal (``restore``, ``recover``: the client builds the request, the
+actor rebuilds the buffer), the actor's identity
 (``handle``, ``name``, ``namespace``, ``payloads``), ``info``, ``kill`` and ``evictions``. The
 methods RemoteReplayBuffer shares with ReplayBuffer it inherits from
 :class:`~stalebuf.ray._buffer_calls.BufferCalls`, which owns the connection to the actor.
@@ -12,30 +13,27 @@ methods RemoteReplayBuffer shares with ReplayBuffer it inherits from
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-import attrs
 import ray
 
 from .._checkpoint_file import PayloadCodec
-from .._restore import check_in_flight
-from .._validation import check_payload_codec
-from ..checkpoint import NOT_GIVEN, InFlightMode
+from ..checkpoint import NOT_GIVEN, InFlightMode, RestoreResult
 from ..config import SamplerConfig
 from ..errors import ConfigError
 from ..filters import GroupFilter
-from ..records import Group
 from ._buffer_calls import BufferCalls
 from ._connection import ActorConnection, connect_actor, start_actor
 from ._events import EvictionStream
-from ._options import PayloadMode
-from ._protocol import RestoreRequest
+from ._options import PayloadMode, journal_request, recover_request, restore_request
+from ._protocol import JournalRequest, RecoverRequest, RestoreRequest
 
 __all__ = ["RemoteReplayBuffer", "RemoteRestoreResult"]
 
 _Client = TypeVar("_Client", bound="RemoteReplayBuffer")
+_PENDING_BYTES = 256 * 2**20  # journal_max_pending_bytes's default, as ReplayBuffer's
 
 
 def _on(cls: type[_Client], connection: ActorConnection) -> _Client:
@@ -44,6 +42,20 @@ def _on(cls: type[_Client], connection: ActorConnection) -> _Client:
     client = cls.__new__(cls)
     BufferCalls.__init__(client, connection)
     return client
+
+
+def _rebuilt(
+    cls: type[RemoteReplayBuffer],
+    request: RestoreRequest | RecoverRequest,
+    journal: JournalRequest | None,
+    **options: Any,
+) -> RemoteRestoreResult:
+    """Start a new actor that rebuilds its buffer as ``request`` says (with the class's ``options``);
+    once it has (blocking), return its client and what it listed; raise what the rebuild raised."""
+    connection = start_actor(
+        None, False, on_evict=None, get_if_exists=False, restore=request, journal=journal, **options
+    )
+    return RemoteRestoreResult(_on(cls, connection), *connection.restored())
 
 
 def _attached(*connection: Any) -> RemoteReplayBuffer:
@@ -123,10 +135,18 @@ class RemoteReplayBuffer(BufferCalls):
             (cloudpickle: a function, a lambda, a small class such as the built-ins of
             :mod:`stalebuf.filters`) and be importable there, and sees the group as the actor
             holds it (payloads as PayloadRefs unless ``payloads="inline"``; use tags to judge).
+        journal, journal_interval, journal_retention_steps, journal_max_pending_bytes: as for
+            ReplayBuffer (checked here); ``journal`` is a path on the actor's node (made absolute
+            here). It holds payloads by value, fetched by the actor (see "Durability on Ray" in the
+            docs: prefer ``payloads="actor"``). A file the actor refuses (a journal already:
+            :meth:`recover` from it) makes every call raise CheckpointError.
+        payload_codec: ``(encode, decode)`` for the journal's payload bytes (default: pickle); it
+            runs in the actor, so it must pickle.
 
     Raises:
-        ConfigError: for an invalid config or option, ``filters`` that are not plain callables
-            or do not pickle (refused before any actor starts), or an actor name already taken.
+        ConfigError: for an invalid config or option, ``filters`` or a ``payload_codec`` that
+            are not plain callables or do not pickle (refused before any actor starts), or an
+            actor name already taken.
     """
 
     def __init__(
@@ -144,9 +164,22 @@ class RemoteReplayBuffer(BufferCalls):
         keep_evicted_payloads: bool = False,
         start_timeout: float = 60.0,
         filters: Sequence[GroupFilter] = (),
+        journal: str | os.PathLike[str] | None = None,
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
+        payload_codec: PayloadCodec | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SamplerConfig):
             raise ConfigError(f"config must be a SamplerConfig or None, got {type(config).__name__}")
+        journaled = journal_request(
+            journal,
+            journal_interval,
+            journal_retention_steps,
+            journal_max_pending_bytes,
+            payload_codec,
+            payloads,
+        )
         super().__init__(
             start_actor(
                 config,
@@ -162,6 +195,7 @@ class RemoteReplayBuffer(BufferCalls):
                 keep_evicted_payloads=keep_evicted_payloads,
                 start_timeout=start_timeout,
                 filters=filters,
+                journal=journaled,
             )
         )
 
@@ -181,11 +215,16 @@ class RemoteReplayBuffer(BufferCalls):
         keep_evicted_payloads: bool = False,
         start_timeout: float = 60.0,
         filters: Sequence[GroupFilter] = (),
+        journal: str | os.PathLike[str] | None = None,
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
+        payload_codec: PayloadCodec | None = None,
     ) -> RemoteReplayBuffer:
         """Start an actor whose buffer is ``ReplayBuffer.from_config(config)`` (honours
-        ``custom_sampler``, loaded in the actor's process); the options are as for the class,
-        except that ``status_log_interval`` and ``filters`` are passed on only when given (a custom
-        sampler's constructor need take neither), as ``ReplayBuffer.from_config`` does.
+        ``custom_sampler``, loaded in the actor's process); the options (the journal's too) are as
+        for the class, except that ``status_log_interval`` and ``filters`` are passed on only when
+        given (a custom sampler's constructor need take neither), as ``ReplayBuffer.from_config`` does.
 
         Raises:
             ConfigError: for an invalid config or option here (``filters`` as for the class); a
@@ -196,6 +235,14 @@ class RemoteReplayBuffer(BufferCalls):
             config = SamplerConfig.from_mapping(config)
         elif not isinstance(config, SamplerConfig):
             raise ConfigError(f"config must be a SamplerConfig or a mapping, got {type(config).__name__}")
+        journaled = journal_request(
+            journal,
+            journal_interval,
+            journal_retention_steps,
+            journal_max_pending_bytes,
+            payload_codec,
+            payloads,
+        )
         connection = start_actor(
             config,
             True,
@@ -210,6 +257,7 @@ class RemoteReplayBuffer(BufferCalls):
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
             filters=filters,
+            journal=journaled,
         )
         return _on(cls, connection)
 
@@ -251,48 +299,112 @@ class RemoteReplayBuffer(BufferCalls):
         keep_evicted_payloads: bool = False,
         start_timeout: float = 60.0,
         filters: Sequence[GroupFilter] = (),
+        journal: str | os.PathLike[str] | None = None,
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
     ) -> RemoteRestoreResult:
         """Start a new actor whose buffer is ``ReplayBuffer.restore(path, ...)`` and return its
         client and the groups to reissue; blocks until the actor has restored (like :meth:`connect`).
+        With ``journal``, it journals into that new file (``payload_codec`` encoding its payloads).
 
         The actor reads ``path`` (on its node; a relative one is made absolute here, against the
-        caller's working directory). Unless ``payloads="inline"``, it stores each
-        restored group's payloads in the object store (one object per group, owned by the
-        actor), so sampled batches carry PayloadRefs as usual (and so do the prefixes a
-        ``in_flight="resume"`` restore lists in ``reissue``). Under ``in_flight="evict"`` the
-        "restart" evictions are the first events of ``evictions(from_oldest=True)``. Filters are
-        code, never in a checkpoint: pass them again as ``filters`` (picklable, as for the class).
-        The other options are as for the class (``status_log_interval`` and ``filters`` passed on
-        only when given, as for :meth:`from_config`).
+        caller's working directory). Unless ``payloads="inline"``, it stores each restored group's
+        payloads in the object store (one object per group, owned by the actor), so sampled batches
+        carry PayloadRefs as usual (and so do the prefixes an ``in_flight="resume"`` restore lists).
+        Under ``in_flight="evict"`` the "restart" evictions are the first events of
+        ``evictions(from_oldest=True)``. Filters are code, never in a checkpoint: pass them again as
+        ``filters`` (picklable). The other options are as for the class (``status_log_interval``
+        and ``filters`` passed on only when given, as for :meth:`from_config`).
 
         Raises:
             CheckpointError: the file is truncated, corrupt, foreign or newer, or needs (or must
-                not have) a payload codec; the actor is ended and nothing is built.
-            ConfigError: an invalid option, ``in_flight``, ``payload_codec`` or ``filters``;
-                OSError: the file cannot be read (e.g. FileNotFoundError).
+                not have) a payload codec, or ``journal`` names a file that is not absent or empty;
+                the actor is ended and nothing is built.
+            ConfigError: an invalid option, ``in_flight``, ``payload_codec``, ``filters`` or
+                journal argument; OSError: the file cannot be read (e.g. FileNotFoundError).
             BufferUnavailableError: the actor did not start within ``start_timeout``.
         """
-        codec = check_payload_codec(payload_codec)
-        request = RestoreRequest(
-            os.path.abspath(os.fspath(path)), check_in_flight(in_flight), codec, payloads != "inline"
+        request = restore_request(path, in_flight, payload_codec, payloads)
+        codec = request.payload_codec
+        journaled = journal_request(
+            journal, journal_interval, journal_retention_steps, journal_max_pending_bytes, codec, payloads
         )
-        connection = start_actor(
-            None,
-            False,
-            on_evict=None,
+        return _rebuilt(
+            cls,
+            request,
+            journaled,
             status_log_interval=status_log_interval,
             name=name,
             namespace=namespace,
-            get_if_exists=False,
             actor_options=actor_options,
             payloads=payloads,
             eviction_queue_size=eviction_queue_size,
             keep_evicted_payloads=keep_evicted_payloads,
             start_timeout=start_timeout,
-            restore=request,
             filters=filters,
         )
-        return RemoteRestoreResult(_on(cls, connection), connection.restored())
+
+    @classmethod
+    def recover(
+        cls,
+        journal: str | os.PathLike[str],
+        *,
+        global_steps: int | None = None,
+        partition: str = "train",
+        in_flight: InFlightMode = "reissue",
+        payload_codec: PayloadCodec | None = None,
+        status_log_interval: float | None = NOT_GIVEN,
+        name: str | None = None,
+        namespace: str | None = None,
+        actor_options: Mapping[str, Any] | None = None,
+        payloads: PayloadMode = "producer",
+        eviction_queue_size: int = 1024,
+        keep_evicted_payloads: bool = False,
+        start_timeout: float = 60.0,
+        filters: Sequence[GroupFilter] = (),
+        journal_interval: float = 1.0,
+        journal_retention_steps: int = 4,
+        journal_max_pending_bytes: int = _PENDING_BYTES,
+    ) -> RemoteRestoreResult:
+        """Start a new actor whose buffer is ``ReplayBuffer.recover(journal, ...)``, journaling on
+        into the same file (on its node; made absolute here), and return its client, the groups to
+        reissue, and the groups ``kept`` and ``dropped``; blocks until the actor has recovered.
+
+        The arguments are as for ``ReplayBuffer.recover`` (``payload_codec``: the journal's), the
+        options as for :meth:`restore`. Unless ``payloads="inline"``, the new actor stores each
+        payload it reads in the object store (one object per trajectory, owned by the actor).
+
+        Raises:
+            CheckpointError: the file is not a stalebuf journal, is torn or foreign (left as it
+                was), needs (or must not have) a payload codec, or holds no committed sample at
+                ``global_steps`` (naming the oldest and newest recoverable steps); the journal is
+                then unchanged, the actor is ended and nothing is built.
+            ConfigError: an invalid argument or option; OSError: the file cannot be read.
+            BufferUnavailableError: the actor did not start within ``start_timeout``.
+        """
+        journaled = journal_request(
+            journal,
+            journal_interval,
+            journal_retention_steps,
+            journal_max_pending_bytes,
+            payload_codec,
+            payloads,
+        )
+        return _rebuilt(
+            cls,
+            recover_request(journaled, global_steps, partition, in_flight),
+            journaled,
+            status_log_interval=status_log_interval,
+            name=name,
+            namespace=namespace,
+            actor_options=actor_options,
+            payloads=payloads,
+            eviction_queue_size=eviction_queue_size,
+            keep_evicted_payloads=keep_evicted_payloads,
+            start_timeout=start_timeout,
+            filters=filters,
+        )
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle as the actor handle plus options; queued calls and tasks stay behind."""
@@ -323,25 +435,6 @@ class RemoteReplayBuffer(BufferCalls):
     def payloads(self) -> str:
         """The payload mode: "producer", "actor" or "inline"."""
         return self._connection.payloads
-
-    async def free_tokens(self, partition: str = "train") -> int | None:
-        """Return the tokens a group could take at the clock's step now, as
-        :meth:`ReplayBuffer.free_tokens` (a coroutine here; may be stale on arrival). A flow query
-        like ``free_slots`` (``BufferCalls`` holds those; this token-cap pair lives here).
-
-        Raises:
-            TypeError, ValueError: a bad ``partition``; BufferUnavailableError.
-        """
-        return cast("int | None", await self._connection.call("flow", "free_tokens", partition))
-
-    async def capacity_tokens(self, partition: str = "train") -> int | None:
-        """Return the bound on ``partition``'s resident tokens, as :meth:`ReplayBuffer.capacity_tokens`
-        (a coroutine here).
-
-        Raises:
-            TypeError, ValueError: a bad ``partition``; BufferUnavailableError.
-        """
-        return cast("int | None", await self._connection.call("flow", "capacity_tokens", partition))
 
     async def info(self) -> dict[str, Any]:
         """Return facts about the actor: ``config``, ``buffer_class``, ``closed``,
@@ -396,23 +489,10 @@ class RemoteReplayBuffer(BufferCalls):
         await self.aclose()
 
 
-@attrs.frozen(eq=False)
-class RemoteRestoreResult:
-    """What :meth:`RemoteReplayBuffer.restore` returns.
-
-    Attributes:
-        buffer: the client of the new actor, which holds the restored buffer.
-        reissue: under ``in_flight="reissue"``, the groups that were in flight at the checkpoint
-            (uid, partition, dispatch step, tags; no trajectories), oldest first: they are in the
-            buffer as PENDING, to be generated again under the same uid. Under ``"resume"``, the
-            same groups with their partial prefix (``trajectories``, versions and tokens, payloads
-            as the sampled ones are) and ``start_version``, PENDING in the buffer with it: their
-            producers go on after it. As for ``ReplayBuffer.restore``.
+class RemoteRestoreResult(RestoreResult["RemoteReplayBuffer"]):
+    """What :meth:`RemoteReplayBuffer.restore` and :meth:`~RemoteReplayBuffer.recover` return: a
+    :class:`~stalebuf.RestoreResult` whose ``buffer`` is the new actor's client; the payloads of
+    ``reissue``, ``kept`` and ``dropped`` are PayloadRefs the actor stored (unless ``payloads="inline"``).
     """
 
-    buffer: RemoteReplayBuffer
-    reissue: tuple[Group, ...]
-
-    def __iter__(self) -> Iterator[Any]:
-        """Unpack as ``buffer, reissue = ...``, in that order."""
-        return iter((self.buffer, self.reissue))
+    __slots__ = ()

@@ -42,7 +42,16 @@ from ._options import (
     requested_resources,
 )
 from ._pipeline import ProducerPipeline
-from ._protocol import Op, Parked, RestoreRequest, SampleRequest, WaitingOp, encode
+from ._protocol import (
+    JournalRequest,
+    Op,
+    Parked,
+    RecoverRequest,
+    RestoreRequest,
+    SampleRequest,
+    WaitingOp,
+    encode,
+)
 from ._start import MIN_SAMPLE_START_WAIT, StartGate, blocking_seconds
 
 __all__ = ["ActorConnection", "connect_actor", "start_actor"]
@@ -86,8 +95,9 @@ class ActorConnection:
         """Return an id no other call of any client uses (for sample requests and parked operations)."""
         return f"{self._client_id}:{next(self._request_ids)}"
 
-    def restored(self) -> tuple[Group, ...]:
-        """Block until a restoring actor has restored its buffer; return the groups to reissue.
+    def restored(self) -> tuple[tuple[Group, ...], tuple[Group, ...], tuple[Group, ...]]:
+        """Block until a restoring (or recovering) actor has built its buffer; return the groups to
+        reissue, and the groups a recovery kept and dropped.
 
         Raises:
             What the restore raised in the actor (CheckpointError, OSError, ...), the actor
@@ -96,10 +106,10 @@ class ActorConnection:
         error: BaseException
         try:
             self.gate.wait_blocking()
-            reissue: tuple[Group, ...] = ray.get(
-                self.handle.reissued.remote(), timeout=blocking_seconds(self.start_timeout)
+            restored: tuple[tuple[Group, ...], tuple[Group, ...], tuple[Group, ...]] = ray.get(
+                self.handle.restored.remote(), timeout=blocking_seconds(self.start_timeout)
             )
-            return reissue
+            return restored
         except (RayActorError, RayTaskError) as exc:
             error = translate(exc, self.where())
         except GetTimeoutError:
@@ -294,12 +304,14 @@ def start_actor(
     eviction_queue_size: int,
     keep_evicted_payloads: bool,
     start_timeout: float,
-    restore: RestoreRequest | None = None,
+    restore: RestoreRequest | RecoverRequest | None = None,
     filters: object = (),
+    journal: JournalRequest | None = None,
 ) -> ActorConnection:
     """Check the options, start the actor (without waiting for it) and return the connection;
-    with ``restore``, the actor restores its buffer from that checkpoint file; ``filters`` (checked
-    here, picklable) run in the actor.
+    with ``restore``, the actor restores its buffer from that checkpoint file (or recovers it from
+    ``journal`` at that point); ``filters`` (checked here, picklable) run in the actor; with
+    ``journal`` (checked by the caller), its buffer journals into that file.
 
     Raises:
         ConfigError: an invalid option (``filters`` not plain callables that pickle), or Ray
@@ -326,9 +338,9 @@ def start_actor(
         raise ConfigError(
             f"actor_options['concurrency_groups'] must be a mapping, got {type(groups).__name__}"
         )
-    arguments = (config, use_factory, interval, eviction_queue_size, keep_evicted_payloads, restore, checked)
+    arguments = (config, use_factory, interval, eviction_queue_size, keep_evicted_payloads)
     try:
-        handle = actor_class(groups).options(**options).remote(*arguments)
+        handle = actor_class(groups).options(**options).remote(*arguments, restore, checked, journal)
     except (TypeError, ValueError) as exc:  # bad options, or the name is taken
         raise ConfigError(f"cannot start the buffer actor: {exc}") from exc
     connection = ActorConnection(

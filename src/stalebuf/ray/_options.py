@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
 import ray.cloudpickle
 
-from .._validation import check_status_log_interval, describe, describe_error, finite_in, int_at_least, one_of
+from .._checkpoint_file import PayloadCodec
+from .._journal_setup import check_journal_options
+from .._restore import check_in_flight
+from .._validation import (
+    check_payload_codec,
+    check_status_log_interval,
+    describe,
+    describe_error,
+    finite_in,
+    int_at_least,
+    one_of,
+)
 from ..checkpoint import NOT_GIVEN
 from ..errors import ConfigError
 from ..filters import GroupFilter, check_filters
+from ._protocol import JournalRequest, RecoverRequest, RestoreRequest
 
 __all__ = [
     "PAYLOAD_MODES",
@@ -21,8 +34,11 @@ __all__ = [
     "check_payload_mode",
     "check_remote_filters",
     "check_start_timeout",
+    "journal_request",
     "ray_actor_options",
+    "recover_request",
     "requested_resources",
+    "restore_request",
 ]
 
 #: Where payload values given to ``put``/``put_group`` go (see :class:`RemoteReplayBuffer`).
@@ -97,14 +113,86 @@ def check_remote_filters(filters: object) -> tuple[GroupFilter, ...]:
     """
     checked = check_filters(filters)
     for position, group_filter in enumerate(checked):
-        try:
-            _ray_dumps(group_filter)
-        except Exception as exc:
-            raise ConfigError(
-                f"filters[{position}] cannot be pickled ({describe_error(exc)}), and a remote buffer's "
-                "filters run in its actor: use a function or a small class that pickles"
-            ) from exc
+        _check_pickles(group_filter, f"filters[{position}]", "filters run")
     return checked
+
+
+def _check_pickles(value: object, name: str, runs: str) -> None:
+    """Raise ConfigError unless ``value`` pickles as Ray sends it to the actor (``runs``: what of
+    a remote buffer runs there, for the message)."""
+    try:
+        _ray_dumps(value)
+    except Exception as exc:
+        raise ConfigError(
+            f"{name} cannot be pickled ({describe_error(exc)}), and a remote buffer's {runs} in its "
+            "actor: use a function or a small class that pickles"
+        ) from exc
+
+
+def journal_request(
+    journal: object,
+    interval: object,
+    retention_steps: object,
+    max_pending_bytes: object,
+    payload_codec: object,
+    payloads: object,
+) -> JournalRequest | None:
+    """Return the journal the client asks its actor's buffer to write (None without one), its
+    path made absolute against the caller's working directory, as ``ReplayBuffer`` checks the
+    arguments; ``payload_codec`` must also pickle (it runs in the actor).
+
+    Raises:
+        ConfigError: a journal argument is invalid, ``payload_codec`` is not None or a pair of
+            callables, or does not pickle.
+    """
+    checked = check_journal_options(journal, interval, retention_steps, max_pending_bytes)
+    codec: PayloadCodec | None = check_payload_codec(payload_codec)
+    if codec is not None:
+        _check_pickles(codec, "payload_codec", "journal is written")
+    if checked is None:
+        return None
+    return JournalRequest(
+        os.path.abspath(checked.path),
+        checked.interval,
+        checked.retention_steps,
+        checked.max_pending_bytes,
+        codec,
+        payloads != "inline",
+    )
+
+
+def restore_request(
+    path: object, in_flight: object, payload_codec: object, payloads: object
+) -> RestoreRequest:
+    """Return what ``RemoteReplayBuffer.restore`` restores from: ``path`` made absolute against the
+    caller's working directory, payloads stored again unless ``payloads="inline"``.
+
+    Raises:
+        ConfigError: ``in_flight`` is not a mode, or ``payload_codec`` not None or a pair of callables.
+        TypeError: ``path`` is not a path.
+    """
+    codec: PayloadCodec | None = check_payload_codec(payload_codec)
+    target = os.path.abspath(os.fspath(cast("str", path)))
+    return RestoreRequest(target, check_in_flight(in_flight), codec, payloads != "inline")
+
+
+def recover_request(
+    journal: JournalRequest | None, global_steps: object, partition: object, in_flight: object
+) -> RecoverRequest:
+    """Return where ``RemoteReplayBuffer.recover`` recovers in ``journal`` (its checked journal
+    arguments), checked as ``ReplayBuffer.recover`` checks it.
+
+    Raises:
+        ConfigError: ``journal`` is None, ``global_steps`` is not None or an int >= 0,
+            ``partition`` is not a str, or ``in_flight`` is not a mode.
+    """
+    if journal is None:
+        raise ConfigError("journal must be a path, got None")
+    if global_steps is not None and (type(global_steps) is not int or global_steps < 0):
+        raise ConfigError(f"global_steps must be None or an int >= 0, got {describe(global_steps)}")
+    if type(partition) is not str:
+        raise ConfigError(f"partition must be a str, got {describe(partition)}")
+    return RecoverRequest(global_steps, partition, check_in_flight(in_flight))
 
 
 def buffer_options(

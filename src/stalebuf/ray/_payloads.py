@@ -11,12 +11,15 @@ its own ``ray.ObjectRef`` as a payload; it is kept as it is.
 
 A reference means nothing after a restart, so a checkpoint holds values: the actor's ``save``
 fetches them (:func:`checkpoint_values`), and a restored group's payloads go back into the object
-store, one object per group (:func:`stored`).
+store, one object per group (:func:`stored`). So does a journal: its writer thread fetches each
+payload's value as it writes it, and a recovering actor stores each payload it reads back
+(:class:`JournalCodec`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +28,7 @@ import attrs
 import ray
 from ray.exceptions import RayError
 
+from .._checkpoint_file import PayloadCodec
 from .._stored import map_payloads, peek_trajectories
 from .._validation import describe_error
 from ..checkpoint import BufferCheckpoint
@@ -32,6 +36,7 @@ from ..errors import CheckpointError
 from ..records import Batch, Group, Status, new_trajectory
 
 __all__ = [
+    "JournalCodec",
     "PackedRun",
     "PayloadRef",
     "checkpoint_values",
@@ -41,6 +46,7 @@ __all__ = [
     "store_group",
     "stored",
     "stored_checkpoint",
+    "stored_value",
     "unique_refs",
     "with_values",
 ]
@@ -117,6 +123,72 @@ def store_group(payloads: Sequence[Any]) -> list[Any] | PackedRun:
     for position, i in enumerate(todo):
         items[i] = PayloadRef(ref, position)
     return items
+
+
+def stored_value(value: Any) -> Any:
+    """Return ``value`` stored in the object store on its own, as a PayloadRef (None, an
+    ObjectRef or a PayloadRef as it is)."""
+    stored = store_group([value])
+    return stored.expand()[0] if isinstance(stored, PackedRun) else stored[0]
+
+
+class JournalCodec:
+    """The payload codec an actor's buffer journals with: a payload held as a reference is
+    written as its value, and one read back is stored again.
+
+    A journal outlives the actor, the references do not, so :meth:`encode` (which the journal's
+    writer thread calls, once per trajectory, group by group) fetches the value of a PayloadRef
+    or an ObjectRef, blocking that thread (never the actor's event loop: hence the reference's
+    ``future()``, not ``ray.get``, which warns in any thread of an async actor); it keeps the
+    last object fetched, so a group stored as one object is fetched once. The
+    value's bytes are the user's ``encode`` or, without a codec, ``pickle.dumps``. :meth:`decode`
+    (a recovering actor, as it reads the journal) turns bytes back into the value and, with
+    ``store``, stores it in the object store, one object per trajectory, owned by the actor.
+
+    Args:
+        codec: the user's ``(encode, decode)``, or None for pickle.
+        store: store decoded values (False: keep them, for ``payloads="inline"``).
+    """
+
+    __slots__ = ("_codec", "_last", "_store")
+
+    def __init__(self, codec: PayloadCodec | None, store: bool) -> None:
+        self._codec = codec
+        self._store = store
+        self._last: tuple[ray.ObjectRef[Any], Any] | None = None
+
+    def pair(self) -> PayloadCodec:
+        """Return ``(encode, decode)``, the form ``ReplayBuffer``'s ``payload_codec`` takes."""
+        return (self.encode, self.decode)
+
+    def encode(self, payload: Any) -> bytes:
+        """Return the bytes of ``payload``'s value (fetched if it is a reference).
+
+        Raises:
+            ray.exceptions.RayError: the object is lost (e.g. its owner, a producer, died).
+            Exception: what the user's ``encode`` raised.
+        """
+        if isinstance(payload, PayloadRef):
+            last = self._last
+            if last is None or last[0] != payload.ref:
+                last = self._last = (payload.ref, payload.ref.future().result())
+            value = last[1][payload.index]
+        elif isinstance(payload, ray.ObjectRef):
+            value = payload.future().result()
+        else:
+            value = payload
+        if self._codec is None:
+            return pickle.dumps(value, protocol=5)
+        return self._codec[0](value)
+
+    def decode(self, data: bytes) -> Any:
+        """Return the payload ``data`` holds: its value, stored in the object store with ``store``.
+
+        Raises:
+            Exception: what unpickling or the user's ``decode`` raised.
+        """
+        value = pickle.loads(data) if self._codec is None else self._codec[1](data)
+        return stored_value(value) if self._store else value
 
 
 def unique_refs(payloads: Iterable[Any]) -> list[ray.ObjectRef[Any]]:

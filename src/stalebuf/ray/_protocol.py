@@ -12,8 +12,9 @@ Operations that add a group (:class:`AddPrompt`, :class:`PutGroup`, :class:`Open
 a *token*: when admission control has no slot for one, the actor parks it under that token instead
 of failing it (the client then collects the result with ``await_admission``, or abandons it).
 
-A :class:`RestoreRequest` is what a new actor restores its buffer from (it travels once, to the
-actor's constructor).
+A :class:`RestoreRequest` is what a new actor restores its buffer from, a :class:`RecoverRequest`
+the point of a journal it recovers its buffer at, and a :class:`JournalRequest` the journal its
+buffer writes (each travels once, to the actor's constructor).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from .._versions import check_start_version, trajectory_versions
 from ..buffer import GroupStatus, ReplayBuffer
 from ..checkpoint import InFlightMode
 from ..errors import StalebufError
-from ._payloads import PackedRun, store_group
+from ._payloads import PackedRun, store_group, stored_value
 
 __all__ = [
     "FLOW_QUERIES",
     "PROTOCOL_VERSION",
     "AddPrompt",
     "EndRollout",
+    "JournalRequest",
     "MarkFailed",
     "MarkFinished",
     "MarkRunning",
@@ -45,6 +47,7 @@ __all__ = [
     "ProtocolError",
     "Put",
     "PutGroup",
+    "RecoverRequest",
     "RestoreRequest",
     "SampleRequest",
     "WaitingOp",
@@ -62,7 +65,9 @@ __all__ = [
 #: 7: filters (the actor's constructor) and ``task`` on the flow queries and sampleable_count.
 #: 8: SampleRequest's token_budget (a sample by tokens); the token-cap flow queries
 #:    ``free_tokens`` and ``capacity_tokens``.
-PROTOCOL_VERSION = 8
+#: 9: the journal: the actor's constructor takes a JournalRequest and a RecoverRequest, the
+#:    actor has ``flush``, and ``restored`` (was ``reissued``) also returns ``kept`` and ``dropped``.
+PROTOCOL_VERSION = 9
 #: The queries the actor's ``flow`` answers (ReplayBuffer methods taking a partition, changing nothing).
 FLOW_QUERIES = frozenset(
     {"dispatch_step", "capacity", "free_slots", "full", "explain_wait", "free_tokens", "capacity_tokens"}
@@ -314,6 +319,42 @@ class RestoreRequest:
     store: bool
 
 
+@attrs.frozen
+class JournalRequest:
+    """The journal a new actor's buffer writes (sent to its constructor).
+
+    Attributes:
+        path: the journal file, on the actor's node (absolute).
+        interval, retention_steps, max_pending_bytes: ``journal_interval``,
+            ``journal_retention_steps`` and ``journal_max_pending_bytes`` of ``ReplayBuffer``.
+        payload_codec: the user's codec for the payloads' bytes (None: pickle).
+        store: a recovered payload goes back into the object store (False: the value is kept,
+            the client's ``payloads="inline"`` mode).
+    """
+
+    path: str
+    interval: float
+    retention_steps: int
+    max_pending_bytes: int
+    payload_codec: PayloadCodec | None
+    store: bool
+
+
+@attrs.frozen
+class RecoverRequest:
+    """Where in its journal (the actor's :class:`JournalRequest`) a new actor recovers its buffer.
+
+    Attributes:
+        global_steps: as for ``ReplayBuffer.recover`` (None: the journal's last commit).
+        partition: the partition whose ``sample(global_steps)`` is the recovery point.
+        in_flight: as for ``ReplayBuffer.recover``.
+    """
+
+    global_steps: int | None
+    partition: str
+    in_flight: InFlightMode
+
+
 class Parked(NamedTuple):
     """What an operation that must wait for admission returns at once: the token the actor
     parked it under (collect its result with ``await_admission(token)``)."""
@@ -392,8 +433,7 @@ def store_payloads(ops: Sequence[Op]) -> list[Op]:
     out: list[Op] = []
     for op in ops:
         if type(op) is Put:
-            stored = store_group([op.payload])
-            op = op._replace(payload=stored.expand()[0] if isinstance(stored, PackedRun) else stored[0])
+            op = op._replace(payload=stored_value(op.payload))
         elif type(op) is PutGroup and not isinstance(op.payloads, PackedRun):
             op = op._replace(payloads=store_group(op.payloads))
         out.append(op)
