@@ -198,14 +198,15 @@ class SampleMetrics:
         else:
             steps = list(map(_dispatch_step_of, sampled))
             low, high, dispatched = min(steps), max(steps), sum(steps)
-        if high > global_steps:  # dispatched after this step (a journal recovered at an earlier one):
-            steps = [min(step, global_steps) for step in map(_dispatch_step_of, sampled)]  # fresh
-            low, high, dispatched = min(steps), max(steps), sum(steps)
+        stale_sum = dispatched  # the staleness counts a group dispatched after this step (a journal
+        if high > global_steps:  # recovered at an earlier one) as fresh; the step counts do not
+            steps = [min(step, global_steps) for step in map(_dispatch_step_of, sampled)]
+            low, high, stale_sum = min(steps), max(steps), sum(steps)
         finished = sum(map(_finish_step_of, sampled))
         origin = global_steps + 1
         # One dict display: the common call evicted nothing, and this is all it returns.
         metrics = {
-            keys.sampled_mean: (origin - dispatched / n) / sync_step,
+            keys.sampled_mean: (origin - stale_sum / n) / sync_step,
             keys.sampled_max: (origin - low) / sync_step,
             keys.sampled_min: (origin - high) / sync_step,
             keys.generation_steps: (finished - dispatched) / n,
