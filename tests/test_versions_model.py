@@ -361,15 +361,18 @@ def expected_batch(m: Model, partition: str, g: int, chosen: list[MGroup]) -> Ex
             offsets.append(len(versions))
     metrics: dict[str, float] = {}
     if versions:
-        lags = [m.lag(g, v) / s for v in versions]
+        # The metrics count a version newer than g as fresh (lag 1; issue 25), the arrays do not.
+        lags = [max(m.lag(g, v), 1) / s for v in versions]
+        fresh_head = [max(lag, 1 / s) for lag in head]
+        fresh_tail = [max(lag, 1 / s) for lag in tail]
         # exact sums of small multiples of 1/S, then one division: the float the buffer must give
         metrics = {
             "token_staleness/mean": sum(lags) / len(lags),
             "token_staleness/max": max(lags),
             "masked_tokens": float(masked),
             "loss_excluded_trajectories": float(sum(excluded)),
-            "head_staleness/mean": sum(head) / len(head),
-            "tail_staleness/mean": sum(tail) / len(tail),
+            "head_staleness/mean": sum(fresh_head) / len(fresh_head),
+            "tail_staleness/mean": sum(fresh_tail) / len(fresh_tail),
         }
     return Expected(counts, head, tail, excluded, versions, offsets, fresh, masked, metrics)
 
