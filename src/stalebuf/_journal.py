@@ -32,7 +32,7 @@ from ._mixture import Mixing
 from ._open_group import OpenGroup
 from ._restore import capture_state
 from ._store import GroupStore
-from ._stored import peek_trajectories
+from ._stored import stored_payloads
 from .errors import BufferClosedError, BufferFullError, CheckpointError
 from .records import Group
 
@@ -318,13 +318,21 @@ def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
     records = [event[-1] for event in events if event[0] == LEFT and event[-1] is not None]
     total = 64 * len(events)
     for group in (*groups, *records):
-        total += 128
-        for trajectory in peek_trajectories(group):
-            payload = trajectory.payload
-            if type(payload) in (bytes, bytearray, str):
-                total += len(payload)
-            elif type(payload) is memoryview:
-                total += payload.nbytes
-            else:
-                total += sys.getsizeof(payload)
+        payloads = stored_payloads(group)  # a lazily stored group's records are not built
+        if _SIZED_BY_LEN.issuperset(map(type, payloads)):  # the common case, counted in C
+            total += 128 + sum(map(len, payloads))
+        else:
+            total += 128 + sum(map(_payload_size, payloads))
     return total
+
+
+#: Payload types whose ``len`` is their size (as ``_payload_size`` counts them).
+_SIZED_BY_LEN = frozenset((bytes, bytearray, str))
+
+
+def _payload_size(payload: Any) -> int:
+    if type(payload) in _SIZED_BY_LEN:
+        return len(payload)
+    if type(payload) is memoryview:
+        return payload.nbytes
+    return sys.getsizeof(payload)

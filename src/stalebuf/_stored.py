@@ -3,14 +3,20 @@ records of a group ``put_group`` stored lazily (a :class:`~stalebuf._lazy_group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
 
 from ._lazy_group import LazyGroup, new_lazy_group
 from .records import Group, Trajectory, new_trajectory
 
-__all__ = ["count_trajectories", "map_payloads", "peek_trajectories", "stored_trajectories"]
+__all__ = [
+    "count_trajectories",
+    "map_payloads",
+    "peek_trajectories",
+    "stored_payloads",
+    "stored_trajectories",
+]
 
 #: A group's trajectories as stored, for C-level counting (``map(len, map(stored_trajectories,
 #: groups))``): its records, or the payloads of a LazyGroup, one per trajectory either way.
@@ -42,6 +48,11 @@ def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
 def count_trajectories(group: Group) -> int:
     """How many trajectories ``group`` holds, without building lazily stored records."""
     return len(group._stored)
+
+
+def stored_payloads(group: Group) -> Sequence[Any]:
+    """``group``'s payloads, one per trajectory, without building lazily stored records."""
+    return group._stored_payloads()
 
 
 def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
