@@ -315,7 +315,13 @@ def _loop_post() -> _Post | None:
 
 def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
     """The estimated encoded size of a hand-off: its payloads' sizes, plus a row's overhead."""
-    records = [event[-1] for event in events if event[0] == LEFT and event[-1] is not None]
+    records = [
+        record
+        for event in events
+        if event[0] == LEFT and event[4] is not None
+        for record in event[4]
+        if record is not None
+    ]
     total = 64 * len(events)
     for group in (*groups, *records):
         payloads = stored_payloads(group)  # a lazily stored group's records are not built

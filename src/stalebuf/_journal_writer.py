@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import repeat
 from time import monotonic
 from typing import Any
 
@@ -214,85 +215,139 @@ class JournalWriter:
                 self._condition.wait(None if tick is None else max(0.0, tick[0] - monotonic()))
 
     def _commit(self, handoff: Handoff) -> None:
-        """Encode ``handoff`` and write it in one transaction (the encoding first, outside it)."""
-        codec = self._codec
-        blobs = [(codec.group(group), gid) for gid, group in handoff.items]
-        events = [
-            (kind, *rest, codec.group(rest[-1]) if kind == LEFT and rest[-1] is not None else None)
-            if kind == LEFT
-            else (kind, *rest[:-1], codec.state(rest[-1]))
-            if kind == SAMPLE
-            else (kind, *rest)
-            for kind, *rest in handoff.events
-        ]
+        """Encode ``handoff`` and write it in one transaction.
+
+        What this commit's pruning deletes is never written: a group admitted and gone before
+        the oldest sample kept, a sample or mark already out of the retention. Each record is
+        encoded as SQLite asks for its row (``executemany`` over a generator), so a hand-off's
+        encoded payloads are never all in memory at once, and the GIL is released between rows
+        (SQLite runs without it): the event loop never waits for a whole hand-off's pickling.
+        """
+        events = handoff.events
+        prune = self._plan_prune(events)
+        horizon = prune.horizon
+        admitted: dict[int, tuple[Any, ...]] = {}  # gid -> its ADMIT row, in admission order
+        gone: list[tuple[int, int, str, Group | None]] = []  # (seq, gid, reason, record or None)
+        samples, marks = [], []
+        for event in events:
+            kind = event[0]
+            if kind == ADMIT:
+                _, seq, gid, uid, partition = event
+                admitted[gid] = (gid, uid, partition, seq)
+            elif kind == LEFT:
+                _, first, gids, reason, records = event
+                gone.extend(
+                    zip(range(first, first + len(gids)), gids, repeat(reason), records or repeat(None))
+                )
+            elif kind == SAMPLE:
+                samples.append(event)
+            elif kind == MARK:
+                marks.append(event)
+        # A group that left before the horizon leaves no row: never inserted if admitted in this
+        # hand-off, deleted if an earlier commit wrote it (its record is not encoded either way).
+        doomed = [gid for seq, gid, _, _ in gone if seq < horizon and admitted.pop(gid, None) is None]
+        self._write(handoff, admitted, gone, samples, marks, doomed, prune)
+        self._connection.execute("PRAGMA incremental_vacuum")
+
+    def _write(
+        self,
+        handoff: Handoff,
+        admitted: dict[int, tuple[Any, ...]],
+        gone: list[tuple[int, int, str, Group | None]],
+        samples: list[tuple[Any, ...]],
+        marks: list[tuple[Any, ...]],
+        doomed: list[int],
+        prune: _Prune,
+    ) -> None:
+        """The transaction of one commit (see :meth:`_commit`)."""
+        codec, connection, horizon = self._codec, self._connection, prune.horizon
+        executemany = connection.executemany
         state = codec.state(handoff.state)
-        connection = self._connection
         connection.execute("BEGIN IMMEDIATE")
         try:
-            self._write_events(events)
-            connection.executemany("UPDATE groups SET record = ? WHERE gid = ?", blobs)
+            executemany(
+                "INSERT INTO groups (gid, uid, partition, admitted) VALUES (?, ?, ?, ?)", admitted.values()
+            )
+            executemany(
+                "UPDATE groups SET removed = ?, reason = ?, record = COALESCE(?, record) WHERE gid = ?",
+                (
+                    (seq, reason, None if record is None else codec.group(record), gid)
+                    for seq, gid, reason, record in gone
+                    if seq >= horizon
+                ),
+            )
+            executemany("DELETE FROM groups WHERE gid = ?", ((gid,) for gid in doomed))
+            executemany(
+                "UPDATE groups SET record = ? WHERE gid = ?",
+                ((codec.group(group), gid) for gid, group in handoff.items),
+            )
+            executemany(
+                "INSERT INTO samples (seq, partition, step, state) VALUES (?, ?, ?, ?)",
+                (
+                    (seq, partition, str(step), codec.state(sample_state))
+                    for _, seq, partition, step, sample_state in samples
+                    if seq not in prune.samples
+                ),
+            )
+            executemany(
+                "INSERT INTO marks (seq, step, wall) VALUES (?, ?, ?)",
+                ((seq, str(step), time.time()) for _, seq, step in marks if seq not in prune.marks),
+            )
             write_key(connection, "state", state)
             write_key(connection, "seq", handoff.seq)
             write_key(connection, "next_gid", handoff.next_gid)
             connection.execute(
                 "INSERT OR REPLACE INTO commits (seq, wall) VALUES (?, ?)", (handoff.seq, time.time())
             )
-            self._prune()
+            self._prune(prune)
             connection.execute("COMMIT")
         except BaseException:
             connection.execute("ROLLBACK")
             raise
-        connection.execute("PRAGMA incremental_vacuum")
 
-    def _write_events(self, events: list[tuple[Any, ...]]) -> None:
-        execute = self._connection.execute
-        for event in events:
-            kind = event[0]
-            if kind == ADMIT:
-                _, seq, gid, uid, partition = event
-                execute(
-                    "INSERT INTO groups (gid, uid, partition, admitted) VALUES (?, ?, ?, ?)",
-                    (gid, uid, partition, seq),
-                )
-            elif kind == LEFT:
-                _, seq, gid, reason, _record, blob = event
-                execute(
-                    "UPDATE groups SET removed = ?, reason = ?, record = COALESCE(?, record) WHERE gid = ?",
-                    (seq, reason, blob, gid),
-                )
-            elif kind == SAMPLE:
-                _, seq, partition, step, state = event
-                execute(
-                    "INSERT INTO samples (seq, partition, step, state) VALUES (?, ?, ?, ?)",
-                    (seq, partition, str(step), state),
-                )
-                self._samples.append((seq, step))
-            elif kind == MARK:
-                _, seq, step = event
-                execute("INSERT INTO marks (seq, step, wall) VALUES (?, ?, ?)", (seq, str(step), time.time()))
-                self._marks.append((seq, step))
-
-    def _prune(self) -> None:
-        """Delete the history no recovery point needs any more: samples more than the retention
-        behind the newest one (unless at or after the newest mark), and the groups that left
-        before the oldest sample kept (all that left, while there is none)."""
+    def _plan_prune(self, events: list[tuple[Any, ...]]) -> _Prune:
+        """Take this hand-off's samples and marks into the history; return what the retention no
+        longer needs (samples more than the retention behind the newest one, unless at or after
+        the newest mark; the marks older than them but the newest) and the horizon: the groups
+        that left before the oldest sample kept (all that left, while there is none) go."""
         samples, marks = self._samples, self._marks
-        execute = self._connection.execute
+        samples.extend((event[1], event[3]) for event in events if event[0] == SAMPLE)
+        marks.extend((event[1], event[2]) for event in events if event[0] == MARK)
+        doomed: set[int] = set()
+        stale: set[int] = set()
         if samples:
             cutoff = max(step for _, step in samples) - self._retention
             if marks:
                 cutoff = min(cutoff, marks[-1][1])
-            doomed = [seq for seq, step in samples if step < cutoff]
+            doomed = {seq for seq, step in samples if step < cutoff}
             if doomed:
-                execute(f"DELETE FROM samples WHERE seq IN ({','.join('?' * len(doomed))})", doomed)
                 samples[:] = [(seq, step) for seq, step in samples if step >= cutoff]
                 stale = {seq for seq, step in marks[:-1] if step < cutoff}
-                if stale:
-                    execute(f"DELETE FROM marks WHERE seq IN ({','.join('?' * len(stale))})", sorted(stale))
-                    marks[:] = [mark for mark in marks if mark[0] not in stale]
-        if not samples:
+                marks[:] = [mark for mark in marks if mark[0] not in stale]
+        return _Prune(doomed, stale, samples[0][0] if samples else None)
+
+    def _prune(self, prune: _Prune) -> None:
+        """Delete what :meth:`_plan_prune` found the history no longer needs."""
+        executemany, execute = self._connection.executemany, self._connection.execute
+        executemany("DELETE FROM samples WHERE seq = ?", ((seq,) for seq in sorted(prune.samples)))
+        executemany("DELETE FROM marks WHERE seq = ?", ((seq,) for seq in sorted(prune.marks)))
+        if prune.oldest is None:
             execute("DELETE FROM groups WHERE removed IS NOT NULL")
             return
-        oldest = samples[0][0]
-        execute("DELETE FROM groups WHERE removed IS NOT NULL AND removed < ?", (oldest,))
-        execute("DELETE FROM commits WHERE seq < ? AND seq < (SELECT MAX(seq) FROM commits)", (oldest,))
+        execute("DELETE FROM groups WHERE removed IS NOT NULL AND removed < ?", (prune.oldest,))
+        execute("DELETE FROM commits WHERE seq < ? AND seq < (SELECT MAX(seq) FROM commits)", (prune.oldest,))
+
+
+@attrs.frozen
+class _Prune:
+    """What a commit deletes: ``samples`` and ``marks`` (their event numbers) and every group
+    that left before event ``oldest`` (the oldest sample kept; None: every group that left)."""
+
+    samples: set[int]
+    marks: set[int]
+    oldest: int | None
+
+    @property
+    def horizon(self) -> float:
+        """Groups that left at an event before this are deleted."""
+        return float("inf") if self.oldest is None else self.oldest
