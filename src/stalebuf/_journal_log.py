@@ -101,18 +101,27 @@ class ChangeLog:
         groups get the event numbers ``seq, seq + 1, ...`` in order."""
         if type(groups) is not list:
             groups = list(groups)
+        live, dirty = self.live, self.dirty
         uids = list(map(_uid_of, groups))
-        gids = list(map(self.live.pop, uids, repeat(None)))
-        if None in gids:  # never journaled (a restore evicting what it did not put back): skipped
+        count = len(live)
+        gids = list(map(live.pop, uids, repeat(None)))
+        if count - len(live) != len(gids):
+            # Some were never journaled (a restore evicting what it did not put back): skipped.
             journaled = [gid is not None for gid in gids]
             groups, uids = list(compress(groups, journaled)), list(compress(uids, journaled))
             gids = list(compress(gids, journaled))
         if gids:
-            # dirty.pop gives None (its value) for a group changed since the journal wrote it.
-            written = list(map(self.dirty.pop, uids, repeat(_WRITTEN)))
+            count = len(dirty)
+            # dirty.pop gives None (its value) for a group changed since the journal wrote it,
+            # and each of those shrinks ``dirty``: counting them needs no pass over the list.
+            written = list(map(dirty.pop, uids, repeat(_WRITTEN)))
+            unwritten = count - len(dirty)
             records = None
-            if reason in CONSUMER_REASONS and None in written:
-                records = [None if w is _WRITTEN else g for g, w in zip(groups, written, strict=True)]
+            if unwritten and reason in CONSUMER_REASONS:
+                if unwritten == len(groups):  # (a copy: the caller's list is the batch's)
+                    records = list(groups)
+                else:
+                    records = [None if w is _WRITTEN else g for g, w in zip(groups, written, strict=True)]
             self.events.append((LEFT, self.seq + 1, gids, reason, records))
             self.seq += len(gids)
         if not self.armed:
