@@ -110,7 +110,10 @@ class ChangeLog:
             journaled = [gid is not None for gid in gids]
             groups, uids = list(compress(groups, journaled)), list(compress(uids, journaled))
             gids = list(compress(gids, journaled))
-        if gids:
+        if gids and not dirty:  # all written (right after a hand-off): no pass over dirty
+            self.events.append((LEFT, self.seq + 1, gids, reason, None))
+            self.seq += len(gids)
+        elif gids:
             count = len(dirty)
             # dirty.pop gives None (its value) for a group changed since the journal wrote it,
             # and each of those shrinks ``dirty``: counting them needs no pass over the list.
