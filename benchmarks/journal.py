@@ -63,6 +63,7 @@ TRAJECTORIES = 8
 PAYLOAD_BYTES = 4096
 BIG_THRESHOLD = 1_000_000  # no group is ever stale
 PRODUCER_RATIO, THROUGHPUT, SAMPLE_US = 1.3, 20_000, 20.0
+OFFERED = 2 * THROUGHPUT  # trajectories/s the throughput measurement's producer offers
 BURST_SECONDS = 0.01  # the paced producer's period
 SAMPLE_RATE = THROUGHPUT / TRAJECTORIES  # groups/s refilled in the paced sample measurement
 JUDGED_SAMPLE_REGIME = "back to back"
@@ -74,14 +75,14 @@ class Sizes:
 
     producer_groups: int = 3_000  # per round, at --rate groups/s: 2 s, two hand-offs and a flush
     producer_rounds: int = 8  # ABBA rounds (each runs both variants)
-    throughput_groups: int = 40_000  # 320,000 trajectories, 1.3 GB of payloads
+    throughput_groups: int = 50_000  # 10 s at OFFERED; 1.6 GB of payloads
     throughput_rounds: int = 2
     resident: int = 4_096
     sample_rounds: int = 400  # 10 s
 
 
 FULL = Sizes()
-QUICK = Sizes(200, 1, 400, 1, 512, 20)
+QUICK = Sizes(200, 1, 1_000, 1, 512, 20)
 
 
 def payloads() -> list[bytes]:
@@ -122,85 +123,86 @@ async def _drain(buf: ReplayBuffer, batch_size: int) -> None:
         step += 1
 
 
-# -- 1. the producer path on the loop thread ----------------------------------------------------
+# -- the paced producer (targets 1 and 2) --------------------------------------------------------
 
 
 @dataclass
-class ProducerRound:
-    cpu_per_group: float  # seconds of the loop thread's CPU per group (the round, flush included)
+class Run:
+    """One paced run: ``groups`` groups put at ``rate`` groups/s, then ``flush``."""
+
+    groups: int
+    cpu: float  # seconds of the loop thread's CPU from the first put to the flush's return
+    wall: float  # seconds from the first put to the flush's return (everything committed)
     calls: list[int] = field(repr=False)  # ns of each put_group call
+    lag: float = 0.0  # the largest journal_lag_seconds seen (every 100 ms), if watched
 
 
-async def _paced_round(buf: ReplayBuffer, groups: int, rate: float, prefix: str) -> ProducerRound:
+async def _watch_lag(buf: ReplayBuffer, run: Run) -> None:
+    while True:
+        run.lag = max(run.lag, buf.stats().journal_lag_seconds)
+        await anyio.sleep(0.1)
+
+
+async def paced(buf: ReplayBuffer, groups: int, rate: float, batch_size: int, watch: bool = False) -> Run:
+    """Put ``groups`` groups (``await put_group``, 8 x 4 KiB) at ``rate`` groups/s, in bursts
+    every 10 ms, while a trainer task samples ``batch_size`` at a time; then flush."""
     group_payloads = payloads()
-    calls: list[int] = []
+    run = Run(groups, 0.0, 0.0, [])
+    calls = run.calls
     per_burst = max(1, round(rate * BURST_SECONDS))
     clock = time.perf_counter_ns
     async with anyio.create_task_group() as tasks:
-        tasks.start_soon(_drain, buf, 64)
+        tasks.start_soon(_drain, buf, batch_size)
+        if watch:
+            tasks.start_soon(_watch_lag, buf, run)
         await anyio.lowlevel.checkpoint()
         start_cpu, start = time.thread_time(), time.monotonic()
         for first in range(0, groups, per_burst):
             for i in range(first, min(groups, first + per_burst)):
                 t0 = clock()
-                await buf.put_group(f"{prefix}{i}", group_payloads)
+                await buf.put_group(f"p{i}", group_payloads)
                 calls.append(clock() - t0)
             await anyio.sleep(max(0.0, start + (first + per_burst) / rate - time.monotonic()))
         await buf.flush()
-        cpu = time.thread_time() - start_cpu
+        run.cpu, run.wall = time.thread_time() - start_cpu, time.monotonic() - start
         tasks.cancel_scope.cancel()
     await buf.aclose()
-    return ProducerRound(cpu / groups, calls)
+    return run
 
 
-def producer(sizes: Sizes, rounds: int, rate: float, files: Files) -> dict[str, list[ProducerRound]]:
+# -- 1. the producer path on the loop thread ----------------------------------------------------
+
+
+def producer(sizes: Sizes, rounds: int, rate: float, files: Files) -> dict[str, list[Run]]:
     """Rounds of the paced producer with and without a journal, ABBA."""
-    results: dict[str, list[ProducerRound]] = {"no journal": [], "journal": []}
+    results: dict[str, list[Run]] = {"no journal": [], "journal": []}
     names = list(results)
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             buf = new_buffer(files.next() if name == "journal" else None, journal_interval=1.0)
-            results[name].append(asyncio.run(_paced_round(buf, sizes.producer_groups, rate, "p")))
+            results[name].append(asyncio.run(paced(buf, sizes.producer_groups, rate, 64)))
             files.clear()
     return results
 
 
-def report_producer(results: dict[str, list[ProducerRound]], quick: bool) -> bool:
+def report_producer(results: dict[str, list[Run]], quick: bool) -> bool:
     base, journal = results["no journal"], results["journal"]
     print("\n1. producer path: await put_group(8 x 4 KiB), loop thread CPU per group (ABBA)")
-    for name, rounds in results.items():
-        cpu = [r.cpu_per_group * 1e6 for r in rounds]
-        calls = [ns / 1e3 for r in rounds for ns in r.calls]
+    for name, runs in results.items():
+        cpu = [r.cpu / r.groups * 1e6 for r in runs]
+        calls = [ns / 1e3 for r in runs for ns in r.calls]
         print(
             f"  {name:11s} CPU/group median {statistics.median(cpu):6.1f} µs (min {min(cpu):5.1f});"
             f" one put_group call: mean {statistics.fmean(calls):5.1f} µs,"
             f" p50 {statistics.median(calls):5.1f} µs, p99 {_quantile(calls, 0.99):6.1f} µs"
         )
-    paired = statistics.median(j.cpu_per_group / b.cpu_per_group for j, b in zip(journal, base, strict=True))
-    ratio = statistics.median(r.cpu_per_group for r in journal) / statistics.median(
-        r.cpu_per_group for r in base
-    )
+    paired = statistics.median(j.cpu / b.cpu for j, b in zip(journal, base, strict=True))
+    ratio = statistics.median(r.cpu for r in journal) / statistics.median(r.cpu for r in base)
     return _verdict(f"ratio of medians {ratio:.2f}x, paired {paired:.2f}x", ratio <= PRODUCER_RATIO,
                     f"<= {PRODUCER_RATIO}x", quick)  # fmt: skip
 
 
 # -- 2. sustained throughput ---------------------------------------------------------------------
-
-
-async def _throughput_round(buf: ReplayBuffer, groups: int) -> float:
-    group_payloads = payloads()
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(_drain, buf, 256)
-        for i in range(groups):
-            await buf.put_group(f"t{i}", group_payloads)
-            if i % 16 == 15:
-                await anyio.lowlevel.checkpoint()
-        await buf.flush()
-        seconds = time.perf_counter() - start
-        tasks.cancel_scope.cancel()
-    await buf.aclose()
-    return groups * TRAJECTORIES / seconds
 
 
 THROUGHPUT_VARIANTS: dict[str, dict[str, int] | None] = {
@@ -210,31 +212,36 @@ THROUGHPUT_VARIANTS: dict[str, dict[str, int] | None] = {
 }
 
 
-def throughput(sizes: Sizes, rounds: int, files: Files) -> dict[str, list[float]]:
-    """Trajectories per second until committed, per variant, rounds alternating the order."""
-    results: dict[str, list[float]] = {name: [] for name in THROUGHPUT_VARIANTS}
+def throughput(sizes: Sizes, rounds: int, files: Files) -> dict[str, list[Run]]:
+    """Paced runs at OFFERED trajectories/s per variant, rounds alternating the order."""
+    results: dict[str, list[Run]] = {name: [] for name in THROUGHPUT_VARIANTS}
     names = list(results)
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             options = THROUGHPUT_VARIANTS[name]
             buf = new_buffer(None if options is None else files.next(), **(options or {}))
-            results[name].append(asyncio.run(_throughput_round(buf, sizes.throughput_groups)))
+            run = asyncio.run(paced(buf, sizes.throughput_groups, OFFERED / TRAJECTORIES, 256, watch=True))
+            results[name].append(run)
             files.clear()
     return results
 
 
-def report_throughput(results: dict[str, list[float]], groups: int, quick: bool) -> bool:
-    print(f"\n2. sustained throughput: {groups:,} groups x {TRAJECTORIES} x 4 KiB, until committed")
-    for name, values in results.items():
-        print(f"  {name:23s} median {statistics.median(values):10,.0f} trajectories/s (runs: "
-              + ", ".join(f"{v:,.0f}" for v in values) + ")")  # fmt: skip
-    worst = min(statistics.median(results[name]) for name in names_with_journal(results))
+def report_throughput(results: dict[str, list[Run]], quick: bool) -> bool:
+    groups = next(iter(results.values()))[0].groups
+    print(f"\n2. sustained throughput: {groups:,} groups x {TRAJECTORIES} x 4 KiB offered at "
+          f"{OFFERED:,} trajectories/s, trajectories over the wall time until all is committed")  # fmt: skip
+    for name, runs in results.items():
+        rates = [r.groups * TRAJECTORIES / r.wall for r in runs]
+        print(f"  {name:23s} median {statistics.median(rates):7,.0f} trajectories/s (runs: "
+              + ", ".join(f"{v:,.0f}" for v in rates)
+              + f"); largest journal_lag_seconds {max(r.lag for r in runs):.2f}")  # fmt: skip
+    worst = min(
+        statistics.median(r.groups * TRAJECTORIES / r.wall for r in runs)
+        for name, runs in results.items()
+        if THROUGHPUT_VARIANTS[name] is not None
+    )
     return _verdict(f"slowest journal configuration {worst:,.0f} trajectories/s", worst >= THROUGHPUT,
                     f">= {THROUGHPUT:,}", quick)  # fmt: skip
-
-
-def names_with_journal(results: dict[str, list[float]]) -> list[str]:
-    return [name for name in results if THROUGHPUT_VARIANTS[name] is not None]
 
 
 # -- 3. sample latency ---------------------------------------------------------------------------
@@ -346,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         results = producer(sizes, args.rounds or sizes.producer_rounds, args.rate, files)
         met.append(report_producer(results, args.quick))
     if "throughput" in only:
-        rates = throughput(sizes, sizes.throughput_rounds, files)
-        met.append(report_throughput(rates, sizes.throughput_groups, args.quick))
+        met.append(report_throughput(throughput(sizes, sizes.throughput_rounds, files), args.quick))
     if "sample" in only:
         met.append(report_sample(sample(sizes, files), args.quick))
     shutil.rmtree(root)
