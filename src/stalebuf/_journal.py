@@ -315,14 +315,10 @@ def _loop_post() -> _Post | None:
 
 def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
     """The estimated encoded size of a hand-off: its payloads' sizes, plus a row's overhead."""
-    records = [
-        record
-        for event in events
-        if event[0] == LEFT and event[4] is not None
-        for record in event[4]
-        if record is not None
-    ]
-    total = 64 * len(events)
+    removals = [event for event in events if event[0] == LEFT]
+    records = [r for event in removals if event[4] is not None for r in event[4] if r is not None]
+    # 64 bytes a row: a removal event stands for one row per group it names.
+    total = 64 * (len(events) - len(removals) + sum(len(event[2]) for event in removals))
     for group in (*groups, *records):
         payloads = stored_payloads(group)  # a lazily stored group's records are not built
         if _SIZED_BY_LEN.issuperset(map(type, payloads)):  # the common case, counted in C
