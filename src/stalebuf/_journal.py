@@ -15,6 +15,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import chain
 from time import monotonic
 from typing import Any
 
@@ -317,15 +318,16 @@ def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
     """The estimated encoded size of a hand-off: its payloads' sizes, plus a row's overhead."""
     removals = [event for event in events if event[0] == LEFT]
     records = [r for event in removals if event[4] is not None for r in event[4] if r is not None]
-    # 64 bytes a row: a removal event stands for one row per group it names.
+    written = [*groups, *records]
+    # 64 bytes a row (a removal event stands for one row per group it names), 128 a record.
     total = 64 * (len(events) - len(removals) + sum(len(event[2]) for event in removals))
-    for group in (*groups, *records):
-        payloads = stored_payloads(group)  # a lazily stored group's records are not built
-        if _SIZED_BY_LEN.issuperset(map(type, payloads)):  # the common case, counted in C
-            total += 128 + sum(map(len, payloads))
-        else:
-            total += 128 + sum(map(_payload_size, payloads))
-    return total
+    total += 128 * len(written)
+    # All payloads in one list, counted by C-level passes (a lazily stored group's records are
+    # not built): this runs on the loop, for every group a commit writes.
+    payloads = list(chain.from_iterable(map(stored_payloads, written)))
+    if _SIZED_BY_LEN.issuperset(map(type, payloads)):  # the common case
+        return total + sum(map(len, payloads))
+    return total + sum(map(_payload_size, payloads))
 
 
 #: Payload types whose ``len`` is their size (as ``_payload_size`` counts them).

@@ -4,7 +4,7 @@ records of a group ``put_group`` stored lazily (a :class:`~stalebuf._lazy_group.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any
 
 from ._lazy_group import LazyGroup, new_lazy_group
@@ -21,6 +21,9 @@ __all__ = [
 #: A group's trajectories as stored, for C-level counting (``map(len, map(stored_trajectories,
 #: groups))``): its records, or the payloads of a LazyGroup, one per trajectory either way.
 stored_trajectories = attrgetter("_stored")
+#: A group's payloads, one per trajectory, without building lazily stored records (a C-level
+#: call, for ``chain.from_iterable(map(stored_payloads, groups))``).
+stored_payloads: Callable[[Group], Sequence[Any]] = methodcaller("_stored_payloads")
 
 
 def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
@@ -48,11 +51,6 @@ def map_payloads(group: Group, change: Callable[[Any], Any]) -> Group:
 def count_trajectories(group: Group) -> int:
     """How many trajectories ``group`` holds, without building lazily stored records."""
     return len(group._stored)
-
-
-def stored_payloads(group: Group) -> Sequence[Any]:
-    """``group``'s payloads, one per trajectory, without building lazily stored records."""
-    return group._stored_payloads()
 
 
 def peek_trajectories(group: Group) -> tuple[Trajectory, ...]:
