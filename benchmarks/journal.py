@@ -74,7 +74,7 @@ class Sizes:
     """How much work each measurement does."""
 
     producer_groups: int = 3_000  # per round, at --rate groups/s: 2 s, two hand-offs and a flush
-    producer_rounds: int = 8  # ABBA rounds (each runs both variants)
+    producer_rounds: int = 12  # ABBA rounds (each runs both variants)
     throughput_groups: int = 50_000  # 10 s at OFFERED; 1.6 GB of payloads
     throughput_rounds: int = 2
     resident: int = 4_096
