@@ -572,3 +572,22 @@ async def test_a_payload_the_codec_cannot_encode_stops_the_journal_at_its_last_c
         result = recover(path, payload_codec=CODEC)
         assert group_contents(result.buffer) == {"good": (Status.FINISHED, 0, [b"g"])}
         await result.buffer.aclose()
+
+
+async def test_the_mark_before_the_newest_keeps_its_history_for_a_trainer_that_marks_first(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: retention kept only the history since the newest mark, so a trainer that marks
+    step 6 and is killed before writing its own checkpoint of step 6 (it resumes from 3) found
+    sample(3) deleted. The history back to the mark before the newest is kept."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(SamplerConfig(max_off_policy_threshold=2), journal=path, journal_retention_steps=1)
+    for step in range(9):
+        buffer.put_group_nowait(f"p{step}", ["x"])
+        await buffer.sample(step, 1)
+        if step in (3, 6):
+            await buffer.flush(checkpoint_step=step)
+    await buffer.aclose()
+    recovered = ReplayBuffer.recover(path, global_steps=3)
+    assert {group.uid for group in recovered.kept} == {f"p{step}" for step in range(4, 9)}
+    await recovered.buffer.aclose()

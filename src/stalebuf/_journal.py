@@ -166,13 +166,20 @@ class Journal:
 
     def on_sample(self, batch: Any, _metrics: object) -> None:
         """The sample observer: record the sample and the state right after it."""
+        # A recovery point needs only the clocks, last sampled steps, masked tokens and mixture
+        # ledgers (the latest commit serves the rest): read them raw, the writer builds the state.
         parts = self.parts
-        # A recovery point needs the clocks, counters and ledgers, not the evicted uids: the
-        # latest commit's serve (and copying them per sample would cost the trainer).
-        state = capture_state(
-            parts.store, parts.admission, parts.filtering, parts.mixing, parts.policy, False
-        )
-        self.log.sampled(batch.partition, batch.global_steps, state)
+        admission, mixing = parts.admission, parts.mixing
+        point: list[tuple[str, int, int, Any]] = []
+        for name, part in parts.store.partitions.items():
+            cells = part.cells
+            if cells is None:
+                point.append((name, admission.last_sampled(name), part.masked_tokens, None))
+                continue
+            masked = {task: cell.masked_tokens for task, cell in cells.items()}
+            ledger = (mixing.saved(name), masked)
+            point.append((name, admission.last_sampled(name), sum(masked.values()), ledger))
+        self.log.sampled(batch.partition, batch.global_steps, (dict(admission.clocks), point))
         if self.options.interval == 0:  # the sample returns once its batch is durable
             self.writer.wait_committed(self.hand_off())
 

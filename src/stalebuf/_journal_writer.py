@@ -22,7 +22,7 @@ import attrs
 
 from ._journal_format import StateCodec, size_on_disk, write_key
 from ._journal_log import ADMIT, LEFT, MARK, SAMPLE
-from .checkpoint import BufferCheckpoint
+from .checkpoint import BufferCheckpoint, MixtureCheckpoint, PartitionCheckpoint, TaskCheckpoint
 from .errors import CheckpointError
 from .records import Group
 
@@ -284,7 +284,7 @@ class JournalWriter:
             executemany(
                 "INSERT INTO samples (seq, partition, step, state) VALUES (?, ?, ?, ?)",
                 (
-                    (seq, partition, str(step), codec.state(sample_state))
+                    (seq, partition, str(step), codec.state(point_state(handoff.state, sample_state)))
                     for _, seq, partition, step, sample_state in samples
                     if seq not in prune.samples
                 ),
@@ -308,7 +308,7 @@ class JournalWriter:
     def _plan_prune(self, events: list[tuple[Any, ...]]) -> _Prune:
         """Take this hand-off's samples and marks into the history; return what the retention no
         longer needs (samples more than the retention behind the newest one, unless at or after
-        the newest mark; the marks older than them but the newest) and the horizon: the groups
+        the mark before the newest; the marks older than them but the two newest) and the horizon: the groups
         that left before the oldest sample kept (all that left, while there is none) go."""
         samples, marks = self._samples, self._marks
         samples.extend((event[1], event[3]) for event in events if event[0] == SAMPLE)
@@ -317,12 +317,12 @@ class JournalWriter:
         stale: set[int] = set()
         if samples:
             cutoff = max(step for _, step in samples) - self._retention
-            if marks:
-                cutoff = min(cutoff, marks[-1][1])
+            if marks:  # back to the mark before the newest: a trainer that marks before its own
+                cutoff = min(cutoff, marks[-min(2, len(marks))][1])  # save may resume there
             doomed = {seq for seq, step in samples if step < cutoff}
             if doomed:
                 samples[:] = [(seq, step) for seq, step in samples if step >= cutoff]
-                stale = {seq for seq, step in marks[:-1] if step < cutoff}
+                stale = {seq for seq, step in marks[:-2] if step < cutoff}
                 marks[:] = [mark for mark in marks if mark[0] not in stale]
         return _Prune(doomed, stale, samples[0][0] if samples else None)
 
@@ -351,3 +351,29 @@ class _Prune:
     def horizon(self) -> float:
         """Groups that left at an event before this are deleted."""
         return float("inf") if self.oldest is None else self.oldest
+
+
+#: What a sample's observer takes on the loop: the clocks, and per partition its name, last
+#: sampled step, masked tokens and, under a task mixture, its ledger and each task's masked tokens.
+RawPoint = tuple[dict[str, int], list[tuple[str, int, int, Any]]]
+
+
+def point_state(latest: BufferCheckpoint, raw: RawPoint) -> BufferCheckpoint:
+    """The state a recovery point keeps (``raw``, built into a checkpoint off the loop): what a
+    recovery takes from the point, with ``latest``'s config and policy; the other counters and
+    the remembered evictions are the latest commit's."""
+    clocks, parts = raw
+    partitions = []
+    for name, last_sampled, masked, mixed in parts:
+        mixture = None
+        if mixed is not None:
+            (balances, growth, shares, batch_size), cells = mixed
+            tasks = tuple(
+                TaskCheckpoint(task, {"masked_tokens": cell}, (), balances[task], growth[task])
+                for task, cell in cells.items()
+            )
+            mixture = MixtureCheckpoint(tasks, shares, batch_size)
+        partitions.append(PartitionCheckpoint(name, last_sampled, {"masked_tokens": masked}, (), mixture))
+    return BufferCheckpoint(
+        latest.format_version, latest.config, latest.policy, (), tuple(partitions), clocks, ()
+    )

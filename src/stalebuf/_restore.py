@@ -108,10 +108,8 @@ def capture_state(
     filtering: Filtering,
     mixing: Mixing,
     policy: str | None,
-    evicted: bool = True,
 ) -> BufferCheckpoint:
-    """Return the state of a buffer's parts but its groups (``policy``: :func:`policy_of`'s answer;
-    without the remembered in-flight evictions unless ``evicted``)."""
+    """Return the state of a buffer's parts but its groups (``policy``: :func:`policy_of`'s answer)."""
     partitions = tuple(
         _saved_partition(name, part, admission.last_sampled(name), filtering, mixing)
         for name, part in store.partitions.items()
@@ -124,8 +122,8 @@ def capture_state(
         (),
         partitions,
         dict(admission.clocks),
-        tuple(remembered) if evicted else (),
-        tuple(remembered.values()) if evicted else (),
+        tuple(remembered),
+        tuple(remembered.values()),
     )
 
 

@@ -107,7 +107,7 @@ class ReplayBuffer:
         journal_interval: how often (seconds, >= 0) the journal commits; 0 commits every change
             before the call returns (blocking the loop about one fsync per call).
         journal_retention_steps: history kept behind the newest sample, in trainer steps (at
-            least back to the newest ``flush(checkpoint_step=g)``).
+            least back to the mark before the newest ``flush(checkpoint_step=g)``).
         journal_max_pending_bytes: above this many encoded bytes not yet committed, async
             producer calls wait for the writer and ``*_nowait`` ones raise BufferFullError.
         payload_codec: ``(encode, decode)`` for the journal's payloads (default: pickle).
