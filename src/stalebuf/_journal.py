@@ -20,7 +20,6 @@ from time import monotonic
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import attrs
 
@@ -307,18 +306,23 @@ class Journal:
 
 
 def _loop_post() -> _Post | None:
-    """How to run a callback on the running event loop from another thread (None if none runs)."""
+    """How to run a callback on the running event loop from another thread (None if none runs).
+
+    Asked directly (not through anyio, which finds no loop in a plain loop callback such as the
+    thread handle's calls, and costs tens of µs): asyncio's running loop, else trio's token.
+    """
     try:
-        native = anyio.lowlevel.current_token().native_token
-    except RuntimeError:  # no task runs: a plain loop callback (the thread handle's calls), or no loop
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")  # (never imported for this: a trio loop has imported it)
+    if trio is not None:
         try:
-            native = asyncio.get_running_loop()  # (trio's token is found inside its callbacks)
+            run_sync_soon: _Post = trio.lowlevel.current_trio_token().run_sync_soon
         except RuntimeError:
             return None
-    if isinstance(native, asyncio.AbstractEventLoop):
-        return native.call_soon_threadsafe
-    run_sync_soon: _Post | None = getattr(native, "run_sync_soon", None)  # trio's token
-    return run_sync_soon
+        return run_sync_soon
+    return None
 
 
 def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:

@@ -92,17 +92,19 @@ class ChangeLog:
         if not self.armed:
             self._first()
 
-    def left(self, groups: Iterable[Any], reason: str) -> None:
+    def left(self, groups: Iterable[Any], reason: str, uids: list[str] | None = None) -> None:
         """Record that ``groups`` (records, or in-flight groups for a producer-side reason) left
         for ``reason``; a consumer-side removal keeps the record of a group whose content the
-        journal has not yet written (a recovery at an earlier step brings it back).
+        journal has not yet written (a recovery at an earlier step brings it back). ``uids``:
+        theirs, if the caller has them already.
 
         One event for the call (a batch of 64 leaves in C-level passes, not 64 appends): its
         groups get the event numbers ``seq, seq + 1, ...`` in order."""
         if type(groups) is not list:
             groups = list(groups)
         live, dirty = self.live, self.dirty
-        uids = list(map(_uid_of, groups))
+        if uids is None:
+            uids = list(map(_uid_of, groups))
         count = len(live)
         gids = list(map(live.pop, uids, repeat(None)))
         if count - len(live) != len(gids):

@@ -371,9 +371,12 @@ class GroupStore:
 
     def _remove(self, groups: list[Group], reason: str) -> list[Group]:
         """Drop the records ``groups`` (which left for ``reason``) from the groups; return them."""
-        _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
-        if self.log is not None:
-            self.log.left(groups, reason)
+        if self.log is None:
+            _consume(map(self.groups.__delitem__, map(_uid_of, groups)))
+        else:  # the log needs the uids too: read them once
+            uids = list(map(_uid_of, groups))
+            _consume(map(self.groups.__delitem__, uids))
+            self.log.left(groups, reason, uids)
         return groups
 
     def evict_stale_in_flight(self, part: PartitionState, steps: list[int], clock: int) -> list[Group]:
