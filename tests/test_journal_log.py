@@ -36,7 +36,10 @@ def reference_left(
         unwritten = group.uid in dirty
         if unwritten:
             del dirty[group.uid]
-        rows.append((seq, gid, reason, group if reason in CONSUMER_REASONS and unwritten else None))
+        # A consumer's removal keeps its record (a recovery may bring it back), and so does a
+        # filter's (a recovery lists it in ``kept``).
+        kept = reason in CONSUMER_REASONS or reason == "filtered"
+        rows.append((seq, gid, reason, group if kept and unwritten else None))
     return rows, seq
 
 

@@ -591,3 +591,32 @@ async def test_the_mark_before_the_newest_keeps_its_history_for_a_trainer_that_m
     recovered = ReplayBuffer.recover(path, global_steps=3)
     assert {group.uid for group in recovered.kept} == {f"p{step}" for step in range(4, 9)}
     await recovered.buffer.aclose()
+
+
+async def test_kept_lists_the_groups_filtered_after_the_point_too(tmp_path: Path, anyio_backend: str) -> None:
+    """Review: ``kept`` listed only the groups the recovered buffer holds, so a prompt whose group
+    a filter evicted after the point was dispatched again by a resumed dataloader."""
+    path = tmp_path / "journal.db"
+
+    def keep(group: Group) -> bool:
+        return not group.uid.startswith("f")
+
+    buffer = ReplayBuffer(SamplerConfig(max_off_policy_threshold=4), journal=path, filters=[keep])
+    buffer.put_group_nowait("a", ["x"])
+    await buffer.sample(0, 1)
+    await buffer.flush(checkpoint_step=0)
+    buffer.put_group_nowait("b", ["x"])
+    buffer.add_prompt_nowait("f1")
+    buffer.put_nowait("f1", "y")
+    await buffer.flush()  # f1 written in flight, then filtered: its committed record is kept
+    buffer.mark_finished_nowait("f1")
+    buffer.put_group_nowait("f2", ["x"])  # written whole and filtered: never resident, dispatched
+    buffer.add_prompt_nowait("f3")
+    buffer.mark_finished_nowait("f3")  # admitted and filtered within one commit
+    buffer.put_group_nowait("c", ["x"])
+    await buffer.aclose()
+    result = ReplayBuffer.recover(path, global_steps=0, filters=[keep])
+    assert [group.uid for group in result.kept] == ["b", "f1", "f2", "f3", "c"]
+    assert "f1" not in result.buffer
+    assert "f3" not in result.buffer
+    await result.buffer.aclose()

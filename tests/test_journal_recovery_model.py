@@ -89,8 +89,10 @@ class Model:
             or (group.removed > point and group.reason in ("sampled", "stale", "failure"))
         ]
         newest = {group.uid: group for group in back}
+        filtered = [g for g in self.groups if g.reason == "filtered" and g.admitted > point]
         kept = sorted(
-            (group for group in newest.values() if group.admitted > point), key=lambda g: g.admitted
+            [*(group for group in newest.values() if group.admitted > point), *filtered],
+            key=lambda g: g.admitted,
         )
         dropped = [group for group in back if newest[group.uid] is not group]
         return newest, kept, dropped

@@ -31,6 +31,9 @@ ADMIT, LEFT, SAMPLE, MARK = 0, 1, 2, 3
 #: Why groups leave because of a ``sample`` (undone when recovering at an earlier step); every
 #: other reason ("filtered", "restart") is the producers' side, kept by a recovery.
 CONSUMER_REASONS = frozenset(("sampled", "stale", "failure", "in_flight"))
+#: Removals whose records the journal keeps: the consumers' (a recovery may bring them back) and
+#: the filters' (a recovery lists the groups filtered after its point in ``kept``).
+_RECORDED = CONSUMER_REASONS | {"filtered"}
 _uid_of = attrgetter("uid")
 _WRITTEN = object()  # what ``dirty.pop`` gives for a group the journal has written since it changed
 
@@ -122,7 +125,7 @@ class ChangeLog:
             written = list(map(dirty.pop, uids, repeat(_WRITTEN)))
             unwritten = count - len(dirty)
             records = None
-            if unwritten and reason in CONSUMER_REASONS:
+            if unwritten and reason in _RECORDED:
                 if unwritten == len(groups):  # (a copy: the caller's list is the batch's)
                     records = list(groups)
                 else:
@@ -131,6 +134,11 @@ class ChangeLog:
             self.seq += len(gids)
         if not self.armed:
             self._first()
+
+    def filtered_at_once(self, record: Any) -> None:
+        """Record a group admitted and filtered in one call (never resident), with its record."""
+        self.admitted(record.uid, record.partition)
+        self.left([record], "filtered")
 
     def sampled(self, partition: str, step: int, state: Any) -> None:
         """Record a ``sample`` on ``partition`` at ``step`` that returned a batch, and the state

@@ -48,7 +48,8 @@ class Recovery:
     Attributes:
         checkpoint: the checked state to rebuild.
         gids: the journal's gid of each of its groups, by uid.
-        kept: groups admitted after the point (in the state), in admission order.
+        kept: groups admitted after the point, in admission order: those in the state, and
+            those filtered since (records as they were when filtered).
         dropped: older groups of a uid added again after the point (not in the state).
         point: the recovery point's event number (None: the last commit).
         undone: gids of the groups a later sample had removed, resident again.
@@ -137,10 +138,17 @@ def _read(
         [s for s in samples if s[0] <= point],
         [m for m in marks if m[0] <= point or m[1] <= global_steps],
     )
+    filtered = connection.execute(
+        "SELECT gid, uid, admitted, removed, reason, record FROM groups "
+        "WHERE reason = 'filtered' AND admitted > ? AND record IS NOT NULL",
+        (point,),
+    ).fetchall()
+    kept = [(row, group) for row, group in resident if row[2] > point]
+    kept += [(row, _group(codec, row)) for row in filtered]
     return Recovery(
         checked(state, tuple(group for _, group in resident)),
         {group.uid: row[0] for row, group in resident},
-        tuple(group for row, group in resident if row[2] > point),
+        tuple(group for _, group in sorted(kept, key=lambda item: item[0][0])),
         tuple(group for _, group in dropped),
         point,
         tuple(row[0] for row, group in groups if row[3] is not None and newest[group.uid] == row[0]),

@@ -77,8 +77,7 @@ class GroupStore:
         """Tell ``log`` every change from now on (see ``_journal_log``)."""
         self.log = log
 
-    # -- lookups ------------------------------------------------------------------------
-
+    # -- lookups --------------------------------------------------------------------------
     def partition(self, name: str) -> PartitionState:
         """Return partition ``name``, created if new (see :meth:`PartitionTable.partition`)."""
         return self.table.partition(name)
@@ -294,8 +293,8 @@ class GroupStore:
             part.record_generation(monotonic() - group.admitted_at)
         part.filter_out(group)
         del self.groups[group.uid]
-        if self.log is not None:
-            self.log.left((group,), "filtered")
+        if self.log is not None:  # its record, for a recovery's ``kept`` (it was dispatched)
+            self.log.left((snapshot(group, group.dispatch_step, monotonic()),), "filtered")
         self.remember_evicted(group.uid, FILTERED_REASON)
         group.ending = "filtered"
         return part
@@ -304,6 +303,8 @@ class GroupStore:
         """Count a group written FINISHED in one call that a filter rejected (never resident)."""
         part.add_filtered(record)
         self.remember_evicted(record.uid, FILTERED_REASON)
+        if self.log is not None:  # admitted and filtered at once: a recovery lists it in ``kept``
+            self.log.filtered_at_once(record)
 
     def fill(self, group: OpenGroup, rows: Collection[tuple[Any, ...]]) -> None:
         """Add checked trajectory ``rows`` (``new_trajectory`` arguments, keys not yet held)."""

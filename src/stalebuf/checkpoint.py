@@ -262,9 +262,10 @@ class RestoreResult(Generic[_Buffer]):
             with their ``trajectories`` (the partial prefix, versions and tokens included) and
             ``start_version``: they are in the buffer as PENDING with that prefix, and their
             producers go on generating after it. Empty under "keep" and "evict".
-        kept: from ``ReplayBuffer.recover`` at a step, the groups admitted after the recovery
-            point that the recovered buffer holds, in admission order (a dataloader restored to
-            that step skips their prompts: they were dispatched already); ``()`` otherwise.
+        kept: from ``ReplayBuffer.recover`` at a step, every group admitted after the recovery
+            point, in admission order: those the recovered buffer holds and those a filter
+            evicted since (not in the buffer). A dataloader restored to that step skips their
+            prompts: they were dispatched already. ``()`` otherwise.
         dropped: from ``recover`` at a step, the older groups of a uid that a producer added
             again after the point (the newer one is kept; these are counted evicted as
             "restart"); ``()`` otherwise.
