@@ -28,7 +28,7 @@ from .checkpoint import FORMAT_VERSION, BufferCheckpoint
 from .errors import CheckpointError
 from .records import Group
 
-__all__ = ["MAGIC", "PayloadCodec", "read_container"]
+__all__ = ["MAGIC", "PayloadCodec", "body_frames", "read_container"]
 
 
 #: ``(encode, decode)``: ``encode(payload) -> bytes`` and ``decode(bytes) -> payload``.
@@ -63,7 +63,7 @@ def read_container(path: str | os.PathLike[str], codec: PayloadCodec | None) -> 
         raise CheckpointError(f"{name!r} was saved with a payload codec: pass payload_codec= to restore it")
     if flags not in (_PICKLE, _CODEC):
         raise CheckpointError(f"{name!r} has unknown flags {flags}")
-    frames = _frames(memoryview(body))
+    frames = body_frames(memoryview(body))
     try:
         if codec is None:
             manifest, groups = _read_pickled(frames)
@@ -136,7 +136,12 @@ def _read_body(file: io.BufferedReader, length: int, name: str) -> tuple[bytearr
     return body, hashed
 
 
-def _frames(body: memoryview) -> Iterator[memoryview]:
+def body_frames(body: memoryview) -> Iterator[memoryview]:
+    """The length-prefixed frames of ``body``, in order (the container's and a codec blob's).
+
+    Raises:
+        CheckpointError: a frame or its length is cut.
+    """
     offset = 0
     while offset < len(body):
         if offset + _FRAME.size > len(body):

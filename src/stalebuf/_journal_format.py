@@ -20,7 +20,7 @@ import os
 import pickle
 import sqlite3
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
@@ -32,7 +32,7 @@ from ._checkpoint_codec import (
     write_plain_groups,
     written_counters,
 )
-from ._checkpoint_file import MAGIC, PayloadCodec
+from ._checkpoint_file import MAGIC, PayloadCodec, body_frames
 from ._lazy_group import LazyGroup
 from ._validation import describe_error
 from .checkpoint import BufferCheckpoint
@@ -266,7 +266,7 @@ class StateCodec:
             if type(group) not in (Group, LazyGroup):
                 raise CheckpointError(f"{where} is not a group")
             return group  # type: ignore[no-any-return]
-        frames = _frames(memoryview(blob))
+        frames = body_frames(memoryview(blob))
 
         def next_frame() -> memoryview:
             frame = next(frames, None)
@@ -288,19 +288,6 @@ def _unpickled(blob: bytes, where: str) -> Any:
         return pickle.loads(blob)
     except Exception as exc:
         raise CheckpointError(f"{where} cannot be unpickled: {describe_error(exc)}") from exc
-
-
-def _frames(body: memoryview) -> Iterator[memoryview]:
-    at = 0
-    while at < len(body):
-        if at + _FRAME.size > len(body):
-            raise CheckpointError("a group's blob ends inside a frame header")
-        (length,) = _FRAME.unpack_from(body, at)
-        at += _FRAME.size
-        if at + length > len(body):
-            raise CheckpointError("a group's blob ends inside a frame")
-        yield body[at : at + length]
-        at += length
 
 
 def size_on_disk(path: str) -> int:
