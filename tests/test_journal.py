@@ -521,3 +521,21 @@ def test_another_programs_wal_database_gets_no_file_beside_it(tmp_path: Path) ->
         with pytest.raises(CheckpointError, match="not a stalebuf"):
             attempt()
     assert sorted(tmp_path.iterdir()) == before
+
+
+async def test_a_flush_waiting_for_a_stuck_writer_is_cancellable_and_raises_once_closed(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    """flush() waits for the writer in a worker thread: a timeout or cancellation ends the wait at
+    once (the commit still lands later), and a flush after close raises CheckpointError."""
+    buffer = await stuck_buffer(*stuck)
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.05) as scope:
+            await buffer.flush(checkpoint_step=0)
+    assert scope.cancelled_caught
+    stuck[1].execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await buffer.flush()  # the writer caught up: this one returns
+    await buffer.aclose()
+    with pytest.raises(CheckpointError, match="closed"):
+        await buffer.flush()
