@@ -20,7 +20,6 @@ import os
 import pickle
 import sqlite3
 import struct
-from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
@@ -297,10 +296,6 @@ def size_on_disk(path: str) -> int:
         with contextlib.suppress(OSError):
             total += os.stat(name).st_size
     return total
-
-
-#: ``encode`` of a :class:`StateCodec`'s codec, for type checkers.
-Encode = Callable[[Any], bytes]
 
 
 def opened_kind(connection: sqlite3.Connection, path: str) -> Literal["journal", "checkpoint"]:
