@@ -24,8 +24,9 @@ __all__ = [
 ]
 
 #: Event kinds: ``(ADMIT, seq, gid, uid, partition)``, ``(LEFT, seq, gids, reason, records or
-#: None)`` (the groups of one removal, numbered ``seq, seq + 1, ...``; ``records[i]``, when
-#: ``records`` is not None, is the record of ``gids[i]`` the journal has not yet written, or None),
+#: None)`` (the groups of one removal, numbered ``seq, seq + 1, ...``; as recorded it names uids
+#: and candidate records, :meth:`ChangeLog.take` resolves them: then ``records[i]``, when
+#: ``records`` is not None, is the record of ``gids[i]`` the journal may lack, or None),
 #: ``(SAMPLE, seq, partition, step, state)``, ``(MARK, seq, step)``.
 ADMIT, LEFT, SAMPLE, MARK = 0, 1, 2, 3
 #: Why groups leave because of a ``sample`` (undone when recovering at an earlier step); every
@@ -35,14 +36,13 @@ CONSUMER_REASONS = frozenset(("sampled", "stale", "failure", "in_flight"))
 #: the filters' (a recovery lists the groups filtered after its point in ``kept``).
 _RECORDED = CONSUMER_REASONS | {"filtered"}
 _uid_of = attrgetter("uid")
-_WRITTEN = object()  # what ``dirty.pop`` gives for a group the journal has written since it changed
 
 
 class ChangeLog:
     """Groups changed and events since the last :meth:`take`, in the order they happened.
 
     Attributes (read them; change them only through the methods):
-        live: the gid of every resident group, by uid.
+        live: the gid of every resident group, by uid, as of the last take (or seed).
         dirty: uids of resident groups changed since the last take (their content is read then).
         events: admissions, removals, samples and marks since the last take, in order.
         seq: the number of the last event (the journal's position).
@@ -82,7 +82,6 @@ class ChangeLog:
         """Record a new group ``uid`` (a new incarnation, whatever it held before)."""
         gid = self.next_gid
         self.next_gid = gid + 1
-        self.live[uid] = gid
         seq = self.seq = self.seq + 1
         self.events.append((ADMIT, seq, gid, uid, partition))
         self.dirty[uid] = None
@@ -97,41 +96,20 @@ class ChangeLog:
 
     def left(self, groups: Iterable[Any], reason: str, uids: list[str] | None = None) -> None:
         """Record that ``groups`` (records, or in-flight groups for a producer-side reason) left
-        for ``reason``; a consumer-side removal keeps the record of a group whose content the
-        journal has not yet written (a recovery at an earlier step brings it back). ``uids``:
-        theirs, if the caller has them already.
+        for ``reason``; ``uids``: theirs, if the caller has them already (a list it keeps as is).
 
-        One event for the call (a batch of 64 leaves in C-level passes, not 64 appends): its
-        groups get the event numbers ``seq, seq + 1, ...`` in order."""
+        One event for the call, its groups numbered ``seq + 1, seq + 2, ...`` in order. Which
+        incarnation (gid) each was, and whether the journal still lacks its content (then a
+        consumer-side or filter removal keeps its record: a recovery may bring it back or list
+        it), is decided at :meth:`take`, off a ``sample``'s path: here it is O(1) but a copy."""
         if type(groups) is not list:
             groups = list(groups)
-        live, dirty = self.live, self.dirty
         if uids is None:
             uids = list(map(_uid_of, groups))
-        count = len(live)
-        gids = list(map(live.pop, uids, repeat(None)))
-        if count - len(live) != len(gids):
-            # Some were never journaled (a restore evicting what it did not put back): skipped.
-            journaled = [gid is not None for gid in gids]
-            groups, uids = list(compress(groups, journaled)), list(compress(uids, journaled))
-            gids = list(compress(gids, journaled))
-        if gids and not dirty:  # all written (right after a hand-off): no pass over dirty
-            self.events.append((LEFT, self.seq + 1, gids, reason, None))
-            self.seq += len(gids)
-        elif gids:
-            count = len(dirty)
-            # dirty.pop gives None (its value) for a group changed since the journal wrote it,
-            # and each of those shrinks ``dirty``: counting them needs no pass over the list.
-            written = list(map(dirty.pop, uids, repeat(_WRITTEN)))
-            unwritten = count - len(dirty)
-            records = None
-            if unwritten and reason in _RECORDED:
-                if unwritten == len(groups):  # (a copy: the caller's list is the batch's)
-                    records = list(groups)
-                else:
-                    records = [None if w is _WRITTEN else g for g, w in zip(groups, written, strict=True)]
-            self.events.append((LEFT, self.seq + 1, gids, reason, records))
-            self.seq += len(gids)
+        # A copy: the caller's list may be the batch's, which the trainer owns.
+        records = groups.copy() if reason in _RECORDED else None
+        self.events.append((LEFT, self.seq + 1, uids, reason, records))
+        self.seq += len(uids)
         if not self.armed:
             self._first()
 
@@ -162,10 +140,39 @@ class ChangeLog:
             self._first()
 
     def take(self) -> tuple[list[str], list[tuple[Any, ...]], float | None]:
-        """Return and forget what changed: the dirty uids, the events and when the oldest was made."""
-        dirty, events, since = list(self.dirty), self.events, self.since
-        self.dirty.clear()
+        """Return and forget what changed: the dirty uids, the events (removals resolved to
+        gids) and when the oldest was made; ``live`` then names every resident group's gid."""
+        live, dirty, events = self.live, self.dirty, self.events
+        for i, event in enumerate(events):  # replayed in order: a uid may leave and come back
+            kind = event[0]
+            if kind == ADMIT:
+                live[event[3]] = event[2]
+            elif kind == LEFT:
+                events[i] = _resolved(event, live, dirty)
+        taken, since = list(dirty), self.since
+        dirty.clear()
         self.events = []
         self.since = None
         self.armed = False
-        return dirty, events, since
+        return taken, events, since
+
+
+def _resolved(event: tuple[Any, ...], live: dict[str, int], dirty: dict[str, None]) -> tuple[Any, ...]:
+    """A removal as the writer takes it: ``(LEFT, first, gids, reason, records or None)``, where
+    ``records[i]`` is the record of ``gids[i]`` if the journal may lack its content (its uid
+    changed since the last take), else None. A group without a gid (a restore evicting what it
+    never put back, or a uid named twice) is skipped; the event numbers keep their gaps."""
+    kind, first, uids, reason, records = event
+    gids = list(map(live.pop, uids, repeat(None)))
+    if None in gids:
+        journaled = [gid is not None for gid in gids]
+        uids, gids = list(compress(uids, journaled)), list(compress(gids, journaled))
+        if records is not None:
+            records = list(compress(records, journaled))
+    if records is not None:
+        unwritten = list(map(dirty.__contains__, uids))
+        if not any(unwritten):
+            records = None
+        elif not all(unwritten):
+            records = [record if kept else None for record, kept in zip(records, unwritten, strict=True)]
+    return (kind, first, gids, reason, records)
