@@ -34,7 +34,11 @@ directory (``--dir``), with ``journal_interval=1.0`` and the other journal defau
    timed call then starts with cold caches, which costs both buffers more, the journal's extra
    work (two dictionary passes over the batch, the state captured after it) most.
 
-Usage: ``python benchmarks/journal.py [--only producer,throughput,sample] [--rounds N] [--quick]``
+4. **Committing removals** (reported, no target): 4,096 groups committed, then all sampled (64 a
+   step) and that committed (``flush``), history kept: what recording the removal of groups the
+   journal already wrote costs the writer (their records must not be written again).
+
+Usage: ``python benchmarks/journal.py [--only producer,throughput,sample,removals] [--rounds N] [--quick]``
 (``--quick``: tiny sizes, a smoke run whose figures mean nothing). Exits 1 when a target is
 missed (never with ``--quick``). Disk: the ``history kept`` run writes about 1.3 GB (deleted).
 """
@@ -318,6 +322,33 @@ def sample(sizes: Sizes, files: Files) -> dict[str, dict[str, list[int]]]:
     }
 
 
+# -- 4. committing removals (reported, no target) -------------------------------------------------
+
+
+async def _removal_commit(sizes: Sizes, path: str) -> float:
+    """Seconds to sample every group of a committed buffer and commit that (``flush``)."""
+    buf = new_buffer(path, journal_retention_steps=10**9)  # history kept: every removal is written
+    group_payloads = payloads()
+    for i in range(sizes.resident):
+        await buf.put_group(f"g{i}", group_payloads, global_steps=0)
+    await buf.flush()
+    start = time.perf_counter()
+    for step in range(1, sizes.resident // 64 + 1):
+        await buf.sample(step, batch_size=64)
+    await buf.flush()
+    seconds = time.perf_counter() - start
+    await buf.aclose()
+    return seconds
+
+
+def removals(sizes: Sizes, files: Files) -> None:
+    """Time the commit of groups that leave after the journal wrote them (three runs)."""
+    runs = [asyncio.run(_removal_commit(sizes, files.next())) for _ in range(3)]
+    files.clear()
+    print(f"\n4. sampling {sizes.resident:,} committed groups (8 x 4 KiB) and committing that, history kept:")
+    print("  " + ", ".join(f"{seconds * 1e3:.0f} ms" for seconds in runs) + " (reported, no target)")
+
+
 # -- driver --------------------------------------------------------------------------------------
 
 
@@ -335,7 +366,7 @@ def _verdict(figure: str, met: bool, target: str, quick: bool) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run the measurements, print them; exit 1 when a target is missed (never with --quick)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--only", default="producer,throughput,sample")
+    parser.add_argument("--only", default="producer,throughput,sample,removals")
     parser.add_argument("--rounds", type=int, default=None, help="producer ABBA rounds")
     parser.add_argument("--rate", type=float, default=1_500.0, help="paced producer, groups/s")
     parser.add_argument("--dir", default=None, help="where the journals go (default: a temp dir)")
@@ -356,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         met.append(report_throughput(throughput(sizes, sizes.throughput_rounds, files), args.quick))
     if "sample" in only:
         met.append(report_sample(sample(sizes, files), args.quick))
+    if "removals" in only:
+        removals(sizes, files)
     shutil.rmtree(root)
     load = os.getloadavg()
     print(f"\nload average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

@@ -172,15 +172,14 @@ def test_a_saved_file_restores_the_same_checkpoint(tmp_path: Path, codec: Any) -
     assert file_kind(str(path)) == "checkpoint"
     with sqlite_read_only(path) as db:
         keys = dict(db.execute("SELECT key, value FROM stalebuf").fetchall())
-        rows = db.execute("SELECT gid, uid, partition, removed, reason FROM groups ORDER BY gid").fetchall()
-        history = [
-            db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in ("samples", "marks")
-        ]
+        rows = db.execute("SELECT gid, uid, partition FROM groups ORDER BY gid").fetchall()
+        tables = ("samples", "marks", "removals")
+        history = [db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in tables]
     assert (keys["format"], keys["kind"], keys["codec"]) == (1, "checkpoint", "plain" if codec else "pickle")
     assert len(keys["digest"]) == 32
     groups = buf.checkpoint().groups
-    assert rows == [(gid, g.uid, g.partition, None, None) for gid, g in enumerate(groups)]
-    assert history == [0, 0]
+    assert rows == [(gid, g.uid, g.partition) for gid, g in enumerate(groups)]
+    assert history == [0, 0, 0]
     restored = ReplayBuffer.restore(path, in_flight="keep", payload_codec=codec).buffer
     assert type(restored) is Counted
     assert snapshot(restored) == snapshot(buf)
@@ -329,7 +328,7 @@ def test_a_file_of_another_stalebuf_format_or_kind_is_refused_and_kept(
     "change",
     [
         "DELETE FROM groups WHERE gid = 3",
-        "UPDATE groups SET removed = 5, reason = 'sampled' WHERE gid = 3",
+        "INSERT INTO removals (gid, removed, reason) VALUES (3, 5, 'sampled')",
         "UPDATE groups SET gid = 100 WHERE gid = 0",  # the admission order changed
         "UPDATE groups SET record = (SELECT record FROM groups WHERE gid = 1) WHERE gid = 2",
         "INSERT INTO groups (gid, uid, partition, admitted, record) SELECT 100, uid, partition, 0, record "

@@ -307,9 +307,10 @@ def _read_compacted(connection: sqlite3.Connection, state_codec: StateCodec, nam
             f"{name!r} is truncated or has trailing data ({size} bytes for {pages} pages of {page_size})"
         )
     state, digest = read_key(connection, "state"), read_key(connection, "digest")
-    rows = connection.execute("SELECT removed, record FROM groups ORDER BY gid").fetchall()
-    blobs: list[Any] = [state, *(record for _, record in rows)]
-    if any(type(blob) is not bytes for blob in blobs) or any(removed is not None for removed, _ in rows):
+    rows = connection.execute("SELECT record FROM groups ORDER BY gid").fetchall()
+    (removals,) = connection.execute("SELECT COUNT(*) FROM removals").fetchone()
+    blobs: list[Any] = [state, *(record for (record,) in rows)]
+    if any(type(blob) is not bytes for blob in blobs) or removals:
         raise CheckpointError(f"{name!r} is corrupt (a state or a group record is missing)")
     if type(digest) is not bytes or _digest_of(blobs) != digest:
         raise CheckpointError(f"{name!r} is corrupt (checksum mismatch)")

@@ -7,7 +7,9 @@ default), or JSON rows with payloads through the user's codec (no pickle anywher
 
 Tables: ``stalebuf`` (key/value: format, kind, codec, the latest state, the sequence counters),
 ``groups`` (one row per group incarnation, ``gid`` in admission order: admitted at event
-``admitted``, removed at event ``removed`` for ``reason``, its latest ``record``), ``samples``
+``admitted``, its latest ``record``), ``removals`` (a group that left: at event ``removed``, for
+``reason``; a row of its own, so that recording it never rewrites the group's record, which
+would double what the disk writes), ``samples``
 (each committed ``sample`` that returned a batch: its event number, partition, step and the
 state right after it), ``commits`` (event number and wall time of each commit) and ``marks``
 (the trainer's ``flush(checkpoint_step=g)``).
@@ -60,8 +62,9 @@ _HEADER = 100  # bytes of an SQLite file's header
 _SCHEMA = (
     "CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)",
     "CREATE TABLE groups (gid INTEGER PRIMARY KEY, uid TEXT NOT NULL, partition TEXT NOT NULL, "
-    "admitted INTEGER NOT NULL, removed INTEGER, reason TEXT, record BLOB)",
-    "CREATE INDEX groups_removed ON groups (removed)",
+    "admitted INTEGER NOT NULL, record BLOB)",
+    "CREATE TABLE removals (gid INTEGER PRIMARY KEY, removed INTEGER NOT NULL, reason TEXT NOT NULL)",
+    "CREATE INDEX removals_removed ON removals (removed)",
     "CREATE TABLE samples (seq INTEGER PRIMARY KEY, partition TEXT NOT NULL, step TEXT NOT NULL, "
     "state BLOB NOT NULL)",
     "CREATE TABLE commits (seq INTEGER PRIMARY KEY, wall REAL NOT NULL)",

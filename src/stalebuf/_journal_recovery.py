@@ -27,6 +27,9 @@ from .records import Group
 
 __all__ = ["Recovery", "read_recovery", "void_after"]
 
+#: A group row as a recovery reads it (a group not removed has no ``removals`` row: NULLs).
+_COLUMNS = "gid, uid, admitted, removed, reason, record"
+
 #: The counters each consumer-side removal added to (groups, trajectories, tokens), per reason.
 _UNDONE: Mapping[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "sampled": (("sampled_groups",), ("sampled_trajectories",), ("sampled_tokens",)),
@@ -106,7 +109,7 @@ def _read(
     point, at_point = _point(connection, codec, global_steps, partition)
     reasons = ",".join(f"'{reason}'" for reason in sorted(CONSUMER_REASONS))
     rows = connection.execute(
-        "SELECT gid, uid, admitted, removed, reason, record FROM groups "
+        f"SELECT {_COLUMNS} FROM groups LEFT JOIN removals USING (gid) "
         f"WHERE removed IS NULL OR (removed > ? AND reason IN ({reasons})) ORDER BY gid",
         (point,),
     ).fetchall()
@@ -139,7 +142,7 @@ def _read(
         [m for m in marks if m[0] <= point or m[1] <= global_steps],
     )
     filtered = connection.execute(
-        "SELECT gid, uid, admitted, removed, reason, record FROM groups "
+        f"SELECT {_COLUMNS} FROM groups JOIN removals USING (gid) "
         "WHERE reason = 'filtered' AND admitted > ? AND record IS NOT NULL",
         (point,),
     ).fetchall()
@@ -168,7 +171,7 @@ def _at_last_commit(
 ) -> Recovery:
     """The journal's state at its last commit: ``latest`` with every group not removed."""
     rows = connection.execute(
-        "SELECT gid, uid, admitted, removed, reason, record FROM groups WHERE removed IS NULL ORDER BY gid"
+        f"SELECT {_COLUMNS} FROM groups LEFT JOIN removals USING (gid) WHERE removed IS NULL ORDER BY gid"
     ).fetchall()
     groups = [(row, _group(codec, row)) for row in rows]
     state = checked(latest, tuple(group for _, group in groups))  # (no converter on unchecked values)
@@ -313,9 +316,9 @@ def void_after(
                 (point, *marks),
             )
         for gid in recovery.undone:
-            execute("UPDATE groups SET removed = NULL, reason = NULL WHERE gid = ?", (gid,))
+            execute("DELETE FROM removals WHERE gid = ?", (gid,))
         for gid in (*recovery.dropped_gids, *restarted):
-            execute("UPDATE groups SET removed = ?, reason = 'restart' WHERE gid = ?", (seq, gid))
+            execute("INSERT OR REPLACE INTO removals VALUES (?, ?, 'restart')", (gid, seq))
         execute("COMMIT")
     except BaseException:
         execute("ROLLBACK")

@@ -269,11 +269,15 @@ class JournalWriter:
                 "INSERT INTO groups (gid, uid, partition, admitted) VALUES (?, ?, ?, ?)", admitted.values()
             )
             executemany(
-                "UPDATE groups SET removed = ?, reason = ?, record = COALESCE(?, record) WHERE gid = ?",
+                "INSERT OR REPLACE INTO removals (gid, removed, reason) VALUES (?, ?, ?)",
+                ((gid, seq, reason) for seq, gid, reason, _ in gone if seq >= horizon),
+            )
+            executemany(  # the content of a group that left before the journal wrote it
+                "UPDATE groups SET record = ? WHERE gid = ?",
                 (
-                    (seq, reason, None if record is None else codec.group(record), gid)
-                    for seq, gid, reason, record in gone
-                    if seq >= horizon
+                    (codec.group(record), gid)
+                    for seq, gid, _, record in gone
+                    if record is not None and seq >= horizon
                 ),
             )
             executemany("DELETE FROM groups WHERE gid = ?", ((gid,) for gid in doomed))
@@ -332,9 +336,12 @@ class JournalWriter:
         executemany("DELETE FROM samples WHERE seq = ?", ((seq,) for seq in sorted(prune.samples)))
         executemany("DELETE FROM marks WHERE seq = ?", ((seq,) for seq in sorted(prune.marks)))
         if prune.oldest is None:
-            execute("DELETE FROM groups WHERE removed IS NOT NULL")
+            execute("DELETE FROM groups WHERE gid IN (SELECT gid FROM removals)")
+            execute("DELETE FROM removals")
             return
-        execute("DELETE FROM groups WHERE removed IS NOT NULL AND removed < ?", (prune.oldest,))
+        oldest = (prune.oldest,)
+        execute("DELETE FROM groups WHERE gid IN (SELECT gid FROM removals WHERE removed < ?)", oldest)
+        execute("DELETE FROM removals WHERE removed < ?", oldest)
         execute("DELETE FROM commits WHERE seq < ? AND seq < (SELECT MAX(seq) FROM commits)", (prune.oldest,))
 
 
