@@ -252,9 +252,8 @@ def disk_ceiling(groups: int, root: str) -> float:
     start = time.monotonic()
     for first in range(0, groups, 1_000):
         connection.execute("BEGIN IMMEDIATE")
-        connection.executemany(
-            "INSERT INTO groups VALUES (?, ?)", ((i, blob) for i in range(first, first + 1_000))
-        )
+        rows = ((i, blob) for i in range(first, min(groups, first + 1_000)))
+        connection.executemany("INSERT INTO groups VALUES (?, ?)", rows)
         connection.execute("COMMIT")
     seconds = time.monotonic() - start
     connection.close()
