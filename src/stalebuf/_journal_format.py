@@ -135,7 +135,7 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
         else:  # a minute for another process's lock: a reader never blocks a WAL writer anyway
             connection = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
         try:
-            (verdict,) = connection.execute("PRAGMA quick_check").fetchone()
+            (verdict,) = connection.execute("PRAGMA integrity_check").fetchone()
             if verdict != "ok":
                 raise CheckpointError(f"{path!r} is corrupt: {verdict}")
             if not read_only:
