@@ -5,7 +5,8 @@ A checkpoint is a stalebuf SQLite file of kind "checkpoint": the buffer's state 
 (the ``state`` key), every resident group as a ``groups`` row in admission order, no removals,
 samples, marks or commits history, and a ``digest``: the SHA-256 of the state and of every group's
 record in order, each preceded by its length (8 bytes, big-endian). SQLite checks the file's
-structure on open (``PRAGMA integrity_check``) but keeps no checksum of the values in it; the digest catches a flipped bit in a payload, and it is checked before anything is unpickled.
+structure on open (``PRAGMA integrity_check``) but keeps no checksum of the values in it; the
+digest catches a flipped bit in a payload, and it is checked before anything is unpickled.
 
 A write goes to a temporary file in the same directory (``_checkpoint_path``), built with SQLite's
 own journal off (the file is not in place until it is complete: the rename is the commit), one
