@@ -9,11 +9,15 @@ on asyncio and trio, every wait bounded by ``anyio.fail_after``.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Awaitable, Callable
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from _helpers import LIMIT, add_group, assert_conserved, make, resident_groups, settle
@@ -24,6 +28,7 @@ from stalebuf import (
     GroupEvictedError,
     ReplayBuffer,
     RolloutGroup,
+    SamplerConfig,
     Status,
 )
 
@@ -474,3 +479,147 @@ async def test_a_failing_block_fails_only_the_group_it_entered_with() -> None:
         await body()
     assert status_of(buf, "u") is Status.PENDING
     assert_conserved(buf)
+
+
+# -- under a journal's backpressure --------------------------------------------------------------
+
+
+class StuckJournal:
+    """A journaled buffer (admission: one group a step) whose writer cannot commit while
+    another connection holds the file's write lock: after a change, its writer is behind."""
+
+    def __init__(self, path: Path) -> None:
+        config = SamplerConfig(max_off_policy_threshold=1, admission_batch_size=1)
+        self.buf = ReplayBuffer(config, journal=path, journal_interval=0.001, journal_max_pending_bytes=1)
+        self.lock = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
+
+    async def fall_behind(self) -> None:
+        """Hold the write lock and make a change: the writer's queue is over the limit."""
+        self.lock.execute("BEGIN IMMEDIATE")
+        self.buf.put_group_nowait(f"other{random.random()}", [b"x" * 100], global_steps=0, partition="other")
+        await self.behind()
+
+    async def behind(self) -> None:
+        """Return once the writer's queue is over the limit (another thread: polled)."""
+        while True:
+            if self.buf.stats().journal_pending_bytes > 1:
+                return
+            await anyio.sleep(0.002)
+
+    def catch_up(self) -> None:
+        self.lock.execute("ROLLBACK")
+
+    async def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.lock.execute("ROLLBACK")
+        self.lock.close()
+        await self.buf.aclose()
+
+
+@pytest.fixture
+async def stuck(tmp_path: Path) -> AsyncIterator[StuckJournal]:
+    journal = StuckJournal(tmp_path / "journal.db")
+    yield journal
+    await journal.close()
+
+
+async def admitted_while_behind(
+    stuck: StuckJournal, produce: Callable[[], Awaitable[None]]
+) -> anyio.abc.TaskGroup:
+    """Fill admission, park ``produce`` on it, let the writer fall behind, then open a slot."""
+    buf = stuck.buf
+    buf.put_group_nowait("first", [b"f"], global_steps=0)
+    await buf.flush()
+    tasks = anyio.create_task_group()
+    await tasks.__aenter__()
+    tasks.start_soon(produce)
+    await settle()
+    assert buf.stats().total.waiting_producers == 1
+    await stuck.fall_behind()
+    await buf.sample(0, 1)
+    with pytest.raises(TimeoutError):
+        await buf.sample(1, 1, timeout=0)  # the clock moves to 1: a slot opens, the producer is admitted
+    return tasks
+
+
+async def test_a_rollout_admitted_while_the_journal_is_behind_waits_to_start(stuck: StuckJournal) -> None:
+    """Defect: the block marked its just-admitted group RUNNING with ``mark_running_nowait``, which
+    raised BufferFullError while the journal's writer was behind, so the block raised and left the
+    group PENDING for good, holding its admission slot (and the wait gate)."""
+    entered: list[RolloutGroup] = []
+
+    async def produce() -> None:
+        async with stuck.buf.rollout("r") as group:
+            entered.append(group)
+
+    with anyio.fail_after(LIMIT):
+        tasks = await admitted_while_behind(stuck, produce)
+        await settle()
+        assert not entered
+        assert status_of(stuck.buf, "r") is Status.PENDING  # admitted, waiting for the writer
+        stuck.catch_up()
+        await tasks.__aexit__(None, None, None)
+    assert [group.uid for group in entered] == ["r"]
+    assert status_of(stuck.buf, "r") is Status.FINISHED
+
+
+async def test_a_rollout_cancelled_while_waiting_to_start_fails_its_group(stuck: StuckJournal) -> None:
+    """An admitted group whose block is cancelled before it could start is FAILED, not left PENDING."""
+    scope = anyio.CancelScope()
+
+    async def produce() -> None:
+        with scope:
+            async with stuck.buf.rollout("r"):
+                pytest.fail("entered while the journal's writer was behind")
+
+    with anyio.fail_after(LIMIT):
+        tasks = await admitted_while_behind(stuck, produce)
+        await settle()
+        scope.cancel()
+        await tasks.__aexit__(None, None, None)
+    assert status_of(stuck.buf, "r") is Status.FAILURE
+
+
+async def test_a_rollout_closed_while_waiting_to_start_exits_quietly_evicted(stuck: StuckJournal) -> None:
+    """``close()`` while the admitted block waits for the writer: the block exits quietly, evicted."""
+    entered: list[RolloutGroup] = []
+
+    async def produce() -> None:
+        async with stuck.buf.rollout("r") as group:
+            entered.append(group)
+            await anyio.sleep_forever()
+
+    with anyio.fail_after(LIMIT):
+        tasks = await admitted_while_behind(stuck, produce)
+        await settle()
+        tasks.start_soon(stuck.buf.aclose)  # its final commit waits for the writer, in a thread
+        await settle()
+        stuck.catch_up()
+        await tasks.__aexit__(None, None, None)
+    [group] = entered
+    assert group.evicted
+
+
+async def test_group_put_waits_for_the_journals_writer_instead_of_raising(stuck: StuckJournal) -> None:
+    """Defect: ``await group.put(...)`` ran ``put_nowait`` and raised BufferFullError while the
+    journal's writer was behind; as ``ReplayBuffer.put``, it now waits."""
+    keys: list[str] = []
+    entered, behind = anyio.Event(), anyio.Event()
+
+    async def produce() -> None:
+        async with stuck.buf.rollout("r") as group:
+            entered.set()
+            await behind.wait()
+            keys.append(await group.put(b"t"))
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(produce)
+            await entered.wait()
+            await stuck.fall_behind()
+            behind.set()
+            await settle()
+            assert not keys
+            stuck.catch_up()
+    assert keys == ["r_0_0"]
+    assert status_of(stuck.buf, "r") is Status.FINISHED

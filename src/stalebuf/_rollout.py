@@ -28,9 +28,21 @@ class RolloutBuffer(Protocol):
         self, uid: str, *, global_steps: int | None, partition: str, tags: Mapping[str, Any] | None
     ) -> None: ...
 
-    def mark_running_nowait(self, uid: str, *, version: int | None = None) -> None: ...
+    async def mark_running(self, uid: str, *, version: int | None = None) -> None: ...
 
     def put_nowait(
+        self,
+        uid: str,
+        payload: Any = None,
+        *,
+        session_id: int,
+        index: int,
+        tags: Mapping[str, Any] | None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        tokens: int | None = None,
+    ) -> str: ...
+
+    async def put(
         self,
         uid: str,
         payload: Any = None,
@@ -106,9 +118,10 @@ class RolloutGroup:
         versions: Sequence[tuple[int, int]] | None = None,
         tokens: int | None = None,
     ) -> str:
-        """Add one trajectory and return its key; the async twin of :meth:`put_nowait`."""
-        return self.put_nowait(
-            payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
+        """Add one trajectory and return its key; the async twin of :meth:`put_nowait` (under a
+        journal it waits while the journal's writer is behind, as ``ReplayBuffer.put`` does)."""
+        return await self._buffer.put(
+            self.uid, payload, session_id=session_id, index=index, tags=tags, versions=versions, tokens=tokens
         )
 
 
@@ -124,21 +137,19 @@ async def rollout(
 ) -> AsyncIterator[RolloutGroup]:
     """Admit, run and end one group (see ``ReplayBuffer.rollout``)."""
     await buffer.add_prompt(uid, global_steps=global_steps, partition=partition, tags=tags)
-    buffer.mark_running_nowait(uid, version=version)
     with anyio.CancelScope() as scope:
-        group: RolloutGroup | None = None
 
         def evicted() -> None:
-            assert group is not None  # watched below, before anything can evict it
             ending = watch.ending
             group.cut = ending in ("cut", "cut-evicted")
             group.evicted = ending != "cut"  # stale in flight, closed, or cut and evicted
             scope.cancel()
 
-        # Just admitted and marked running, nothing ran since: the watch is on this very group,
-        # and the block ends only it (never a later group that reuses the uid).
+        # Just admitted, nothing ran since: the watch is on this very group, and the block ends
+        # only it (never a later group that reuses the uid).
         watch = buffer.watch(uid, evicted)
         group = RolloutGroup(buffer, uid, partition, watch.dispatch_step)
+        await _start(buffer, watch, group, version)
         try:
             yield group
         except BaseException as exc:
@@ -154,6 +165,19 @@ async def rollout(
                 raise rest from None  # what is left (cancellations, other errors) goes on
         if not group.evicted and not group.cut:
             buffer.end_watched(watch, finished=True)
+
+
+async def _start(buffer: RolloutBuffer, watch: GroupWatch, group: RolloutGroup, version: int | None) -> None:
+    """Mark the admitted ``group`` RUNNING, waiting while a journal's writer is behind (it holds an
+    admission slot now: a refusal must not leak it). If that wait fails, the group is ended
+    FAILED and the error raised; if the group is evicted or cut meanwhile, the block's body then
+    starts cancelled and the block exits quietly, as for an eviction while the body runs."""
+    try:
+        await buffer.mark_running(group.uid, version=version)
+    except BaseException:
+        if not group.evicted and not group.cut:
+            buffer.end_watched(watch, finished=False)
+            raise
 
 
 _REFUSALS = (GroupEvictedError, GroupCutError, BufferClosedError)
