@@ -8,11 +8,13 @@ Runs on the local Ray instance of the session (see ``test_ray.py``: whichever fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
 import shutil
 import signal
+import sqlite3
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +30,7 @@ import ray
 import ray.cloudpickle
 
 from stalebuf import BufferStats, ReplayBuffer, SamplerConfig, Status
-from stalebuf.errors import BufferUnavailableError, CheckpointError, ConfigError
+from stalebuf.errors import BufferFullError, BufferUnavailableError, CheckpointError, ConfigError
 from stalebuf.ray import PayloadRef, RemoteReplayBuffer, RemoteRestoreResult, resolve
 from stalebuf.ray._protocol import PROTOCOL_VERSION
 
@@ -322,6 +324,56 @@ async def test_flush_commits_marks_and_refuses_as_locally(tmp_path: Path) -> Non
                 await buffer.flush()
     finally:
         plain.kill()
+        buffer.kill()
+
+
+@pytest.mark.asyncio
+async def test_remote_producer_calls_wait_while_the_journals_writer_is_behind(tmp_path: Path) -> None:
+    """Defect: the actor applied a client's ``put`` and ``mark_*`` as their ``*_nowait`` forms,
+    so while the journal's writer was behind they raised BufferFullError instead of waiting as
+    the local async calls do; a remote ``rollout()`` admitted then left its group PENDING. Now
+    they wait for the writer and then run, in order; ``put_group_nowait`` still raises."""
+    path = tmp_path / "j"
+    buffer = RemoteReplayBuffer(
+        journal=path, journal_interval=0.001, journal_max_pending_bytes=1, status_log_interval=None
+    )
+    lock = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
+    try:
+        with anyio.fail_after(STEP_TIMEOUT):
+            await buffer.add_prompt("g", global_steps=0)
+            await buffer.flush()
+            lock.execute("BEGIN IMMEDIATE")  # the actor's writer cannot commit now
+            await buffer.put_group("other", [b"x" * 100], global_steps=0)
+            while True:  # the writer is another process's thread: polled
+                if (await buffer.stats()).journal_pending_bytes > 1:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(BufferFullError, match="journal_max_pending_bytes"):
+                await buffer.put_group_nowait("refused", [b"z"], global_steps=0)
+            put = asyncio.ensure_future(buffer.put("g", b"p"))
+            finish = asyncio.ensure_future(buffer.mark_finished("g"))
+            entered: list[str] = []
+
+            async def produce() -> None:
+                async with buffer.rollout("r", global_steps=0) as group:
+                    entered.append(group.uid)
+
+            rollout = asyncio.ensure_future(produce())
+            await asyncio.sleep(0.3)
+            assert [call.done() for call in (put, finish, rollout)] == [False] * 3
+            lock.execute("ROLLBACK")
+            assert await put == "g_0_0"
+            await finish
+            await rollout
+            assert entered == ["r"]
+            groups = {group.uid: group for group in (await buffer.sample(0, 3))[0]}
+            assert groups["g"].status is Status.FINISHED
+            assert [t.key for t in groups["g"].trajectories] == ["g_0_0"]
+            assert groups["r"].status is Status.FINISHED
+    finally:
+        with contextlib.suppress(sqlite3.Error):
+            lock.execute("ROLLBACK")
+        lock.close()
         buffer.kill()
 
 

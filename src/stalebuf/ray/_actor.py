@@ -33,33 +33,25 @@ from .._validation import describe, int_at_least
 from ..buffer import ReplayBuffer
 from ..checkpoint import BufferCheckpoint
 from ..config import SamplerConfig
-from ..errors import BufferFullError, ConfigError
+from ..errors import ConfigError
 from ..filters import GroupFilter
 from ..records import Batch, EvictionEvent, Group
 from ..stats import BufferStats
-from ._admission import AdmissionAbandonedError, AdmissionLedger
+from ._admission import AdmissionLedger
 from ._hosted import HostedBuffer, Restored, build_buffer
 from ._ledger import SampleLedger, SampleResult
 from ._options import buffer_options
 from ._payloads import checkpoint_values
+from ._producer_ops import ProducerOps
 from ._protocol import (
     FLOW_QUERIES,
     PROTOCOL_VERSION,
-    AddPrompt,
-    EndRollout,
     JournalRequest,
-    MarkFailed,
-    MarkFinished,
-    Op,
-    OpenRollout,
     Outcome,
-    Parked,
     ProtocolError,
-    PutGroup,
     RecoverRequest,
     RestoreRequest,
     SampleRequest,
-    WaitingOp,
     Wire,
     decode_op,
     decode_sample,
@@ -99,8 +91,6 @@ CONCURRENCY_GROUPS: Mapping[str, int] = {
     CONTROL_GROUP: 16,
     EVENTS_GROUP: 64,
 }
-# Producer operations that end a group by uid (a watched rollout's watch is then released).
-_ENDING = (MarkFinished, MarkFailed, PutGroup)
 
 
 class BufferHost:
@@ -138,6 +128,7 @@ class BufferHost:
         self._buffer = hosted.buffer
         self._restored: Restored = hosted.restored()
         self._watches = RolloutWatches(self._buffer)
+        self._ops = ProducerOps(self._buffer, self._admissions, self._watches)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -208,6 +199,8 @@ class BufferHost:
         store from this actor (one object per operation), so the actor owns them. An operation
         with a token that finds no admission slot is parked (its outcome is ``Parked(token)``:
         collect it with :meth:`await_admission`); this call never waits for admission.
+        ``mark_running``, ``put``, ``mark_finished`` and ``mark_failed`` wait while the buffer's
+        journal's writer is behind, as the local async calls do.
 
         Raises:
             ProtocolError: an operation this actor cannot decode (nothing is applied).
@@ -216,36 +209,11 @@ class BufferHost:
         decoded = [decode_op(op) for op in ops]
         if upload:
             decoded = store_payloads(decoded)
-        return await self._on_home(lambda: [self._apply(op) for op in decoded])
-
-    def _apply(self, op: Op) -> Outcome:
-        if isinstance(op, EndRollout):  # by the block's token: only the group it entered
-            return Outcome(True, self._watches.end(op.token, finished=op.finished))
-        token = op.token if isinstance(op, (AddPrompt, PutGroup, OpenRollout)) else None
-        if token is not None and not self._admissions.arrived(token):
-            return Outcome(False, AdmissionAbandonedError(f"operation {token!r} was abandoned"))
-        try:
-            value: Any = op.apply(self._buffer)
-        except BufferFullError as exc:
-            if token is None:
-                return Outcome(False, exc)
-            assert isinstance(op, (AddPrompt, PutGroup, OpenRollout))
-            self._admissions.park(token, self._admit_waiting(op))
-            return Outcome(True, Parked(token))
-        except Exception as exc:
-            return Outcome(False, exc)
-        if type(op) is OpenRollout:
-            value = self._watches.open(op.token, op.uid)
-        elif self._watches and isinstance(op, _ENDING):
-            self._watches.ended(op.uid)
-        return Outcome(True, value)
-
-    async def _admit_waiting(self, op: WaitingOp) -> Any:
-        """The waiting form of ``op`` (a parked task on the home loop)."""
-        value = await op.apply_waiting(self._buffer)
-        if type(op) is OpenRollout:  # in the step of the loop that admitted it
-            return self._watches.open(op.token, op.uid)
-        return value
+        applier = self._ops
+        outcomes, rest = await self._on_home(lambda: applier.apply_until_behind(decoded))
+        if rest:  # the journal's writer is behind: the rest waits for it, as the local calls do
+            outcomes += await self._await_on_home(applier.apply_waiting(rest))
+        return outcomes
 
     # -- admission and watch groups ---------------------------------------------------
 

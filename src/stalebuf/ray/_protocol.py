@@ -33,6 +33,7 @@ from ._payloads import PackedRun, store_group, stored_value
 
 __all__ = [
     "FLOW_QUERIES",
+    "JOURNAL_WAITING",
     "PROTOCOL_VERSION",
     "AddPrompt",
     "EndRollout",
@@ -114,6 +115,10 @@ class MarkRunning(NamedTuple):
         """Run the operation on ``buffer``; raises what ``mark_running_nowait`` raises."""
         buffer.mark_running_nowait(self.uid, version=self.version)
 
+    async def apply_waiting(self, buffer: ReplayBuffer) -> None:
+        """Run it waiting while the journal's writer is behind; raises what ``mark_running`` raises."""
+        await buffer.mark_running(self.uid, version=self.version)
+
 
 class Put(NamedTuple):
     """``put(uid, payload, session_id=..., index=..., tags=..., versions=..., tokens=...)``."""
@@ -129,6 +134,18 @@ class Put(NamedTuple):
     def apply(self, buffer: ReplayBuffer) -> str:
         """Run the operation on ``buffer``; raises what ``put_nowait`` raises."""
         return buffer.put_nowait(
+            self.uid,
+            self.payload,
+            session_id=self.session_id,
+            index=self.position,
+            tags=self.tags,
+            versions=self.versions,
+            tokens=self.tokens,
+        )
+
+    async def apply_waiting(self, buffer: ReplayBuffer) -> str:
+        """Run it waiting while the journal's writer is behind; raises what ``put`` raises."""
+        return await buffer.put(
             self.uid,
             self.payload,
             session_id=self.session_id,
@@ -172,6 +189,10 @@ class MarkFinished(NamedTuple):
         """Run the operation on ``buffer``; raises what ``mark_finished_nowait`` raises."""
         buffer.mark_finished_nowait(self.uid)
 
+    async def apply_waiting(self, buffer: ReplayBuffer) -> None:
+        """Run it waiting while the journal's writer is behind; raises what ``mark_finished`` raises."""
+        await buffer.mark_finished(self.uid)
+
 
 class MarkFailed(NamedTuple):
     """``mark_failed(uid)``."""
@@ -181,6 +202,10 @@ class MarkFailed(NamedTuple):
     def apply(self, buffer: ReplayBuffer) -> None:
         """Run the operation on ``buffer``; raises what ``mark_failed_nowait`` raises."""
         buffer.mark_failed_nowait(self.uid)
+
+    async def apply_waiting(self, buffer: ReplayBuffer) -> None:
+        """Run it waiting while the journal's writer is behind; raises what ``mark_failed`` raises."""
+        await buffer.mark_failed(self.uid)
 
 
 class PutGroup(NamedTuple):
@@ -269,8 +294,19 @@ class OpenRollout(NamedTuple):
         await buffer.add_prompt(
             self.uid, global_steps=self.global_steps, partition=self.partition, tags=self.tags
         )
-        # Admission returned in the same step of the loop it admitted in: nothing ran between.
-        buffer.mark_running_nowait(self.uid, version=version)
+        # Admitted, nothing ran since: this very group. Starting it waits while the journal's
+        # writer is behind (the admission wait does not look at it); a failed wait fails the
+        # group, which holds an admission slot now.
+        watch = buffer.watch(self.uid, _ignore)
+        try:
+            await buffer.mark_running(self.uid, version=version)
+        except BaseException:
+            buffer.end_watched(watch, finished=False)
+            raise
+
+
+def _ignore() -> None:
+    """A watch callback that does nothing (the actor's own watch of the group comes next)."""
 
 
 class EndRollout(NamedTuple):
@@ -373,6 +409,10 @@ class Outcome(NamedTuple):
 Op = AddPrompt | MarkRunning | Put | MarkFinished | MarkFailed | PutGroup | OpenRollout | EndRollout
 #: The operations that may wait for admission (they carry a token).
 WaitingOp = AddPrompt | PutGroup | OpenRollout
+#: The operations whose ``*_nowait`` form raises BufferFullError only while the buffer's journal's
+#: writer is behind (the client's ``mark_running``, ``put``, ``mark_finished`` and ``mark_failed``,
+#: which wait for it, as the local async calls do).
+JOURNAL_WAITING = (MarkRunning, Put, MarkFinished, MarkFailed)
 _Record = Op | SampleRequest
 
 # The wire code of a record is its position here: append new kinds, never reorder.
