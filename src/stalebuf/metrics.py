@@ -204,13 +204,14 @@ class SampleMetrics:
             low, high, stale_sum = min(steps), max(steps), sum(steps)
         finished = sum(map(_finish_step_of, sampled))
         origin = global_steps + 1
-        # One dict display: the common call evicted nothing, and this is all it returns.
+        # One dict display: the common call evicted nothing, and this is all it returns. The means
+        # divide exact int differences once (steps near 2**63 lose nothing in float64).
         metrics = {
-            keys.sampled_mean: (origin - stale_sum / n) / sync_step,
+            keys.sampled_mean: (origin * n - stale_sum) / (n * sync_step),
             keys.sampled_max: (origin - low) / sync_step,
             keys.sampled_min: (origin - high) / sync_step,
             keys.generation_steps: (finished - dispatched) / n,
-            keys.queue_steps: global_steps - finished / n,
+            keys.queue_steps: (global_steps * n - finished) / n,
             keys.generation_seconds: sum(map(_generation_seconds_of, sampled)) / n,
             keys.wait: float(wait_seconds),
         }
