@@ -29,6 +29,9 @@ from .records import Group
 __all__ = ["Handoff", "JournalWriter"]
 
 logger = logging.getLogger("stalebuf")
+#: The longest the thread waits at once for a tick (it then waits again): ``threading`` refuses
+#: timeouts beyond ``TIMEOUT_MAX`` (OverflowError), and ``journal_interval`` may be any finite number.
+_MAX_WAIT = 3600.0
 
 
 @attrs.frozen
@@ -212,7 +215,10 @@ class JournalWriter:
                     return self._queue[0], None
                 if self._closing:
                     return None, None
-                self._condition.wait(None if tick is None else max(0.0, tick[0] - monotonic()))
+                # (capped: a huge journal_interval would be more than a thread can wait)
+                self._condition.wait(
+                    None if tick is None else min(max(0.0, tick[0] - monotonic()), _MAX_WAIT)
+                )
 
     def _commit(self, handoff: Handoff) -> None:
         """Encode ``handoff`` and write it in one transaction.
