@@ -102,15 +102,23 @@ class Journal:
     # -- commits ------------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """The first change since the last hand-off: have the writer post the next one."""
-        post = _loop_post()
-        if post is None:  # no running loop: committed at the next flush or close, or timed by
+        """The first change since the last hand-off (or since the loop that was to commit it
+        ended): have the writer post the next one to this change's loop."""
+        loop = _running_loop()
+        if loop is None:  # no running loop: committed at the next flush or close, or timed by
             self.log.disarm()  # the next change made on a loop
             return
-        self._post = post
-        interval = self.options.interval
-        if interval > 0:
-            self.writer.request_tick(monotonic() + interval, lambda: self._posted(post, self._tick))
+        self._post, self.log.alive = loop
+        # Under journal_interval=0 the calls commit before they return; this tick commits what
+        # changed outside them at once (a sample's cut while it waits, say).
+        self.writer.request_tick(monotonic() + self.options.interval, self._fire)
+
+    def _fire(self) -> None:
+        """In the writer thread, when the interval has passed: post the hand-off to the loop of
+        the latest change (an earlier tick may have been asked for from a loop that has ended)."""
+        post = self._post
+        if post is not None:
+            self._posted(post, self._tick)
 
     def _posted(self, post: _Post, callback: Callable[[], object]) -> None:
         """Run ``callback`` on the loop ``post`` reaches (from the writer thread); a loop that has
@@ -259,7 +267,9 @@ class Journal:
         if not self._waiters and not self._over():
             return
         self._raise_if_broken()
-        self._post = _loop_post() or self._post
+        loop = _running_loop()
+        if loop is not None:
+            self._post = loop[0]
         waiter = _RoomWaiter()
         self._waiters.append(waiter)
         try:
@@ -305,24 +315,35 @@ class Journal:
         return writer.commits, writer.size(), max(writer.pending_bytes, 0), lag
 
 
-def _loop_post() -> _Post | None:
-    """How to run a callback on the running event loop from another thread (None if none runs).
+def _running_loop() -> tuple[_Post, Callable[[], bool]] | None:
+    """How to run a callback on the running event loop from another thread, and whether that
+    loop still runs (asked on the loop's thread); None if no loop runs.
 
     Asked directly (not through anyio, which finds no loop in a plain loop callback such as the
     thread handle's calls, and costs tens of µs): asyncio's running loop, else trio's token.
     """
     try:
-        return asyncio.get_running_loop().call_soon_threadsafe
+        loop = asyncio.get_running_loop()
     except RuntimeError:
         pass
+    else:
+        return loop.call_soon_threadsafe, loop.is_running
     trio = sys.modules.get("trio")  # (never imported for this: a trio loop has imported it)
-    if trio is not None:
+    if trio is None:
+        return None
+    current = trio.lowlevel.current_trio_token
+    try:
+        token = current()
+    except RuntimeError:
+        return None
+
+    def alive() -> bool:
         try:
-            run_sync_soon: _Post = trio.lowlevel.current_trio_token().run_sync_soon
+            return current() is token
         except RuntimeError:
-            return None
-        return run_sync_soon
-    return None
+            return False
+
+    return token.run_sync_soon, alive
 
 
 def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
