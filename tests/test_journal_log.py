@@ -47,7 +47,9 @@ def reference(
             _, names, reason, n = op
             gids = [(uid, live.pop(uid, None)) for uid in names]
             journaled_gids = [(uid, gid) for uid, gid in gids if gid is not None]
-            left += [(seq + 1 + i, gid, reason, Removed(uid, n)) for i, (uid, gid) in enumerate(journaled_gids)]
+            left += [
+                (seq + 1 + i, gid, reason, Removed(uid, n)) for i, (uid, gid) in enumerate(journaled_gids)
+            ]
             seq += len(names)
     # A uid changed at any time before the take: the journal may lack that content.
     rows = [(s, gid, reason, record if reason in _KEPT and record.uid in dirty else None)
@@ -55,7 +57,9 @@ def reference(
     return live, list(dirty), rows, admitted, seq
 
 
-def expanded(events: list[tuple[Any, ...]]) -> tuple[list[tuple[int, int, str, Any]], list[tuple[int, int, str]]]:
+def expanded(
+    events: list[tuple[Any, ...]],
+) -> tuple[list[tuple[int, int, str, Any]], list[tuple[int, int, str]]]:
     """The log's LEFT events, one row per group, and its ADMIT events."""
     rows, admitted = [], []
     for event in events:
@@ -84,7 +88,9 @@ operations = st.lists(
 
 
 @given(journaled=st.dictionaries(uids, st.integers(0, 1000)), ops=operations)
-def test_a_batch_removal_means_one_removal_per_group(journaled: dict[str, int], ops: list[tuple[Any, ...]]) -> None:
+def test_a_batch_removal_means_one_removal_per_group(
+    journaled: dict[str, int], ops: list[tuple[Any, ...]]
+) -> None:
     log = ChangeLog(next_gid=2000, seq=7, on_first_change=lambda: None)
     log.seed(journaled)
     replayed: list[tuple[Any, ...]] = []
@@ -109,7 +115,9 @@ def test_a_batch_removal_means_one_removal_per_group(journaled: dict[str, int], 
     assert expanded(events) == (rows, admitted)
     assert sorted(taken) == sorted(dirty)
     assert log.live == live
-    assert not log.dirty and not log.events and not log.armed
+    assert not log.dirty
+    assert not log.events
+    assert not log.armed
 
 
 def test_a_group_changed_before_it_left_keeps_its_record() -> None:
