@@ -1092,7 +1092,11 @@ class ReplayBuffer:
         metrics = SampleMetrics()
         if token_budget is not None:  # by tokens: at least one group, as many as the budget holds
             metrics.token_budget, batch_size = token_budget, 1
-        result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        try:
+            result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        except BaseException:  # (a hook raised after evictions: journal them, as for no batch)
+            self.__sampled_nothing()
+            raise
         if result is not None:
             return result
         self.__sampled_nothing()
@@ -1153,7 +1157,11 @@ class ReplayBuffer:
         consumer, metrics = self.__consumer, SampleMetrics()
         if token_budget is not None:  # by tokens: at least one group, as many as the budget holds
             metrics.token_budget, batch_size = token_budget, 1
-        result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        try:
+            result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        except BaseException:  # (a hook raised after evictions: journal them, as for no batch)
+            self.__sampled_nothing()
+            raise
         if result is not None:
             return result
         self.__sampled_nothing()
@@ -1161,7 +1169,11 @@ class ReplayBuffer:
             wanted = batch_size if token_budget is None else f"{token_budget} tokens"
             raise TimeoutError(f"no batch of {wanted} ready in partition {checks.describe(partition)}")
         assert part is not None  # created above for a call that may wait
-        groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)  # type: ignore[arg-type]
+        try:
+            groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)  # type: ignore[arg-type]
+        except BaseException:  # timed out, cancelled or raised: what it cut or evicted meanwhile
+            self.__sampled_nothing()
+            raise
         return consumer.result(part, global_steps, groups, metrics, waited)
 
     def __check_sample(
