@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import pytest
 
-from _helpers import assert_conserved
+from _helpers import assert_conserved, copy_journal
 from stalebuf import (
     BatchNotReadyError,
     BufferClosedError,
@@ -539,3 +539,127 @@ async def test_a_flush_waiting_for_a_stuck_writer_is_cancellable_and_raises_once
     await buffer.aclose()
     with pytest.raises(CheckpointError, match="closed"):
         await buffer.flush()
+
+
+# -- found by review: the live side ---------------------------------------------------------------
+
+
+def refusing_codec() -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+    """A payload codec whose ``encode`` raises for the payload ``b"bad"``."""
+
+    def encode(payload: Any) -> bytes:
+        if payload == b"bad":
+            raise ValueError("encode refused on purpose")
+        return bytes(payload)
+
+    return encode, bytes
+
+
+async def test_save_after_close_writes_the_checkpoint(tmp_path: Path, anyio_backend: str) -> None:
+    """Defect (found by review): ``save`` compacts the journal, and after ``aclose`` that raised
+    CheckpointError ("closed"): a closed journaled buffer could not be saved, a plain one can."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path)
+    buffer.put_group_nowait("a", [b"x"])
+    await buffer.aclose()
+    with anyio.fail_after(10):
+        await buffer.save(tmp_path / "checkpoint")
+    assert "a" in ReplayBuffer.restore(tmp_path / "checkpoint").buffer
+
+
+async def test_a_stopped_writer_refuses_later_producers_with_checkpoint_error(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Defect (found by review): once the writer stopped on an error (an ``encode`` that raised),
+    producer calls went on succeeding and nothing was journaled any more: the loss window grew
+    without bound, silently. They now raise CheckpointError and change nothing; ``save`` still
+    writes its checkpoint (the one durable copy left)."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0, payload_codec=refusing_codec())
+    buffer.put_group_nowait("bad", [b"bad"])
+    with anyio.fail_after(10), pytest.raises(CheckpointError, match="encode refused"):
+        await buffer.flush()
+    before = buffer.stats()
+    for call in (
+        lambda: buffer.put_group_nowait("later", [b"x"]),
+        lambda: buffer.add_prompt_nowait("later"),
+        lambda: buffer.mark_finished_nowait("bad"),
+    ):
+        with pytest.raises(CheckpointError, match="stopped"):
+            call()
+    with anyio.fail_after(10), pytest.raises(CheckpointError, match="stopped"):
+        await buffer.put_group("later", [b"x"])
+    assert "later" not in buffer
+    assert buffer.stats() == before
+    with anyio.fail_after(10):
+        await buffer.save(tmp_path / "checkpoint")  # pickled: the payload the codec refused too
+    assert "bad" in ReplayBuffer.restore(tmp_path / "checkpoint").buffer
+    await buffer.aclose()
+
+
+def test_interval_zero_commits_the_evictions_of_a_sample_whose_on_evict_raised(tmp_path: Path) -> None:
+    """Defect (found by review): under ``journal_interval=0`` a sample that evicted groups and
+    then raised (its ``on_evict`` did) returned before committing the evictions: a recovery
+    brought the evicted group back."""
+
+    def refuse(event: Any) -> None:
+        raise RuntimeError("on_evict refused")
+
+    path = tmp_path / "journal.db"
+    config = SamplerConfig(failure_strategy="evict")
+    buffer = ReplayBuffer(config, journal=path, journal_interval=0, on_evict=refuse)
+    buffer.put_group_nowait("failed", [b"x"], status="failed")
+    with pytest.raises(RuntimeError, match="on_evict refused"):
+        buffer.sample_nowait(0, 1)
+    copy = tmp_path / "copy.db"
+    copy_journal(path, copy)
+    recovered = ReplayBuffer.recover(copy).buffer
+    assert state_of(recovered) == state_of(buffer)
+    recovered.close()
+    buffer.close()
+
+
+async def test_interval_zero_commits_a_cut_made_by_a_sample_that_then_timed_out(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Defect (found by review): under ``journal_interval=0`` a waiting sample that cut a
+    straggler at its deadline and then timed out returned before committing the cut (and no
+    timer ever committed it)."""
+    path = tmp_path / "journal.db"
+    config = SamplerConfig(group_deadline_seconds=0.01)
+    buffer = ReplayBuffer(config, journal=path, journal_interval=0)
+    buffer.add_prompt_nowait("slow")
+    buffer.mark_running_nowait("slow")
+    with anyio.fail_after(10), pytest.raises(TimeoutError):
+        await buffer.sample(0, 2, timeout=0.2)
+    assert buffer.stats().total.cut_groups == 1
+    copy = tmp_path / "copy.db"
+    copy_journal(path, copy)
+    recovered = ReplayBuffer.recover(copy, in_flight="keep").buffer
+    assert state_of(recovered)[2] == state_of(buffer)[2]
+    recovered.close()
+    await buffer.aclose()
+
+
+async def test_aclose_waiting_for_a_stuck_writer_is_cancellable(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    """Defect (found by review): ``aclose`` waited for its final commit under a shield, so a
+    writer stuck on another process's lock (up to a minute) or a hung disk held it past the
+    caller's ``fail_after``. A cancelled ``aclose`` now closes the buffer at once; the final
+    commit still lands once the writer gets through."""
+    path, connection = stuck
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    connection.execute("BEGIN IMMEDIATE")
+    buffer.put_group_nowait("a", [b"x"])
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.05) as scope:
+            await buffer.aclose()
+    assert scope.cancelled_caught
+    assert buffer.closed
+    with pytest.raises(CheckpointError, match="closed"):
+        await buffer.flush()
+    connection.execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await until(lambda: buffer.stats().journal_commits == 2)
+    assert "a" in ReplayBuffer.recover(path).buffer

@@ -202,11 +202,10 @@ class Journal:
         await anyio.to_thread.run_sync(self.writer.wait_committed, number, abandon_on_cancel=True)
 
     def compact(self) -> None:
-        """Commit now, then fold the write-ahead log into the file and truncate it (``save``).
-
-        Raises:
-            CheckpointError: the writer stopped on an error, or was closed.
-        """
+        """Commit now, then fold the write-ahead log into the file and truncate it (``save``);
+        nothing once closed or stopped (the save's checkpoint is then the one durable copy)."""
+        if self._closed or self.writer.error is not None:
+            return
         self.writer.request_compaction()
         self.hand_off()
 
@@ -225,18 +224,31 @@ class Journal:
             self._release()
 
     async def aclose(self) -> None:
-        """:meth:`close`, the final commit waited for in a worker thread."""
+        """:meth:`close`, the final commit waited for in a worker thread. Cancelled while it
+        waits, the journal closes at once: the writer finishes that commit on its own.
+
+        Raises:
+            CheckpointError: the final commit failed (the journal is closed all the same).
+        """
         if self._closed:
             return
+        number = None
         if self.log.since is not None and self.writer.error is None:
             try:
                 number = self.hand_off()
             except CheckpointError:
                 logger.exception("the stalebuf journal could not commit at close")
-            else:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.writer.wait_committed, number)
-        self.close()
+        try:
+            if number is not None:
+                wait = self.writer.wait_committed
+                await anyio.to_thread.run_sync(wait, number, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            self._closed = True
+            self.writer.close(join=False)
+            self._release()
+            raise
+        finally:
+            self.close()
 
     # -- backpressure -------------------------------------------------------------------------
 
@@ -248,10 +260,11 @@ class Journal:
 
         Raises:
             BufferFullError: the writer's queue holds more than ``journal_max_pending_bytes``.
-            CheckpointError: the writer stopped on an error.
+            CheckpointError: the writer stopped on an error (nothing would be journaled any more:
+                the change is refused rather than made with no loss window bound).
         """
+        self._raise_if_broken()
         if self._over():
-            self._raise_if_broken()
             raise BufferFullError(
                 f"the journal's writer is behind: {self.writer.pending_bytes} bytes wait to be "
                 f"committed (journal_max_pending_bytes={self.options.max_pending_bytes})"
@@ -264,9 +277,9 @@ class Journal:
             BufferClosedError: the buffer was closed meanwhile.
             CheckpointError: the writer stopped on an error.
         """
+        self._raise_if_broken()
         if not self._waiters and not self._over():
             return
-        self._raise_if_broken()
         loop = _running_loop()
         if loop is not None:
             self._post = loop[0]

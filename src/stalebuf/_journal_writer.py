@@ -153,12 +153,13 @@ class JournalWriter:
         """The journal's bytes on disk now."""
         return size_on_disk(self.path)
 
-    def close(self) -> None:
-        """Commit what is queued, stop the thread and close the database (idempotent)."""
+    def close(self, *, join: bool = True) -> None:
+        """Commit what is queued, stop the thread and close the database (idempotent); without
+        ``join``, return at once (the thread does it on its own)."""
         with self._condition:
             self._closing = True
             self._condition.notify_all()
-        if self._thread is not threading.current_thread():
+        if join and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _raise_if_broken(self) -> None:
