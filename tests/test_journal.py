@@ -9,8 +9,11 @@ conflicts are ``test_journal_recovery.py`` and the model test ``test_journal_mod
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import sqlite3
+import stat
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -663,3 +666,38 @@ async def test_aclose_waiting_for_a_stuck_writer_is_cancellable(
     with anyio.fail_after(10):
         await until(lambda: buffer.stats().journal_commits == 2)
     assert "a" in ReplayBuffer.recover(path).buffer
+
+
+def outcome_within(seconds: float, call: Callable[[], object]) -> BaseException | None:
+    """Run ``call`` in a daemon thread; its exception, None if it returned. Fails if it is
+    still blocked after ``seconds`` (a hang becomes a failure, the thread left behind)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still blocked after {seconds} s"
+    return outcome[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_or_a_device_as_the_journal_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Defect (found by review): the journal's file check opened the path to read its header,
+    which blocks forever on a FIFO (no writer comes): ``ReplayBuffer(journal=fifo)`` and
+    ``recover(fifo)`` hung; a device (``/dev/null``) leaked sqlite3.OperationalError."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for attempt in (lambda: ReplayBuffer(journal=fifo), lambda: ReplayBuffer.recover(fifo)):
+        assert isinstance(outcome_within(10, attempt), CheckpointError)
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert isinstance(outcome_within(10, lambda: ReplayBuffer(journal=os.devnull)), CheckpointError)
+    with pytest.raises(IsADirectoryError):  # as save and restore say it
+        ReplayBuffer(journal=tmp_path)
