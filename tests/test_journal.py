@@ -701,3 +701,34 @@ def test_a_fifo_or_a_device_as_the_journal_is_refused_without_blocking(tmp_path:
     assert isinstance(outcome_within(10, lambda: ReplayBuffer(journal=os.devnull)), CheckpointError)
     with pytest.raises(IsADirectoryError):  # as save and restore say it
         ReplayBuffer(journal=tmp_path)
+
+
+class Unsized:
+    """A payload whose size cannot be asked (``sys.getsizeof`` raises)."""
+
+    def __sizeof__(self) -> int:
+        raise RuntimeError("no size on purpose")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Unsized
+
+    __hash__ = object.__hash__
+
+
+async def test_a_payload_whose_size_cannot_be_asked_is_journaled(tmp_path: Path, anyio_backend: str) -> None:
+    """Defect (found by review): the hand-off's size estimate (backpressure) asked
+    ``sys.getsizeof`` of each payload after it had taken the change log: a payload whose
+    ``__sizeof__`` raised lost that commit's changes for good (a later commit then wrote counters
+    that no longer conserved the groups: the journal could not be recovered), and the timer's
+    exception crashed a trio run (TrioInternalError)."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0.001)
+    await buffer.put_group("a", [Unsized()])
+    with anyio.fail_after(10):
+        await until(lambda: buffer.stats().journal_commits >= 2)  # the timer's commit
+    await buffer.put_group("b", [b"x"])
+    await buffer.aclose()
+    recovered = ReplayBuffer.recover(path).buffer
+    assert sorted(group.uid for group in recovered.checkpoint().groups) == ["a", "b"]
+    assert_conserved(recovered)
+    recovered.close()

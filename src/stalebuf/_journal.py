@@ -134,7 +134,7 @@ class Journal:
             return
         try:
             self.hand_off()
-        except CheckpointError:
+        except Exception:  # (never into the loop: a trio run would crash)
             logger.exception("the stalebuf journal could not commit")
 
     def hand_off(self) -> int:
@@ -143,9 +143,19 @@ class Journal:
         Raises:
             CheckpointError: the writer stopped on an error, or was closed.
         """
+        dirty, events, since = self.log.take()
+        try:
+            handoff = self._handoff(dirty, events, since)
+        except Exception as exc:  # the log is taken: journaling on would write a wrong state
+            self.writer.fail(exc)
+            self._release()
+            raise CheckpointError(f"the journal {self.options.path!r} stopped: {exc}") from exc
+        return self.writer.submit(handoff)
+
+    def _handoff(self, dirty: list[str], events: list[tuple[Any, ...]], since: float | None) -> Handoff:
+        """What the writer is given for the changes just taken from the log."""
         log, parts = self.log, self.parts
         store, admission = parts.store, parts.admission
-        dirty, events, since = log.take()
         groups, live, clocks, now = store.groups, log.live, admission.clocks, monotonic()
         items: list[tuple[int, Group]] = []
         for uid in dirty:
@@ -158,8 +168,7 @@ class Journal:
             items.append((gid, group))  # type: ignore[arg-type]
         state = capture_state(store, admission, parts.filtering, parts.mixing, parts.policy)
         estimate = _estimate((group for _, group in items), events)
-        handoff = Handoff(items, events, state, log.seq, log.next_gid, since, estimate)
-        return self.writer.submit(handoff)
+        return Handoff(items, events, state, log.seq, log.next_gid, since, estimate)
 
     def settle(self) -> None:
         """With ``journal_interval=0``: commit what the call just changed before it returns
@@ -384,4 +393,7 @@ def _payload_size(payload: Any) -> int:
         return len(payload)
     if type(payload) is memoryview:
         return payload.nbytes
-    return sys.getsizeof(payload)
+    try:
+        return sys.getsizeof(payload)
+    except Exception:  # a payload's own __sizeof__ raised: it is an estimate anyway
+        return 64

@@ -128,6 +128,15 @@ class JournalWriter:
         with self._condition:
             self._compact = True
 
+    def fail(self, error: BaseException) -> None:
+        """Stop on ``error``, raised on the loop's side: what is queued is committed, nothing
+        more is taken (every later submit and wait raises it)."""
+        with self._condition:
+            if self.error is None:
+                self.error = error
+            self._closing = True
+            self._condition.notify_all()
+
     def wait_committed(self, number: int, timeout: float | None = None) -> bool:
         """Block until hand-off ``number`` is committed; False if ``timeout`` passed first.
 
