@@ -9,11 +9,13 @@ conflicts are ``test_journal_recovery.py`` and the model test ``test_journal_mod
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -732,3 +734,54 @@ async def test_a_payload_whose_size_cannot_be_asked_is_journaled(tmp_path: Path,
     assert sorted(group.uid for group in recovered.checkpoint().groups) == ["a", "b"]
     assert_conserved(recovered)
     recovered.close()
+
+
+class Collecting:
+    """A payload whose pickling runs the cyclic garbage collector (as any allocation may)."""
+
+    def __reduce__(self) -> Any:
+        gc.collect()
+        return (Collecting, ())
+
+
+def dropped_in_a_cycle(path: Path, lock: sqlite3.Connection) -> None:
+    """A journaled buffer with a hand-off stuck behind ``lock`` (taken here) and a change made
+    after it, dropped unclosed by an owner in a reference cycle (a trainer object, say)."""
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    owner: dict[str, Any] = {"buffer": buffer}
+    owner["self"] = owner
+    lock.execute("BEGIN IMMEDIATE")
+    buffer.put_group_nowait("a", [Collecting()])
+
+    async def flush_briefly() -> None:
+        with anyio.move_on_after(0.05):
+            await buffer.flush()  # handed off; the writer waits for the lock
+
+    anyio.run(flush_briefly)
+    buffer.put_group_nowait("late", [b"x"])
+
+
+def test_a_buffer_collected_on_its_writer_thread_commits_and_stops(
+    stuck: tuple[Path, sqlite3.Connection],
+) -> None:
+    """Defect (found by review): a buffer dropped unclosed is closed by its finalizer, in
+    whichever thread the garbage collector runs; run in the journal's own writer thread (which
+    allocates most while it pickles), the close waited for a commit only that thread could make:
+    the writer hung forever inside its transaction, the file locked, the last changes lost."""
+    path, connection = stuck
+    dropped_in_a_cycle(path, connection)
+    connection.execute("ROLLBACK")  # the writer pickles "a", collecting the buffer meanwhile
+    copy = path.with_name("copy.db")
+    for _ in range(1000):  # a hang shows as the final commit never landing
+        for name in (copy, path.with_name("copy.db-wal")):
+            with contextlib.suppress(OSError):
+                name.unlink()
+        copy_journal(path, copy)
+        with contextlib.suppress(CheckpointError):
+            recovered = ReplayBuffer.recover(copy).buffer
+            uids = sorted(group.uid for group in recovered.checkpoint().groups)
+            recovered.close()
+            if uids == ["a", "late"]:
+                return
+        time.sleep(0.01)
+    pytest.fail("the final commit never landed")

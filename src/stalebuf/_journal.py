@@ -225,7 +225,11 @@ class Journal:
         self._closed = True
         try:
             if self.log.since is not None and self.writer.error is None:
-                self.writer.wait_committed(self.hand_off())
+                number = self.hand_off()
+                # A buffer dropped unclosed is closed by its finalizer wherever the garbage
+                # collector runs: on the writer thread, it commits this after the current one.
+                if not self.writer.on_thread():
+                    self.writer.wait_committed(number)
         except CheckpointError:
             logger.exception("the stalebuf journal could not commit at close")
         finally:

@@ -153,6 +153,10 @@ class JournalWriter:
                 self._condition.wait(remaining)
             return True
 
+    def on_thread(self) -> bool:
+        """Whether the caller is the writer thread itself."""
+        return threading.current_thread() is self._thread
+
     def oldest_pending(self) -> float | None:
         """When the oldest change handed off and not yet committed was made (monotonic), or None."""
         with self._condition:
