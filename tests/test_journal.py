@@ -785,3 +785,33 @@ def test_a_buffer_collected_on_its_writer_thread_commits_and_stops(
                 return
         time.sleep(0.01)
     pytest.fail("the final commit never landed")
+
+
+def test_interval_zero_commits_a_filter_eviction_whose_on_evict_raised(tmp_path: Path) -> None:
+    """Defect (found by review, model test): under ``journal_interval=0`` a producer call whose
+    group a filter evicted raised what ``on_evict`` raised before committing: the admission and
+    the filter eviction were not durable when the call returned."""
+
+    def refuse(event: Any) -> None:
+        raise RuntimeError("on_evict refused")
+
+    path, copy = tmp_path / "journal.db", tmp_path / "copy.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0, on_evict=refuse, filters=[lambda group: False])
+    buffer.add_prompt_nowait("open")
+    calls = (
+        lambda: buffer.put_group_nowait("new", [b"x"]),  # the fast path: a new finished group
+        lambda: buffer.put_group_nowait("failed", [b"x"], tags={"k": "v"}, status="failed"),
+        lambda: buffer.put_group_nowait("tagged", [b"x"], tags={"k": "v"}),  # the general path
+        lambda: buffer.mark_finished_nowait("open"),
+    )
+    for call in calls:
+        with contextlib.suppress(RuntimeError):
+            call()
+        copy_journal(path, copy)
+        recovered = ReplayBuffer.recover(copy, in_flight="keep").buffer
+        assert state_of(recovered) == state_of(buffer)
+        recovered.close()
+        for name in (copy, Path(f"{copy}-wal")):
+            name.unlink(missing_ok=True)
+    assert buffer.stats().total.evicted_filtered_groups == 3
+    buffer.close()

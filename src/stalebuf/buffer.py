@@ -622,12 +622,15 @@ class ReplayBuffer:
             group = store.open_group(uid, action)
         consumer, clock = self.__consumer, self.__admission.clocks.get(group.partition, 0)
         if status is _FINISHED and consumer.filters:
-            consumer.finish(group, status, clock)  # the filters judge it first
-        else:
-            part = store.end(group, status, clock)
-            if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
-                self.__admission.refunded(part)
-            consumer.notify(part)
+            try:
+                consumer.finish(group, status, clock)  # the filters judge it first
+            finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+                self.__settle()
+            return
+        part = store.end(group, status, clock)
+        if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
+            self.__admission.refunded(part)
+        consumer.notify(part)
         self.__settle()
 
     def put_group_nowait(
@@ -704,26 +707,28 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            keys = self.__writer.put_new_finished(
-                part, uid, payloads, global_steps, tags, version, generation_seconds
+            try:
+                return self.__writer.put_new_finished(
+                    part, uid, payloads, global_steps, tags, version, generation_seconds
+                )
+            finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+                self.__settle()
+        try:
+            return self.__writer.put(
+                uid,
+                payloads,
+                global_steps,
+                partition,
+                tags,
+                trajectory_tags,
+                session_ids,
+                indices,
+                status,
+                versioning=(versions, tokens, version),
+                generation_seconds=generation_seconds,
             )
+        finally:
             self.__settle()
-            return keys
-        keys = self.__writer.put(
-            uid,
-            payloads,
-            global_steps,
-            partition,
-            tags,
-            trajectory_tags,
-            session_ids,
-            indices,
-            status,
-            versioning=(versions, tokens, version),
-            generation_seconds=generation_seconds,
-        )
-        self.__settle()
-        return keys
 
     async def add_prompt(
         self,
@@ -861,22 +866,23 @@ class ReplayBuffer:
 
         def admit(tag: int) -> list[str]:
             self.__check_usable()
-            keys = writer.put(
-                uid,
-                payloads,
-                global_steps,
-                partition,
-                tags,
-                trajectory_tags,
-                session_ids,
-                indices,
-                status,
-                tag,
-                (versions, tokens, version),
-                generation_seconds,
-            )
-            self.__settle()
-            return keys
+            try:
+                return writer.put(
+                    uid,
+                    payloads,
+                    global_steps,
+                    partition,
+                    tags,
+                    trajectory_tags,
+                    session_ids,
+                    indices,
+                    status,
+                    tag,
+                    (versions, tokens, version),
+                    generation_seconds,
+                )
+            finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+                self.__settle()
 
         cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
         return await self.__admission.wait_for_slot(cell, global_steps, admit, need)
@@ -933,9 +939,10 @@ class ReplayBuffer:
         if not isinstance(watch, GroupWatch):
             raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
         self.__store.binding.check_thread()
-        ended = self.__writer.end_watched(watch.group, finished)
-        self.__settle()
-        return ended
+        try:
+            return self.__writer.end_watched(watch.group, finished)
+        finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+            self.__settle()
 
     def put_back(self, group: Group) -> bool:
         """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status,
