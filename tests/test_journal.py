@@ -815,3 +815,20 @@ def test_interval_zero_commits_a_filter_eviction_whose_on_evict_raised(tmp_path:
             name.unlink(missing_ok=True)
     assert buffer.stats().total.evicted_filtered_groups == 3
     buffer.close()
+
+
+def test_journal_bytes_of_a_relative_path_survive_a_change_of_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect (found by review): ``stats().journal_bytes`` measured the journal's path as given,
+    relative to the working directory of the moment: after a ``chdir`` it reported 0, or the
+    size of another file of that name."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    buffer = ReplayBuffer(journal="journal.db")
+    before = buffer.stats().journal_bytes
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "journal.db").write_bytes(b"x")
+    assert buffer.stats().journal_bytes == before
+    buffer.close()

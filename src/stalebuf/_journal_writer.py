@@ -9,6 +9,7 @@ queue (under the condition's lock) and reads the counters below (ints and floats
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -77,6 +78,7 @@ class JournalWriter:
         on_commit: Callable[[], object],
     ) -> None:
         self.path = path
+        self._absolute = os.path.abspath(path)  # measured there, whatever the directory is then
         self.commits = 0
         self.committed = 0
         self.pending_bytes = 0
@@ -164,7 +166,7 @@ class JournalWriter:
 
     def size(self) -> int:
         """The journal's bytes on disk now."""
-        return size_on_disk(self.path)
+        return size_on_disk(self._absolute)
 
     def close(self, *, join: bool = True) -> None:
         """Commit what is queued, stop the thread and close the database (idempotent); without
