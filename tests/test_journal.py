@@ -832,3 +832,29 @@ def test_journal_bytes_of_a_relative_path_survive_a_change_of_directory(
     (tmp_path / "elsewhere" / "journal.db").write_bytes(b"x")
     assert buffer.stats().journal_bytes == before
     buffer.close()
+
+
+async def test_a_sample_that_times_out_on_a_journal_stopped_meanwhile_raises_its_timeout(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: a waiting sample journals what it changed when it times out (``journal_interval=0``);
+    a writer that stopped meanwhile must not turn its TimeoutError (or a cancellation) into a
+    CheckpointError: the stop is told by the call that caused it, and every producer call after."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0, payload_codec=refusing_codec())
+    errors: list[BaseException] = []
+
+    async def sampler() -> None:
+        try:
+            await buffer.sample(0, 2, timeout=0.2)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(sampler)
+            await anyio.sleep(0.02)
+            with pytest.raises(CheckpointError, match="encode refused"):
+                buffer.put_group_nowait("bad", [b"bad"])  # stops the writer
+    assert [type(error) for error in errors] == [TimeoutError]
+    buffer.close()

@@ -20,6 +20,7 @@ machinery.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -56,6 +57,7 @@ from .errors import (
     BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
+    CheckpointError,
     DuplicateGroupError,
     FutureTagError,
     TagClosedError,
@@ -458,6 +460,12 @@ class ReplayBuffer:
         if journal is not None:
             journal.log.touched()
             self.__settle()
+
+    def __sampled_then_raised(self) -> None:
+        """:meth:`__sampled_nothing` for a sample that raises (a hook, a timeout, a cancellation),
+        never hiding its error: a stopped journal raises at the next flush or producer call."""
+        with contextlib.suppress(CheckpointError):
+            self.__sampled_nothing()
 
     def __settle(self) -> None:
         """Under ``journal_interval=0``: commit what the call changed before it returns."""
@@ -1102,7 +1110,7 @@ class ReplayBuffer:
         try:
             result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         except BaseException:  # (a hook raised after evictions: journal them, as for no batch)
-            self.__sampled_nothing()
+            self.__sampled_then_raised()
             raise
         if result is not None:
             return result
@@ -1167,7 +1175,7 @@ class ReplayBuffer:
         try:
             result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
         except BaseException:  # (a hook raised after evictions: journal them, as for no batch)
-            self.__sampled_nothing()
+            self.__sampled_then_raised()
             raise
         if result is not None:
             return result
@@ -1179,7 +1187,7 @@ class ReplayBuffer:
         try:
             groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)  # type: ignore[arg-type]
         except BaseException:  # timed out, cancelled or raised: what it cut or evicted meanwhile
-            self.__sampled_nothing()
+            self.__sampled_then_raised()
             raise
         return consumer.result(part, global_steps, groups, metrics, waited)
 
