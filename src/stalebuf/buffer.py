@@ -1335,10 +1335,12 @@ class ReplayBuffer:
 
     async def aclose(self) -> None:
         """Close the buffer (see :meth:`close`), its journal's final commit awaited in a worker
-        thread, and yield once to the scheduler.
+        thread, and yield once to the scheduler. Cancelled while it waits for that commit, the
+        buffer and its journal are closed at once (the writer thread finishes the commit).
 
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
+            CheckpointError: the journal's final commit failed (closed all the same).
         """
         self.__store.binding.check_thread()
         self.__close_parts()
