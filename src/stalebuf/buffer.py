@@ -105,7 +105,9 @@ class ReplayBuffer:
             ``filter_errors`` and logged. See :mod:`stalebuf.filters` for built-ins.
         journal: a path to an SQLite file that every state change is journaled to (see the
             docs' Durability page); absent or empty, it starts a new journal; one that holds a
-            stalebuf journal or checkpoint is refused (recover from it, or remove it).
+            stalebuf journal or checkpoint is refused (recover from it, or remove it). Once its
+            writer stops on an error (a disk error, a payload it cannot encode), ``flush`` and
+            every later producer call raise CheckpointError, changing nothing.
         journal_interval: how often (seconds, >= 0) the journal commits; 0 commits every change
             before the call returns (blocking the loop about one fsync per call).
         journal_retention_steps: history kept behind the newest sample, in trainer steps (at
