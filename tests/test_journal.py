@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -858,3 +859,22 @@ async def test_a_sample_that_times_out_on_a_journal_stopped_meanwhile_raises_its
                 buffer.put_group_nowait("bad", [b"bad"])  # stops the writer
     assert [type(error) for error in errors] == [TimeoutError]
     buffer.close()
+
+
+async def test_cancelled_flushes_leave_the_worker_threads_free(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    """Defect (found by review): a flush waited for a stuck writer in a worker thread for as long
+    as the writer was stuck; cancelled, the thread stayed blocked, and under trio it kept its
+    token of anyio's default thread limiter: 40 cancelled flushes (a trainer retrying under a
+    timeout) left every ``to_thread.run_sync`` of the program waiting for the journal."""
+    buffer = await stuck_buffer(*stuck)
+    for _ in range(45):
+        with anyio.move_on_after(0.001):
+            await buffer.flush()
+    with anyio.fail_after(10):
+        assert await anyio.to_thread.run_sync(lambda: 42) == 42
+    stuck[1].execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await buffer.flush()
+    await buffer.aclose()

@@ -40,6 +40,7 @@ __all__ = ["Journal", "JournalOptions", "JournalParts"]
 
 logger = logging.getLogger("stalebuf")
 _Post = Callable[[Callable[[], object]], object]
+_WAIT_SLICE = 0.25  # seconds a worker thread waits for a commit at once
 
 
 @attrs.frozen
@@ -207,8 +208,20 @@ class Journal:
         """
         if checkpoint_step is not None:
             self.log.marked(checkpoint_step)
-        number = self.hand_off()
-        await anyio.to_thread.run_sync(self.writer.wait_committed, number, abandon_on_cancel=True)
+        await self._committed_after(self.hand_off())
+
+    async def _committed_after(self, number: int) -> None:
+        """Wait (cancellable) until hand-off ``number`` is committed.
+
+        In a worker thread, a slice at a time: a cancelled wait's thread then ends within a
+        slice (under trio it holds a token of anyio's default thread limiter until it ends).
+
+        Raises:
+            CheckpointError: the writer stopped on an error, or was closed, first.
+        """
+        wait = self.writer.wait_committed
+        while not await anyio.to_thread.run_sync(wait, number, _WAIT_SLICE, abandon_on_cancel=True):
+            pass
 
     def compact(self) -> None:
         """Commit now, then fold the write-ahead log into the file and truncate it (``save``);
@@ -253,8 +266,7 @@ class Journal:
                 logger.exception("the stalebuf journal could not commit at close")
         try:
             if number is not None:
-                wait = self.writer.wait_committed
-                await anyio.to_thread.run_sync(wait, number, abandon_on_cancel=True)
+                await self._committed_after(number)
         except anyio.get_cancelled_exc_class():
             self._closed = True
             self.writer.close(join=False)
