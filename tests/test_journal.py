@@ -9,17 +9,23 @@ conflicts are ``test_journal_recovery.py`` and the model test ``test_journal_mod
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 import pickle
 import sqlite3
+import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import pytest
 
-from _helpers import assert_conserved
+from _helpers import assert_conserved, copy_journal
 from stalebuf import (
     BatchNotReadyError,
     BufferClosedError,
@@ -539,3 +545,336 @@ async def test_a_flush_waiting_for_a_stuck_writer_is_cancellable_and_raises_once
     await buffer.aclose()
     with pytest.raises(CheckpointError, match="closed"):
         await buffer.flush()
+
+
+# -- found by review: the live side ---------------------------------------------------------------
+
+
+def refusing_codec() -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+    """A payload codec whose ``encode`` raises for the payload ``b"bad"``."""
+
+    def encode(payload: Any) -> bytes:
+        if payload == b"bad":
+            raise ValueError("encode refused on purpose")
+        return bytes(payload)
+
+    return encode, bytes
+
+
+async def test_save_after_close_writes_the_checkpoint(tmp_path: Path, anyio_backend: str) -> None:
+    """Defect (found by review): ``save`` compacts the journal, and after ``aclose`` that raised
+    CheckpointError ("closed"): a closed journaled buffer could not be saved, a plain one can."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path)
+    buffer.put_group_nowait("a", [b"x"])
+    await buffer.aclose()
+    with anyio.fail_after(10):
+        await buffer.save(tmp_path / "checkpoint")
+    assert "a" in ReplayBuffer.restore(tmp_path / "checkpoint").buffer
+
+
+async def test_a_stopped_writer_refuses_later_producers_with_checkpoint_error(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Defect (found by review): once the writer stopped on an error (an ``encode`` that raised),
+    producer calls went on succeeding and nothing was journaled any more: the loss window grew
+    without bound, silently. They now raise CheckpointError and change nothing; ``save`` still
+    writes its checkpoint (the one durable copy left)."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0, payload_codec=refusing_codec())
+    buffer.put_group_nowait("bad", [b"bad"])
+    with anyio.fail_after(10), pytest.raises(CheckpointError, match="encode refused"):
+        await buffer.flush()
+    before = buffer.stats()
+    for call in (
+        lambda: buffer.put_group_nowait("later", [b"x"]),
+        lambda: buffer.add_prompt_nowait("later"),
+        lambda: buffer.mark_finished_nowait("bad"),
+    ):
+        with pytest.raises(CheckpointError, match="stopped"):
+            call()
+    with anyio.fail_after(10), pytest.raises(CheckpointError, match="stopped"):
+        await buffer.put_group("later", [b"x"])
+    assert "later" not in buffer
+    assert buffer.stats() == before
+    with anyio.fail_after(10):
+        await buffer.save(tmp_path / "checkpoint")  # pickled: the payload the codec refused too
+    assert "bad" in ReplayBuffer.restore(tmp_path / "checkpoint").buffer
+    await buffer.aclose()
+
+
+def test_interval_zero_commits_the_evictions_of_a_sample_whose_on_evict_raised(tmp_path: Path) -> None:
+    """Defect (found by review): under ``journal_interval=0`` a sample that evicted groups and
+    then raised (its ``on_evict`` did) returned before committing the evictions: a recovery
+    brought the evicted group back."""
+
+    def refuse(event: Any) -> None:
+        raise RuntimeError("on_evict refused")
+
+    path = tmp_path / "journal.db"
+    config = SamplerConfig(failure_strategy="evict")
+    buffer = ReplayBuffer(config, journal=path, journal_interval=0, on_evict=refuse)
+    buffer.put_group_nowait("failed", [b"x"], status="failed")
+    with pytest.raises(RuntimeError, match="on_evict refused"):
+        buffer.sample_nowait(0, 1)
+    copy = tmp_path / "copy.db"
+    copy_journal(path, copy)
+    recovered = ReplayBuffer.recover(copy).buffer
+    assert state_of(recovered) == state_of(buffer)
+    recovered.close()
+    buffer.close()
+
+
+async def test_interval_zero_commits_a_cut_made_by_a_sample_that_then_timed_out(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Defect (found by review): under ``journal_interval=0`` a waiting sample that cut a
+    straggler at its deadline and then timed out returned before committing the cut (and no
+    timer ever committed it)."""
+    path = tmp_path / "journal.db"
+    config = SamplerConfig(group_deadline_seconds=0.01)
+    buffer = ReplayBuffer(config, journal=path, journal_interval=0)
+    buffer.add_prompt_nowait("slow")
+    buffer.mark_running_nowait("slow")
+    with anyio.fail_after(10), pytest.raises(TimeoutError):
+        await buffer.sample(0, 2, timeout=0.2)
+    assert buffer.stats().total.cut_groups == 1
+    copy = tmp_path / "copy.db"
+    copy_journal(path, copy)
+    recovered = ReplayBuffer.recover(copy, in_flight="keep").buffer
+    assert state_of(recovered)[2] == state_of(buffer)[2]
+    recovered.close()
+    await buffer.aclose()
+
+
+async def test_aclose_waiting_for_a_stuck_writer_is_cancellable(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    """Defect (found by review): ``aclose`` waited for its final commit under a shield, so a
+    writer stuck on another process's lock (up to a minute) or a hung disk held it past the
+    caller's ``fail_after``. A cancelled ``aclose`` now closes the buffer at once; the final
+    commit still lands once the writer gets through."""
+    path, connection = stuck
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    connection.execute("BEGIN IMMEDIATE")
+    buffer.put_group_nowait("a", [b"x"])
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.05) as scope:
+            await buffer.aclose()
+    assert scope.cancelled_caught
+    assert buffer.closed
+    with pytest.raises(CheckpointError, match="closed"):
+        await buffer.flush()
+    connection.execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await until(lambda: buffer.stats().journal_commits == 2)
+    assert "a" in ReplayBuffer.recover(path).buffer
+
+
+def outcome_within(seconds: float, call: Callable[[], object]) -> BaseException | None:
+    """Run ``call`` in a daemon thread; its exception, None if it returned. Fails if it is
+    still blocked after ``seconds`` (a hang becomes a failure, the thread left behind)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still blocked after {seconds} s"
+    return outcome[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_or_a_device_as_the_journal_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Defect (found by review): the journal's file check opened the path to read its header,
+    which blocks forever on a FIFO (no writer comes): ``ReplayBuffer(journal=fifo)`` and
+    ``recover(fifo)`` hung; a device (``/dev/null``) leaked sqlite3.OperationalError."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for attempt in (lambda: ReplayBuffer(journal=fifo), lambda: ReplayBuffer.recover(fifo)):
+        assert isinstance(outcome_within(10, attempt), CheckpointError)
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert isinstance(outcome_within(10, lambda: ReplayBuffer(journal=os.devnull)), CheckpointError)
+    with pytest.raises(IsADirectoryError):  # as save and restore say it
+        ReplayBuffer(journal=tmp_path)
+
+
+class Unsized:
+    """A payload whose size cannot be asked (``sys.getsizeof`` raises)."""
+
+    def __sizeof__(self) -> int:
+        raise RuntimeError("no size on purpose")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Unsized
+
+    __hash__ = object.__hash__
+
+
+async def test_a_payload_whose_size_cannot_be_asked_is_journaled(tmp_path: Path, anyio_backend: str) -> None:
+    """Defect (found by review): the hand-off's size estimate (backpressure) asked
+    ``sys.getsizeof`` of each payload after it had taken the change log: a payload whose
+    ``__sizeof__`` raised lost that commit's changes for good (a later commit then wrote counters
+    that no longer conserved the groups: the journal could not be recovered), and the timer's
+    exception crashed a trio run (TrioInternalError)."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0.001)
+    await buffer.put_group("a", [Unsized()])
+    with anyio.fail_after(10):
+        await until(lambda: buffer.stats().journal_commits >= 2)  # the timer's commit
+    await buffer.put_group("b", [b"x"])
+    await buffer.aclose()
+    recovered = ReplayBuffer.recover(path).buffer
+    assert sorted(group.uid for group in recovered.checkpoint().groups) == ["a", "b"]
+    assert_conserved(recovered)
+    recovered.close()
+
+
+class Collecting:
+    """A payload whose pickling runs the cyclic garbage collector (as any allocation may)."""
+
+    def __reduce__(self) -> Any:
+        gc.collect()
+        return (Collecting, ())
+
+
+def dropped_in_a_cycle(path: Path, lock: sqlite3.Connection) -> None:
+    """A journaled buffer with a hand-off stuck behind ``lock`` (taken here) and a change made
+    after it, dropped unclosed by an owner in a reference cycle (a trainer object, say)."""
+    buffer = ReplayBuffer(journal=path, journal_interval=3600.0)
+    owner: dict[str, Any] = {"buffer": buffer}
+    owner["self"] = owner
+    lock.execute("BEGIN IMMEDIATE")
+    buffer.put_group_nowait("a", [Collecting()])
+
+    async def flush_briefly() -> None:
+        with anyio.move_on_after(0.05):
+            await buffer.flush()  # handed off; the writer waits for the lock
+
+    anyio.run(flush_briefly)
+    buffer.put_group_nowait("late", [b"x"])
+
+
+def test_a_buffer_collected_on_its_writer_thread_commits_and_stops(
+    stuck: tuple[Path, sqlite3.Connection],
+) -> None:
+    """Defect (found by review): a buffer dropped unclosed is closed by its finalizer, in
+    whichever thread the garbage collector runs; run in the journal's own writer thread (which
+    allocates most while it pickles), the close waited for a commit only that thread could make:
+    the writer hung forever inside its transaction, the file locked, the last changes lost."""
+    path, connection = stuck
+    dropped_in_a_cycle(path, connection)
+    connection.execute("ROLLBACK")  # the writer pickles "a", collecting the buffer meanwhile
+    copy = path.with_name("copy.db")
+    for _ in range(1000):  # a hang shows as the final commit never landing
+        for name in (copy, path.with_name("copy.db-wal")):
+            with contextlib.suppress(OSError):
+                name.unlink()
+        copy_journal(path, copy)
+        with contextlib.suppress(CheckpointError):
+            recovered = ReplayBuffer.recover(copy).buffer
+            uids = sorted(group.uid for group in recovered.checkpoint().groups)
+            recovered.close()
+            if uids == ["a", "late"]:
+                return
+        time.sleep(0.01)
+    pytest.fail("the final commit never landed")
+
+
+def test_interval_zero_commits_a_filter_eviction_whose_on_evict_raised(tmp_path: Path) -> None:
+    """Defect (found by review, model test): under ``journal_interval=0`` a producer call whose
+    group a filter evicted raised what ``on_evict`` raised before committing: the admission and
+    the filter eviction were not durable when the call returned."""
+
+    def refuse(event: Any) -> None:
+        raise RuntimeError("on_evict refused")
+
+    path, copy = tmp_path / "journal.db", tmp_path / "copy.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0, on_evict=refuse, filters=[lambda group: False])
+    buffer.add_prompt_nowait("open")
+    calls = (
+        lambda: buffer.put_group_nowait("new", [b"x"]),  # the fast path: a new finished group
+        lambda: buffer.put_group_nowait("failed", [b"x"], tags={"k": "v"}, status="failed"),
+        lambda: buffer.put_group_nowait("tagged", [b"x"], tags={"k": "v"}),  # the general path
+        lambda: buffer.mark_finished_nowait("open"),
+    )
+    for call in calls:
+        with contextlib.suppress(RuntimeError):
+            call()
+        copy_journal(path, copy)
+        recovered = ReplayBuffer.recover(copy, in_flight="keep").buffer
+        assert state_of(recovered) == state_of(buffer)
+        recovered.close()
+        for name in (copy, Path(f"{copy}-wal")):
+            name.unlink(missing_ok=True)
+    assert buffer.stats().total.evicted_filtered_groups == 3
+    buffer.close()
+
+
+def test_journal_bytes_of_a_relative_path_survive_a_change_of_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect (found by review): ``stats().journal_bytes`` measured the journal's path as given,
+    relative to the working directory of the moment: after a ``chdir`` it reported 0, or the
+    size of another file of that name."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    buffer = ReplayBuffer(journal="journal.db")
+    before = buffer.stats().journal_bytes
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "journal.db").write_bytes(b"x")
+    assert buffer.stats().journal_bytes == before
+    buffer.close()
+
+
+async def test_a_sample_that_times_out_on_a_journal_stopped_meanwhile_raises_its_timeout(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: a waiting sample journals what it changed when it times out (``journal_interval=0``);
+    a writer that stopped meanwhile must not turn its TimeoutError (or a cancellation) into a
+    CheckpointError: the stop is told by the call that caused it, and every producer call after."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=0, payload_codec=refusing_codec())
+    errors: list[BaseException] = []
+
+    async def sampler() -> None:
+        try:
+            await buffer.sample(0, 2, timeout=0.2)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(sampler)
+            await anyio.sleep(0.02)
+            with pytest.raises(CheckpointError, match="encode refused"):
+                buffer.put_group_nowait("bad", [b"bad"])  # stops the writer
+    assert [type(error) for error in errors] == [TimeoutError]
+    buffer.close()
+
+
+async def test_cancelled_flushes_leave_the_worker_threads_free(
+    stuck: tuple[Path, sqlite3.Connection], anyio_backend: str
+) -> None:
+    """Defect (found by review): a flush waited for a stuck writer in a worker thread for as long
+    as the writer was stuck; cancelled, the thread stayed blocked, and under trio it kept its
+    token of anyio's default thread limiter: 40 cancelled flushes (a trainer retrying under a
+    timeout) left every ``to_thread.run_sync`` of the program waiting for the journal."""
+    buffer = await stuck_buffer(*stuck)
+    for _ in range(45):
+        with anyio.move_on_after(0.001):
+            await buffer.flush()
+    with anyio.fail_after(10):
+        assert await anyio.to_thread.run_sync(lambda: 42) == 42
+    stuck[1].execute("ROLLBACK")
+    with anyio.fail_after(10):
+        await buffer.flush()
+    await buffer.aclose()

@@ -74,3 +74,47 @@ async def test_changes_made_in_loop_callbacks_arm_the_timer(tmp_path: Path, anyi
             await anyio.sleep(0.01)
     assert "a" in ReplayBuffer.recover(path).buffer
     await buffer.aclose()
+
+
+def test_a_change_on_a_second_loop_is_committed_though_the_first_loop_armed_the_timer(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Defect (found by review): a change on one loop armed the timer on that loop; the loop
+    ended before the timer fired, and a change on the next loop (``asyncio.run`` twice) found the
+    log armed, so no commit was timed on the new loop: it stayed uncommitted until a later
+    change, a flush or a close (forever for a loop that then only waits)."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(SamplerConfig(), journal=path, journal_interval=0.05, status_log_interval=None)
+    commits = buffer.stats().journal_commits
+
+    async def first() -> None:
+        buffer.put_group_nowait("first", [b"f"])  # arms the timer on this loop, which ends now
+
+    async def second() -> list[str]:
+        with anyio.fail_after(LIMIT):
+            buffer.put_group_nowait("second", [b"s"])
+            return await committed_uids(buffer, path, tmp_path / "copy.db", commits)
+
+    anyio.run(first, backend=anyio_backend)
+    assert anyio.run(second, backend=anyio_backend) == ["first", "second"]
+    buffer.close()
+
+
+def test_an_interval_beyond_what_a_thread_can_wait_keeps_the_writer_running(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Defect (found by review): ``journal_interval=1e10`` (finite, accepted) made the writer
+    thread wait longer than ``threading`` can (OverflowError): the writer stopped at the first
+    change and every flush raised CheckpointError."""
+    path = tmp_path / "journal.db"
+    buffer = ReplayBuffer(journal=path, journal_interval=1e10)
+
+    async def main() -> None:
+        with anyio.fail_after(LIMIT):
+            await buffer.put_group("a", [b"a"])
+            await anyio.sleep(0.05)  # the writer waits for the timer meanwhile
+            await buffer.flush()
+
+    anyio.run(main, backend=anyio_backend)
+    buffer.close()
+    assert "a" in ReplayBuffer.recover(path).buffer

@@ -40,6 +40,7 @@ __all__ = ["Journal", "JournalOptions", "JournalParts"]
 
 logger = logging.getLogger("stalebuf")
 _Post = Callable[[Callable[[], object]], object]
+_WAIT_SLICE = 0.25  # seconds a worker thread waits for a commit at once
 
 
 @attrs.frozen
@@ -102,15 +103,23 @@ class Journal:
     # -- commits ------------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """The first change since the last hand-off: have the writer post the next one."""
-        post = _loop_post()
-        if post is None:  # no running loop: committed at the next flush or close, or timed by
+        """The first change since the last hand-off (or since the loop that was to commit it
+        ended): have the writer post the next one to this change's loop."""
+        loop = _running_loop()
+        if loop is None:  # no running loop: committed at the next flush or close, or timed by
             self.log.disarm()  # the next change made on a loop
             return
-        self._post = post
-        interval = self.options.interval
-        if interval > 0:
-            self.writer.request_tick(monotonic() + interval, lambda: self._posted(post, self._tick))
+        self._post, self.log.alive = loop
+        # Under journal_interval=0 the calls commit before they return; this tick commits what
+        # changed outside them at once (a sample's cut while it waits, say).
+        self.writer.request_tick(monotonic() + self.options.interval, self._fire)
+
+    def _fire(self) -> None:
+        """In the writer thread, when the interval has passed: post the hand-off to the loop of
+        the latest change (an earlier tick may have been asked for from a loop that has ended)."""
+        post = self._post
+        if post is not None:
+            self._posted(post, self._tick)
 
     def _posted(self, post: _Post, callback: Callable[[], object]) -> None:
         """Run ``callback`` on the loop ``post`` reaches (from the writer thread); a loop that has
@@ -126,7 +135,7 @@ class Journal:
             return
         try:
             self.hand_off()
-        except CheckpointError:
+        except Exception:  # (never into the loop: a trio run would crash)
             logger.exception("the stalebuf journal could not commit")
 
     def hand_off(self) -> int:
@@ -135,9 +144,19 @@ class Journal:
         Raises:
             CheckpointError: the writer stopped on an error, or was closed.
         """
+        dirty, events, since = self.log.take()
+        try:
+            handoff = self._handoff(dirty, events, since)
+        except Exception as exc:  # the log is taken: journaling on would write a wrong state
+            self.writer.fail(exc)
+            self._release()
+            raise CheckpointError(f"the journal {self.options.path!r} stopped: {exc}") from exc
+        return self.writer.submit(handoff)
+
+    def _handoff(self, dirty: list[str], events: list[tuple[Any, ...]], since: float | None) -> Handoff:
+        """What the writer is given for the changes just taken from the log."""
         log, parts = self.log, self.parts
         store, admission = parts.store, parts.admission
-        dirty, events, since = log.take()
         groups, live, clocks, now = store.groups, log.live, admission.clocks, monotonic()
         items: list[tuple[int, Group]] = []
         for uid in dirty:
@@ -150,8 +169,7 @@ class Journal:
             items.append((gid, group))  # type: ignore[arg-type]
         state = capture_state(store, admission, parts.filtering, parts.mixing, parts.policy)
         estimate = _estimate((group for _, group in items), events)
-        handoff = Handoff(items, events, state, log.seq, log.next_gid, since, estimate)
-        return self.writer.submit(handoff)
+        return Handoff(items, events, state, log.seq, log.next_gid, since, estimate)
 
     def settle(self) -> None:
         """With ``journal_interval=0``: commit what the call just changed before it returns
@@ -190,15 +208,26 @@ class Journal:
         """
         if checkpoint_step is not None:
             self.log.marked(checkpoint_step)
-        number = self.hand_off()
-        await anyio.to_thread.run_sync(self.writer.wait_committed, number, abandon_on_cancel=True)
+        await self._committed_after(self.hand_off())
 
-    def compact(self) -> None:
-        """Commit now, then fold the write-ahead log into the file and truncate it (``save``).
+    async def _committed_after(self, number: int) -> None:
+        """Wait (cancellable) until hand-off ``number`` is committed.
+
+        In a worker thread, a slice at a time: a cancelled wait's thread then ends within a
+        slice (under trio it holds a token of anyio's default thread limiter until it ends).
 
         Raises:
-            CheckpointError: the writer stopped on an error, or was closed.
+            CheckpointError: the writer stopped on an error, or was closed, first.
         """
+        wait = self.writer.wait_committed
+        while not await anyio.to_thread.run_sync(wait, number, _WAIT_SLICE, abandon_on_cancel=True):
+            pass
+
+    def compact(self) -> None:
+        """Commit now, then fold the write-ahead log into the file and truncate it (``save``);
+        nothing once closed or stopped (the save's checkpoint is then the one durable copy)."""
+        if self._closed or self.writer.error is not None:
+            return
         self.writer.request_compaction()
         self.hand_off()
 
@@ -209,7 +238,11 @@ class Journal:
         self._closed = True
         try:
             if self.log.since is not None and self.writer.error is None:
-                self.writer.wait_committed(self.hand_off())
+                number = self.hand_off()
+                # A buffer dropped unclosed is closed by its finalizer wherever the garbage
+                # collector runs: on the writer thread, it commits this after the current one.
+                if not self.writer.on_thread():
+                    self.writer.wait_committed(number)
         except CheckpointError:
             logger.exception("the stalebuf journal could not commit at close")
         finally:
@@ -217,18 +250,30 @@ class Journal:
             self._release()
 
     async def aclose(self) -> None:
-        """:meth:`close`, the final commit waited for in a worker thread."""
+        """:meth:`close`, the final commit waited for in a worker thread. Cancelled while it
+        waits, the journal closes at once: the writer finishes that commit on its own.
+
+        Raises:
+            CheckpointError: the final commit failed (the journal is closed all the same).
+        """
         if self._closed:
             return
+        number = None
         if self.log.since is not None and self.writer.error is None:
             try:
                 number = self.hand_off()
             except CheckpointError:
                 logger.exception("the stalebuf journal could not commit at close")
-            else:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.writer.wait_committed, number)
-        self.close()
+        try:
+            if number is not None:
+                await self._committed_after(number)
+        except anyio.get_cancelled_exc_class():
+            self._closed = True
+            self.writer.close(join=False)
+            self._release()
+            raise
+        finally:
+            self.close()
 
     # -- backpressure -------------------------------------------------------------------------
 
@@ -240,10 +285,11 @@ class Journal:
 
         Raises:
             BufferFullError: the writer's queue holds more than ``journal_max_pending_bytes``.
-            CheckpointError: the writer stopped on an error.
+            CheckpointError: the writer stopped on an error (nothing would be journaled any more:
+                the change is refused rather than made with no loss window bound).
         """
+        self._raise_if_broken()
         if self._over():
-            self._raise_if_broken()
             raise BufferFullError(
                 f"the journal's writer is behind: {self.writer.pending_bytes} bytes wait to be "
                 f"committed (journal_max_pending_bytes={self.options.max_pending_bytes})"
@@ -256,10 +302,12 @@ class Journal:
             BufferClosedError: the buffer was closed meanwhile.
             CheckpointError: the writer stopped on an error.
         """
+        self._raise_if_broken()
         if not self._waiters and not self._over():
             return
-        self._raise_if_broken()
-        self._post = _loop_post() or self._post
+        loop = _running_loop()
+        if loop is not None:
+            self._post = loop[0]
         waiter = _RoomWaiter()
         self._waiters.append(waiter)
         try:
@@ -305,24 +353,35 @@ class Journal:
         return writer.commits, writer.size(), max(writer.pending_bytes, 0), lag
 
 
-def _loop_post() -> _Post | None:
-    """How to run a callback on the running event loop from another thread (None if none runs).
+def _running_loop() -> tuple[_Post, Callable[[], bool]] | None:
+    """How to run a callback on the running event loop from another thread, and whether that
+    loop still runs (asked on the loop's thread); None if no loop runs.
 
     Asked directly (not through anyio, which finds no loop in a plain loop callback such as the
     thread handle's calls, and costs tens of µs): asyncio's running loop, else trio's token.
     """
     try:
-        return asyncio.get_running_loop().call_soon_threadsafe
+        loop = asyncio.get_running_loop()
     except RuntimeError:
         pass
+    else:
+        return loop.call_soon_threadsafe, loop.is_running
     trio = sys.modules.get("trio")  # (never imported for this: a trio loop has imported it)
-    if trio is not None:
+    if trio is None:
+        return None
+    current = trio.lowlevel.current_trio_token
+    try:
+        token = current()
+    except RuntimeError:
+        return None
+
+    def alive() -> bool:
         try:
-            run_sync_soon: _Post = trio.lowlevel.current_trio_token().run_sync_soon
+            return current() is token
         except RuntimeError:
-            return None
-        return run_sync_soon
-    return None
+            return False
+
+    return token.run_sync_soon, alive
 
 
 def _estimate(groups: Iterable[Group], events: list[tuple[Any, ...]]) -> int:
@@ -350,4 +409,7 @@ def _payload_size(payload: Any) -> int:
         return len(payload)
     if type(payload) is memoryview:
         return payload.nbytes
-    return sys.getsizeof(payload)
+    try:
+        return sys.getsizeof(payload)
+    except Exception:  # a payload's own __sizeof__ raised: it is an estimate anyway
+        return 64

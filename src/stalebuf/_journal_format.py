@@ -34,6 +34,7 @@ from ._checkpoint_codec import (
     written_counters,
 )
 from ._checkpoint_file import MAGIC, PayloadCodec, body_frames
+from ._checkpoint_path import open_regular
 from ._lazy_group import LazyGroup
 from ._validation import describe_error
 from .checkpoint import BufferCheckpoint
@@ -79,11 +80,12 @@ def file_kind(path: str) -> FileKind:
 
     Raises:
         CheckpointError: it is neither absent, empty, a stalebuf SQLite file of this format nor
-            a checkpoint of the older container format (it stays as it was).
-        OSError: it cannot be read.
+            a checkpoint of the older container format (it stays as it was): a FIFO, a device
+            or a socket among them.
+        OSError: it cannot be read (IsADirectoryError: a directory).
     """
-    try:
-        with open(path, "rb") as file:
+    try:  # a FIFO, a device or a socket is refused before a byte is read (a FIFO would block)
+        with open_regular(path) as file:
             head = file.read(_HEADER)
     except FileNotFoundError:
         return "absent"

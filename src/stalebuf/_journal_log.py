@@ -38,6 +38,10 @@ _RECORDED = CONSUMER_REASONS | {"filtered"}
 _uid_of = attrgetter("uid")
 
 
+def _always() -> bool:
+    return True
+
+
 class ChangeLog:
     """Groups changed and events since the last :meth:`take`, in the order they happened.
 
@@ -49,9 +53,10 @@ class ChangeLog:
         next_gid: the gid the next admitted group gets.
         since: when the oldest change not yet taken was made (monotonic), or None.
         armed: whether a commit is scheduled for them.
+        alive: whether the event loop that commit runs on still runs (set by the journal).
     """
 
-    __slots__ = ("armed", "dirty", "events", "live", "next_gid", "on_first_change", "seq", "since")
+    __slots__ = ("alive", "armed", "dirty", "events", "live", "next_gid", "on_first_change", "seq", "since")
 
     def __init__(self, next_gid: int, seq: int, on_first_change: Callable[[], object]) -> None:
         self.live: dict[str, int] = {}
@@ -61,6 +66,9 @@ class ChangeLog:
         self.seq = seq
         self.since: float | None = None
         self.armed = False  # a commit is scheduled for the changes not yet taken
+        # A commit scheduled on a loop that has ended since (``asyncio.run`` twice) never runs: a
+        # change then schedules one again, on its own loop.
+        self.alive: Callable[[], bool] = _always
         self.on_first_change = on_first_change  # the journal arms its commit timer
 
     def seed(self, live: dict[str, int]) -> None:
@@ -85,13 +93,13 @@ class ChangeLog:
         seq = self.seq = self.seq + 1
         self.events.append((ADMIT, seq, gid, uid, partition))
         self.dirty[uid] = None
-        if not self.armed:
+        if not self.armed or not self.alive():
             self._first()
 
     def changed(self, uid: str) -> None:
         """Record that the resident group ``uid`` changed (its content is read at the next take)."""
         self.dirty[uid] = None
-        if not self.armed:
+        if not self.armed or not self.alive():
             self._first()
 
     def left(self, groups: Iterable[Any], reason: str, uids: list[str] | None = None) -> None:
@@ -110,7 +118,7 @@ class ChangeLog:
         records = groups.copy() if reason in _RECORDED else None
         self.events.append((LEFT, self.seq + 1, uids, reason, records))
         self.seq += len(uids)
-        if not self.armed:
+        if not self.armed or not self.alive():
             self._first()
 
     def filtered_at_once(self, record: Any) -> None:
@@ -123,20 +131,20 @@ class ChangeLog:
         (all but the groups) right after it."""
         seq = self.seq = self.seq + 1
         self.events.append((SAMPLE, seq, partition, step, state))
-        if not self.armed:
+        if not self.armed or not self.alive():
             self._first()
 
     def touched(self) -> None:
         """Record that the state beyond the groups changed (a clock a sample moved): the next
         commit takes it."""
-        if not self.armed:
+        if not self.armed or not self.alive():
             self._first()
 
     def marked(self, step: int) -> None:
         """Record the trainer's mark: its state at ``step`` is durable."""
         seq = self.seq = self.seq + 1
         self.events.append((MARK, seq, step))
-        if not self.armed:
+        if not self.armed or not self.alive():
             self._first()
 
     def take(self) -> tuple[list[str], list[tuple[Any, ...]], float | None]:

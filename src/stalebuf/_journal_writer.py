@@ -9,6 +9,7 @@ queue (under the condition's lock) and reads the counters below (ints and floats
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -29,6 +30,9 @@ from .records import Group
 __all__ = ["Handoff", "JournalWriter"]
 
 logger = logging.getLogger("stalebuf")
+#: The longest the thread waits at once for a tick (it then waits again): ``threading`` refuses
+#: timeouts beyond ``TIMEOUT_MAX`` (OverflowError), and ``journal_interval`` may be any finite number.
+_MAX_WAIT = 3600.0
 
 
 @attrs.frozen
@@ -74,6 +78,7 @@ class JournalWriter:
         on_commit: Callable[[], object],
     ) -> None:
         self.path = path
+        self._absolute = os.path.abspath(path)  # measured there, whatever the directory is then
         self.commits = 0
         self.committed = 0
         self.pending_bytes = 0
@@ -125,6 +130,15 @@ class JournalWriter:
         with self._condition:
             self._compact = True
 
+    def fail(self, error: BaseException) -> None:
+        """Stop on ``error``, raised on the loop's side: what is queued is committed, nothing
+        more is taken (every later submit and wait raises it)."""
+        with self._condition:
+            if self.error is None:
+                self.error = error
+            self._closing = True
+            self._condition.notify_all()
+
     def wait_committed(self, number: int, timeout: float | None = None) -> bool:
         """Block until hand-off ``number`` is committed; False if ``timeout`` passed first.
 
@@ -141,6 +155,10 @@ class JournalWriter:
                 self._condition.wait(remaining)
             return True
 
+    def on_thread(self) -> bool:
+        """Whether the caller is the writer thread itself."""
+        return threading.current_thread() is self._thread
+
     def oldest_pending(self) -> float | None:
         """When the oldest change handed off and not yet committed was made (monotonic), or None."""
         with self._condition:
@@ -148,14 +166,15 @@ class JournalWriter:
 
     def size(self) -> int:
         """The journal's bytes on disk now."""
-        return size_on_disk(self.path)
+        return size_on_disk(self._absolute)
 
-    def close(self) -> None:
-        """Commit what is queued, stop the thread and close the database (idempotent)."""
+    def close(self, *, join: bool = True) -> None:
+        """Commit what is queued, stop the thread and close the database (idempotent); without
+        ``join``, return at once (the thread does it on its own)."""
         with self._condition:
             self._closing = True
             self._condition.notify_all()
-        if self._thread is not threading.current_thread():
+        if join and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _raise_if_broken(self) -> None:
@@ -212,7 +231,10 @@ class JournalWriter:
                     return self._queue[0], None
                 if self._closing:
                     return None, None
-                self._condition.wait(None if tick is None else max(0.0, tick[0] - monotonic()))
+                # (capped: a huge journal_interval would be more than a thread can wait)
+                self._condition.wait(
+                    None if tick is None else min(max(0.0, tick[0] - monotonic()), _MAX_WAIT)
+                )
 
     def _commit(self, handoff: Handoff) -> None:
         """Encode ``handoff`` and write it in one transaction.

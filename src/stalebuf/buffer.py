@@ -20,6 +20,7 @@ machinery.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -56,6 +57,7 @@ from .errors import (
     BatchNotReadyError,
     BufferClosedError,
     BufferFullError,
+    CheckpointError,
     DuplicateGroupError,
     FutureTagError,
     TagClosedError,
@@ -103,7 +105,9 @@ class ReplayBuffer:
             ``filter_errors`` and logged. See :mod:`stalebuf.filters` for built-ins.
         journal: a path to an SQLite file that every state change is journaled to (see the
             docs' Durability page); absent or empty, it starts a new journal; one that holds a
-            stalebuf journal or checkpoint is refused (recover from it, or remove it).
+            stalebuf journal or checkpoint is refused (recover from it, or remove it). Once its
+            writer stops on an error (a disk error, a payload it cannot encode), ``flush`` and
+            every later producer call raise CheckpointError, changing nothing.
         journal_interval: how often (seconds, >= 0) the journal commits; 0 commits every change
             before the call returns (blocking the loop about one fsync per call).
         journal_retention_steps: history kept behind the newest sample, in trainer steps (at
@@ -459,6 +463,12 @@ class ReplayBuffer:
             journal.log.touched()
             self.__settle()
 
+    def __sampled_then_raised(self) -> None:
+        """:meth:`__sampled_nothing` for a sample that raises (a hook, a timeout, a cancellation),
+        never hiding its error: a stopped journal raises at the next flush or producer call."""
+        with contextlib.suppress(CheckpointError):
+            self.__sampled_nothing()
+
     def __settle(self) -> None:
         """Under ``journal_interval=0``: commit what the call changed before it returns."""
         if self.__sync_journal is not None:
@@ -622,12 +632,15 @@ class ReplayBuffer:
             group = store.open_group(uid, action)
         consumer, clock = self.__consumer, self.__admission.clocks.get(group.partition, 0)
         if status is _FINISHED and consumer.filters:
-            consumer.finish(group, status, clock)  # the filters judge it first
-        else:
-            part = store.end(group, status, clock)
-            if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
-                self.__admission.refunded(part)
-            consumer.notify(part)
+            try:
+                consumer.finish(group, status, clock)  # the filters judge it first
+            finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+                self.__settle()
+            return
+        part = store.end(group, status, clock)
+        if part.ledger is not None:  # its token reservation settled: the refund may admit a producer
+            self.__admission.refunded(part)
+        consumer.notify(part)
         self.__settle()
 
     def put_group_nowait(
@@ -704,26 +717,28 @@ class ReplayBuffer:
             and uid not in store.groups
             and uid not in store.evicted_in_flight  # put_group raises GroupEvictedError for those
         ):
-            keys = self.__writer.put_new_finished(
-                part, uid, payloads, global_steps, tags, version, generation_seconds
+            try:
+                return self.__writer.put_new_finished(
+                    part, uid, payloads, global_steps, tags, version, generation_seconds
+                )
+            finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+                self.__settle()
+        try:
+            return self.__writer.put(
+                uid,
+                payloads,
+                global_steps,
+                partition,
+                tags,
+                trajectory_tags,
+                session_ids,
+                indices,
+                status,
+                versioning=(versions, tokens, version),
+                generation_seconds=generation_seconds,
             )
+        finally:
             self.__settle()
-            return keys
-        keys = self.__writer.put(
-            uid,
-            payloads,
-            global_steps,
-            partition,
-            tags,
-            trajectory_tags,
-            session_ids,
-            indices,
-            status,
-            versioning=(versions, tokens, version),
-            generation_seconds=generation_seconds,
-        )
-        self.__settle()
-        return keys
 
     async def add_prompt(
         self,
@@ -861,22 +876,23 @@ class ReplayBuffer:
 
         def admit(tag: int) -> list[str]:
             self.__check_usable()
-            keys = writer.put(
-                uid,
-                payloads,
-                global_steps,
-                partition,
-                tags,
-                trajectory_tags,
-                session_ids,
-                indices,
-                status,
-                tag,
-                (versions, tokens, version),
-                generation_seconds,
-            )
-            self.__settle()
-            return keys
+            try:
+                return writer.put(
+                    uid,
+                    payloads,
+                    global_steps,
+                    partition,
+                    tags,
+                    trajectory_tags,
+                    session_ids,
+                    indices,
+                    status,
+                    tag,
+                    (versions, tokens, version),
+                    generation_seconds,
+                )
+            finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+                self.__settle()
 
         cell = self.__store.cell(partition, EMPTY_TAGS if tags is None else checks.check_tags(tags))
         return await self.__admission.wait_for_slot(cell, global_steps, admit, need)
@@ -933,9 +949,10 @@ class ReplayBuffer:
         if not isinstance(watch, GroupWatch):
             raise TypeError(f"watch must be a GroupWatch, got {type(watch).__name__}")
         self.__store.binding.check_thread()
-        ended = self.__writer.end_watched(watch.group, finished)
-        self.__settle()
-        return ended
+        try:
+            return self.__writer.end_watched(watch.group, finished)
+        finally:  # (on_evict may raise after a filter evicted it: committed all the same)
+            self.__settle()
 
     def put_back(self, group: Group) -> bool:
         """Put a sampled ``group`` back, as it was (uid, partition, dispatch step, tags, status,
@@ -1092,7 +1109,11 @@ class ReplayBuffer:
         metrics = SampleMetrics()
         if token_budget is not None:  # by tokens: at least one group, as many as the budget holds
             metrics.token_budget, batch_size = token_budget, 1
-        result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        try:
+            result = self.__consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        except BaseException:  # (a hook raised after evictions: journal them, as for no batch)
+            self.__sampled_then_raised()
+            raise
         if result is not None:
             return result
         self.__sampled_nothing()
@@ -1153,7 +1174,11 @@ class ReplayBuffer:
         consumer, metrics = self.__consumer, SampleMetrics()
         if token_budget is not None:  # by tokens: at least one group, as many as the budget holds
             metrics.token_budget, batch_size = token_budget, 1
-        result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        try:
+            result = consumer.sample_now(part, partition, global_steps, batch_size, metrics)  # type: ignore[arg-type]
+        except BaseException:  # (a hook raised after evictions: journal them, as for no batch)
+            self.__sampled_then_raised()
+            raise
         if result is not None:
             return result
         self.__sampled_nothing()
@@ -1161,7 +1186,11 @@ class ReplayBuffer:
             wanted = batch_size if token_budget is None else f"{token_budget} tokens"
             raise TimeoutError(f"no batch of {wanted} ready in partition {checks.describe(partition)}")
         assert part is not None  # created above for a call that may wait
-        groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)  # type: ignore[arg-type]
+        try:
+            groups, waited = await consumer.wait_for_batch(part, global_steps, batch_size, timeout, metrics)  # type: ignore[arg-type]
+        except BaseException:  # timed out, cancelled or raised: what it cut or evicted meanwhile
+            self.__sampled_then_raised()
+            raise
         return consumer.result(part, global_steps, groups, metrics, waited)
 
     def __check_sample(
@@ -1308,10 +1337,12 @@ class ReplayBuffer:
 
     async def aclose(self) -> None:
         """Close the buffer (see :meth:`close`), its journal's final commit awaited in a worker
-        thread, and yield once to the scheduler.
+        thread, and yield once to the scheduler. Cancelled while it waits for that commit, the
+        buffer and its journal are closed at once (the writer thread finishes the commit).
 
         Raises:
             WrongThreadError: called from another thread than the bound loop's.
+            CheckpointError: the journal's final commit failed (closed all the same).
         """
         self.__store.binding.check_thread()
         self.__close_parts()
