@@ -39,7 +39,7 @@ from stalebuf import (
     SamplerConfig,
     Status,
 )
-from stalebuf.errors import CheckpointError
+from stalebuf.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.anyio
 
@@ -362,7 +362,7 @@ def alter(kind: str, path: Path) -> None:
         ("text", "is not a stalebuf journal"),
         ("sqlite", "not a stalebuf journal"),
         ("checkpoint", "restore it with ReplayBuffer.restore"),
-        ("torn", "malformed"),
+        ("torn", "malformed|torn"),
         ("format 2", "format 2"),
     ],
 )
@@ -620,3 +620,124 @@ async def test_kept_lists_the_groups_filtered_after_the_point_too(tmp_path: Path
     assert "f1" not in result.buffer
     assert "f3" not in result.buffer
     await result.buffer.aclose()
+
+
+# -- review: crashes during a recovery, odd arguments, torn and crafted files -----------------
+
+
+@pytest.mark.parametrize("in_flight", ["reissue", "resume", "evict"])
+async def test_a_crash_between_voiding_the_history_and_the_first_commit_leaves_the_journal_recoverable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_flight: str
+) -> None:
+    """Review: ``recover`` committed the voided history (undone groups resident, dropped ones
+    removed) in one transaction and the recovered state in the next: killed in between, the file
+    held the old state with the new rows, and every later recovery refused it ("counters do not
+    conserve groups"). Now the voiding commits the state it implies with it: recovering again
+    gives what the interrupted recovery would have given."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        for i in range(4):
+            buffer.put_group_nowait(f"g{i}", [b"p", b"q"])
+        buffer.add_prompt_nowait("half")
+        buffer.mark_running_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        await buffer.sample(1, 2)  # g1, g2: undone
+        buffer.put_group_nowait("g1", [b"new"])  # the older g1 is dropped
+        await buffer.aclose()
+        reference = tmp_path / "reference.db"
+        copy_journal(path, reference)
+        expected = recover(reference, global_steps=0, in_flight=in_flight)
+        want = (snapshot(expected.buffer)[1:], expected.buffer.stats().total)
+        await expected.buffer.aclose()
+
+        class Killed(Exception):
+            pass
+
+        def killed(*args: object, **kwargs: object) -> None:
+            raise Killed  # the process dies after the voiding commits, before the journal starts
+
+        monkeypatch.setattr("stalebuf._journal_setup.Journal", killed)
+        with pytest.raises(Killed):
+            recover(path, global_steps=0, in_flight=in_flight)
+        monkeypatch.undo()
+        for global_steps in (None, 0):
+            copy = tmp_path / f"copy{global_steps}.db"
+            copy_journal(path, copy)
+            again = recover(copy, global_steps=global_steps, in_flight=in_flight)
+            assert (snapshot(again.buffer)[1:], again.buffer.stats().total) == want
+            assert_conserved(again.buffer)
+            await again.buffer.aclose()
+
+
+@pytest.mark.parametrize(
+    ("global_steps", "partition"),
+    [(2**63, "train"), (10**5000, "train"), (0, "\udcff"), (None, "\udcff")],
+    ids=["2**63", "10**5000", "surrogate at 0", "surrogate at None"],
+)
+async def test_a_step_out_of_range_or_a_partition_no_file_can_hold_is_a_config_error(
+    tmp_path: Path, global_steps: int | None, partition: str
+) -> None:
+    """Review: ``global_steps=10**5000`` raised ValueError (str() of the int, in the query) and a
+    partition with a lone surrogate UnicodeEncodeError (SQLite); 2**63 was looked up as a step no
+    sample can have. Each is a ConfigError, as ``flush(checkpoint_step=)`` bounds steps, and the
+    journal stays as it was."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        before = digest(path)
+        with pytest.raises(ConfigError):
+            recover(path, global_steps=global_steps, partition=partition)
+        assert digest(path) == before
+
+
+@pytest.mark.parametrize("cut", [1, 100, 4095])
+async def test_a_journal_cut_inside_a_page_is_refused_and_left_byte_for_byte(
+    tmp_path: Path, cut: int
+) -> None:
+    """Review: a journal whose last page was cut short (no write-ahead log beside it) passed
+    SQLite's check, which reads the missing bytes as zeros: ``recover`` at the last commit took
+    it and wrote into it, ``restore`` read it. SQLite writes whole pages: such a file is torn."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        data = path.read_bytes()
+        path.write_bytes(data[:-cut])
+        before = digest(path)
+        for global_steps in (None, 0):
+            with pytest.raises(CheckpointError, match="torn"):
+                recover(path, global_steps=global_steps)
+            assert digest(path) == before
+        with pytest.raises(CheckpointError, match="torn"):
+            ReplayBuffer.restore(path, status_log_interval=None)
+        with pytest.raises(CheckpointError, match="torn"):
+            ReplayBuffer(SamplerConfig(), journal=path)
+        assert digest(path) == before
+
+
+@pytest.mark.parametrize(
+    ("sql", "global_steps"),
+    [
+        ("UPDATE samples SET step = 'abc'", None),
+        ("UPDATE marks SET step = 'abc'", 0),
+        ("UPDATE groups SET admitted = 'q'", 0),
+    ],
+)
+async def test_a_journal_with_values_of_the_wrong_type_is_a_checkpoint_error(
+    tmp_path: Path, sql: str, global_steps: int | None
+) -> None:
+    """Review: a crafted journal (a text step, a text event number) raised ValueError or
+    TypeError from ``recover``, where ``restore`` of the same file raised CheckpointError."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        connection = sqlite3.connect(path)
+        connection.execute(sql)
+        connection.commit()
+        connection.close()
+        with pytest.raises(CheckpointError):
+            recover(path, global_steps=global_steps)

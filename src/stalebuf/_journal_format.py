@@ -56,6 +56,7 @@ APPLICATION_ID = 0x53425546
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _FRAME = struct.Struct(">Q")
 _HEADER = 100  # bytes of an SQLite file's header
+_WAL_HEADER = 32  # bytes of a write-ahead log's header
 
 _SCHEMA = (
     "CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)",
@@ -123,8 +124,10 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
     checked; a writer gets WAL mode with ``synchronous=FULL``.
 
     Raises:
-        CheckpointError: SQLite finds the file corrupt or torn, or cannot open it.
+        CheckpointError: the file is torn (not whole pages), SQLite finds it corrupt or torn,
+            or cannot open it.
     """
+    _check_whole_pages(path)
     try:
         if read_only:
             uri = "file:" + _quoted(os.path.abspath(path)) + "?mode=ro"
@@ -146,6 +149,34 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
     except sqlite3.Error as exc:
         raise CheckpointError(f"{path!r} cannot be opened as a stalebuf file: {describe_error(exc)}") from exc
     return connection
+
+
+def _check_whole_pages(path: str) -> None:
+    """Refuse a database file that is not a whole number of its pages: SQLite writes whole pages,
+    and reads the bytes missing from a page cut short as zeros (its checks then pass). Not while
+    a write-ahead log is beside it: SQLite rebuilds pages from the log.
+
+    Raises:
+        CheckpointError: the file is torn.
+    """
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(_HEADER)
+    except FileNotFoundError:  # (a new file)
+        return
+    log = 0
+    with contextlib.suppress(OSError):
+        log = os.stat(path + "-wal").st_size
+    if not size or log >= _WAL_HEADER:
+        return
+    page = int.from_bytes(head[16:18], "big") if len(head) == _HEADER else 0
+    page = 65536 if page == 1 else page
+    if not page or size % page:
+        raise CheckpointError(
+            f"{path!r} is torn: truncated or with trailing data ({size} bytes is not a whole number "
+            f"of {page}-byte pages)"
+        )
 
 
 def _quoted(path: str) -> str:

@@ -15,7 +15,7 @@ from ._journal_format import StateCodec, connect, create_schema, file_kind
 from ._journal_recovery import Recovery, read_recovery, void_after
 from ._journal_writer import JournalWriter
 from ._open_group import OpenGroup
-from ._validation import check_payload_codec, describe
+from ._validation import MAX_INT, check_payload_codec, describe, is_utf8
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["check_journal_options", "open_recovery", "start_journal", "start_recovered"]
@@ -134,10 +134,12 @@ def open_recovery(
     check_payload_codec(payload_codec)
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"journal must be a path, got {describe(path)}")
-    if global_steps is not None and (type(global_steps) is not int or global_steps < 0):
-        raise ConfigError(f"global_steps must be None or an int >= 0, got {describe(global_steps)}")
-    if type(partition) is not str:
-        raise ConfigError(f"partition must be a str, got {describe(partition)}")
+    if global_steps is not None and (type(global_steps) is not int or not 0 <= global_steps <= MAX_INT):
+        raise ConfigError(
+            f"global_steps must be None or an int >= 0 (and < 2**63), got {describe(global_steps)}"
+        )
+    if type(partition) is not str or not is_utf8(partition):
+        raise ConfigError(f"partition must be a str UTF-8 can encode, got {describe(partition)}")
     name = os.fspath(path)
     kind = file_kind(name)
     if kind != "journal":
@@ -165,24 +167,27 @@ def start_recovered(
     recovery: Recovery,
 ) -> Journal:
     """Void the journal's history after the recovery point and journal the recovered buffer on
-    into it: the groups the restore evicted are removed ("restart"), its in-flight ones (which
-    ``in_flight`` may have changed) written again.
+    into it: its first commit removes the groups the restore evicted ("restart") and writes its
+    in-flight ones again (which ``in_flight`` may have changed), with the state after both.
 
     Raises:
         CheckpointError: the journal could not be written.
     """
     store = parts.store
-    restarted = [gid for uid, gid in recovery.gids.items() if uid not in store.groups]
+    codec = StateCodec(payload_codec)
     seq = recovery.seq + 1
     try:
-        void_after(connection, recovery, restarted, seq)
+        void_after(connection, codec, recovery, seq)
+        journal = Journal(
+            options, parts, _writer(connection, options, codec, recovery.history), recovery.next_gid, seq
+        )
     except BaseException:
         connection.close()
         raise
-    codec = StateCodec(payload_codec)
-    writer = _writer(connection, options, codec, recovery.history)
-    journal = Journal(options, parts, writer, recovery.next_gid, seq)
-    journal.log.seed({uid: gid for uid, gid in recovery.gids.items() if uid in store.groups})
+    journal.log.seed(recovery.gids)
+    restarted = [uid for uid in recovery.gids if uid not in store.groups]
+    if restarted:  # in the first commit, with the counters they moved
+        journal.log.left(restarted, "restart", restarted)
     store.journal_to(journal.log)
     for uid, group in store.groups.items():
         if type(group) is OpenGroup:
