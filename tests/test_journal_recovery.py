@@ -741,3 +741,42 @@ async def test_a_journal_with_values_of_the_wrong_type_is_a_checkpoint_error(
         connection.close()
         with pytest.raises(CheckpointError):
             recover(path, global_steps=global_steps)
+
+
+@pytest.mark.parametrize("whose", ["its own", "a closed one", "a killed one"])
+async def test_save_never_overwrites_a_journal(tmp_path: Path, whose: str) -> None:
+    """Review: ``save(path)`` at a journal's path renamed a checkpoint over it (the journal's own
+    file, while it journaled on into the unlinked one, or another buffer's): the journal was gone,
+    and the checkpoint unreadable too, its name now beside the journal's write-ahead log
+    ("database disk image is malformed"). ``save`` refuses such a file, as a new journal does,
+    and leaves it as it was."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        if whose == "a killed one":  # the last commits only in its write-ahead log
+            copy = tmp_path / "killed.db"
+            buffer = ReplayBuffer(
+                SamplerConfig(max_off_policy_threshold=8), journal=copy, status_log_interval=None
+            )
+            buffer.put_group_nowait("g0", [b"p"])
+            await buffer.flush(checkpoint_step=0)
+            path = tmp_path / "journal-killed.db"
+            copy_journal(copy, path)
+            await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+        saver = ReplayBuffer(SamplerConfig(), status_log_interval=None)
+        if whose == "its own":
+            await saver.aclose()
+            result = recover(path)
+            saver = result.buffer
+            dump = logical(path, tmp_path / "scratch")
+        saver.put_group_nowait("new", [b"n"])
+        with pytest.raises(CheckpointError, match="journal"):
+            await saver.save(path)
+        await saver.aclose()
+        if whose != "its own":
+            assert logical(path, tmp_path / "scratch") == dump
+        again = recover(path)
+        assert ("new" in again.buffer) is (whose == "its own")
+        assert_conserved(again.buffer)
+        await again.buffer.aclose()

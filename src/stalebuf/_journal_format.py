@@ -39,6 +39,7 @@ from .errors import CheckpointError
 from .records import Group
 
 __all__ = [
+    "APPLICATION_ID",
     "JOURNAL_FORMAT",
     "SQLITE_MAGIC",
     "StateCodec",
