@@ -13,8 +13,11 @@ brute-force model; ``tests/test_journal_crash.py`` kills processes.)
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -780,3 +783,62 @@ async def test_save_never_overwrites_a_journal(tmp_path: Path, whose: str) -> No
         assert ("new" in again.buffer) is (whose == "its own")
         assert_conserved(again.buffer)
         await again.buffer.aclose()
+
+
+_HOLDER = """
+import sys, anyio
+from stalebuf import ReplayBuffer, SamplerConfig
+
+async def main() -> None:
+    buffer = ReplayBuffer(SamplerConfig(max_off_policy_threshold=8), journal=sys.argv[1])
+    buffer.put_group_nowait("a", [b"a"])
+    await buffer.sample(0, 1)
+    await buffer.flush(checkpoint_step=0)
+    print("ready", flush=True)
+    await anyio.to_thread.run_sync(sys.stdin.readline)
+    buffer.put_group_nowait("b", [b"b"])
+    await buffer.aclose()
+
+anyio.run(main)
+"""
+
+
+def refuse_while_another_process_journals(path: Path) -> None:
+    """Run :data:`_HOLDER` on ``path``; while it journals, ``recover`` must be refused."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdin is not None
+            assert holder.stdout.readline() == "ready\n"
+            for global_steps in (None, 0):
+                with pytest.raises(CheckpointError, match="in use"):
+                    recover(path, global_steps=global_steps)
+            holder.stdin.write("go\n")
+            holder.stdin.close()
+            assert holder.wait(timeout=LIMIT) == 0
+        finally:
+            holder.kill()
+
+
+async def test_a_journal_another_process_journals_into_is_refused_and_its_writer_goes_on(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: ``recover`` of a journal that another process's buffer still journaled into (a
+    trainer restarted while the old process still ran, an actor not yet dead) was accepted: two
+    writers voided and wrote one file, and one of them stopped ("UNIQUE constraint failed:
+    groups.gid"), its groups lost. A process's journal writers now hold the file's advisory lock
+    until the last is closed: ``recover`` in another process is refused, the live buffer journals
+    on, and once it is closed the file recovers. (Within one process a recovery of a journal an
+    unclosed buffer holds stays possible: that is how tests simulate a crash.)"""
+    path = tmp_path / "journal.db"
+    refuse_while_another_process_journals(path)
+    with anyio.fail_after(LIMIT):
+        result = recover(path, global_steps=0)
+        assert sorted(group_contents(result.buffer)) == ["b"]
+        await result.buffer.aclose()
