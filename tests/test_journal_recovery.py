@@ -842,3 +842,47 @@ async def test_a_journal_another_process_journals_into_is_refused_and_its_writer
         result = recover(path, global_steps=0)
         assert sorted(group_contents(result.buffer)) == ["b"]
         await result.buffer.aclose()
+
+
+async def test_a_group_on_evict_adds_while_recover_evicts_in_flight_groups_is_journaled(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: under ``in_flight="evict"`` ``on_evict`` runs during ``recover``, before the journal
+    starts; a prompt it added was never journaled (only the recovered groups were), so after the
+    first commit the journal counted an admission it held no row for and no recovery could read
+    it ("counters do not conserve groups"). Groups the restore added are journaled as admitted."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        buffer.put_group_nowait("done", [b"d"])
+        buffer.add_prompt_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        await buffer.aclose()
+        built: list[ReplayBuffer] = []
+
+        class Refilling(ReplayBuffer):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                built.append(self)
+
+        def refill(event: EvictionEvent) -> None:
+            for group in event.groups:
+                built[0].add_prompt_nowait(f"{group.uid}-refill")
+
+        result = Refilling.recover(
+            path, global_steps=0, in_flight="evict", on_evict=refill, status_log_interval=None
+        )
+        expected = group_contents(result.buffer)
+        assert sorted(expected) == ["half-refill"]
+        await result.buffer.flush()
+        copy = tmp_path / "copy.db"
+        copy_journal(path, copy)
+        again = recover(copy)
+        assert group_contents(again.buffer) == expected
+        assert_conserved(again.buffer)
+        await again.buffer.aclose()
+        await result.buffer.aclose()

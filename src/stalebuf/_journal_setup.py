@@ -167,8 +167,9 @@ def start_recovered(
     recovery: Recovery,
 ) -> Journal:
     """Void the journal's history after the recovery point and journal the recovered buffer on
-    into it: its first commit removes the groups the restore evicted ("restart") and writes its
-    in-flight ones again (which ``in_flight`` may have changed), with the state after both.
+    into it: its first commit removes the groups the restore evicted ("restart"), writes its
+    in-flight ones again (which ``in_flight`` may have changed) and those ``on_evict`` added
+    meanwhile, with the state after all three.
 
     Raises:
         CheckpointError: the journal could not be written.
@@ -190,7 +191,9 @@ def start_recovered(
         journal.log.left(restarted, "restart", restarted)
     store.journal_to(journal.log)
     for uid, group in store.groups.items():
-        if type(group) is OpenGroup:
+        if uid not in recovery.gids:  # added by ``on_evict`` as the restore evicted
+            journal.log.admitted(uid, group.partition)
+        elif type(group) is OpenGroup:
             journal.log.changed(uid)
     _first_commit(journal)
     return journal
