@@ -886,3 +886,43 @@ async def test_a_group_on_evict_adds_while_recover_evicts_in_flight_groups_is_jo
         assert_conserved(again.buffer)
         await again.buffer.aclose()
         await result.buffer.aclose()
+
+
+_FORKING = """
+import os, sys, time, anyio
+from stalebuf import ReplayBuffer, SamplerConfig
+
+async def main() -> None:
+    buffer = ReplayBuffer(SamplerConfig(), journal=sys.argv[1], status_log_interval=None)
+    buffer.put_group_nowait("a", [b"a"])
+    await buffer.flush()
+    child = os.fork()  # a data loader's worker, say: it inherits the lock's file
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        await buffer.aclose()
+        recovered = ReplayBuffer.recover(sys.argv[1], status_log_interval=None)
+        print(sorted(group.uid for group in recovered.buffer.checkpoint().groups), flush=True)
+        await recovered.buffer.aclose()
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+
+anyio.run(main)
+"""
+
+
+def test_a_forked_child_does_not_hold_the_journal_lock(tmp_path: Path) -> None:
+    """Review (of the lock above): a child forked while a buffer journals inherits the lock's
+    open file, and with it the lock: once the parent closed its buffer, its own ``recover`` was
+    refused ("in use") for as long as the child lived. A forked child drops the lock."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKING, str(tmp_path / "journal.db")],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT * 3,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "['a']\n"), done.stderr

@@ -186,6 +186,20 @@ _HELD: dict[tuple[int, int], list[Any]] = {}
 _HELD_GUARD = threading.Lock()
 
 
+def _forget_held() -> None:
+    """In a forked child: close the inherited lock files (the parent's writers keep the lock;
+    the child has none of them) and start with a new guard (the parent's may have been held)."""
+    global _HELD_GUARD
+    for held in _HELD.values():
+        held[0].close()
+    _HELD.clear()
+    _HELD_GUARD = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_held)
+
+
 def _owned(path: str) -> Callable[[], None] | None:
     """Lock the file at ``path`` (created if absent) for this process's writers and return what
     releases this writer's hold; None where the lock cannot be taken (no ``flock``, a file system
@@ -227,7 +241,7 @@ def _owned(path: str) -> Callable[[], None] | None:
     def release() -> None:
         with _HELD_GUARD:
             held[1] -= 1
-            if held[1] == 0:
+            if held[1] == 0 and _HELD.get(key) is held:  # (a forked child forgot it)
                 del _HELD[key]
                 held[0].close()
 
