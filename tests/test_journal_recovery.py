@@ -926,3 +926,25 @@ def test_a_forked_child_does_not_hold_the_journal_lock(tmp_path: Path) -> None:
         check=False,
     )
     assert (done.returncode, done.stdout) == (0, "['a']\n"), done.stderr
+
+
+async def test_a_buffer_whose_journal_stopped_can_still_be_saved(tmp_path: Path) -> None:
+    """Review: ``save`` compacts the journal first, and raised the journal's error when its writer
+    had stopped (a payload the journal's codec cannot encode, a full disk): the one durable copy
+    left, a checkpoint pickle could hold, was refused too. The save goes on without compacting."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(SamplerConfig(), journal=path, payload_codec=CODEC, status_log_interval=None)
+        buffer.put_group_nowait("good", [b"g"])
+        await buffer.flush()
+        buffer.put_group_nowait("bad", ["text"])  # bytes("text") raises in the writer
+        with pytest.raises(CheckpointError):
+            await buffer.flush()
+        await buffer.save(tmp_path / "saved.ckpt")  # pickled: it holds "text"
+        await buffer.aclose()
+        restored = ReplayBuffer.restore(tmp_path / "saved.ckpt", status_log_interval=None).buffer
+        assert group_contents(restored) == {
+            "good": (Status.FINISHED, 0, [b"g"]),
+            "bad": (Status.FINISHED, 0, ["text"]),
+        }
+        await restored.aclose()
