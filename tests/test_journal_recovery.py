@@ -948,3 +948,14 @@ async def test_a_buffer_whose_journal_stopped_can_still_be_saved(tmp_path: Path)
             "bad": (Status.FINISHED, 0, ["text"]),
         }
         await restored.aclose()
+
+
+def test_a_journal_path_with_a_nul_is_a_config_error(tmp_path: Path) -> None:
+    """Review: a path holding "\\x00" raised ValueError ("embedded null byte") from ``recover``
+    and from a new buffer's journal, where every other bad path is a typed error."""
+    path = f"{tmp_path}/journal\x00.db"
+    with pytest.raises(ConfigError, match="journal"):
+        recover(path)
+    with pytest.raises(ConfigError, match="journal"):
+        ReplayBuffer(SamplerConfig(), journal=path)
+    assert list(tmp_path.iterdir()) == []

@@ -27,9 +27,9 @@ def check_journal_options(
     """Return the checked journal arguments (None without a journal).
 
     Raises:
-        ConfigError: ``journal`` is not None, a str or a path; ``journal_interval`` is not a
-            finite number >= 0; ``journal_retention_steps`` is not an int >= 0;
-            ``journal_max_pending_bytes`` is not an int >= 1.
+        ConfigError: ``journal`` is not None, a str or a path (non-empty, without NUL);
+            ``journal_interval`` is not a finite number >= 0; ``journal_retention_steps`` is not
+            an int >= 0; ``journal_max_pending_bytes`` is not an int >= 1.
     """
     if (
         not isinstance(interval, (int, float))
@@ -49,8 +49,8 @@ def check_journal_options(
     if not isinstance(journal, (str, os.PathLike)):
         raise ConfigError(f"journal must be None or a path, got {describe(journal)}")
     path = os.fspath(journal)
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"journal must be a non-empty str path, got {describe(journal)}")
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ConfigError(f"journal must be a non-empty str path without NUL, got {describe(journal)}")
     return JournalOptions(path, float(interval), retention_steps, max_pending_bytes)
 
 
