@@ -959,3 +959,27 @@ def test_a_journal_path_with_a_nul_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="journal"):
         ReplayBuffer(SamplerConfig(), journal=path)
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_disk_error_while_voiding_the_history_is_a_checkpoint_error_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: an SQLite error in the transaction that voids the history after the point (a full
+    disk, an I/O error) came out of ``recover`` as ``sqlite3.OperationalError``, not the
+    documented CheckpointError. The transaction is rolled back: the journal is as it was."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        dump = logical(path, tmp_path / "scratch")
+
+        def full(*args: object) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr("stalebuf._journal_recovery.write_key", full)
+        with pytest.raises(CheckpointError, match="disk is full"):
+            recover(path, global_steps=0)
+        monkeypatch.undo()
+        assert logical(path, tmp_path / "scratch") == dump
+        result = recover(path, global_steps=0)
+        assert_conserved(result.buffer)
+        await result.buffer.aclose()

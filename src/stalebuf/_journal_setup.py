@@ -15,7 +15,7 @@ from ._journal_format import StateCodec, connect, create_schema, file_kind
 from ._journal_recovery import Recovery, read_recovery, void_after
 from ._journal_writer import JournalWriter
 from ._open_group import OpenGroup
-from ._validation import MAX_INT, check_payload_codec, describe, is_utf8
+from ._validation import MAX_INT, check_payload_codec, describe, describe_error, is_utf8
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["check_journal_options", "open_recovery", "start_journal", "start_recovered"]
@@ -178,7 +178,10 @@ def start_recovered(
     codec = StateCodec(payload_codec)
     seq = recovery.seq + 1
     try:
-        void_after(connection, codec, recovery, seq)
+        try:
+            void_after(connection, codec, recovery, seq)
+        except sqlite3.Error as exc:  # (rolled back: the journal is as it was)
+            raise CheckpointError(f"{options.path!r} could not be written: {describe_error(exc)}") from exc
         journal = Journal(
             options, parts, _writer(connection, options, codec, recovery.history), recovery.next_gid, seq
         )
