@@ -983,3 +983,39 @@ async def test_a_disk_error_while_voiding_the_history_is_a_checkpoint_error_and_
         result = recover(path, global_steps=0)
         assert_conserved(result.buffer)
         await result.buffer.aclose()
+
+
+async def test_recovering_a_journal_with_more_marks_than_sqlite_takes_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: ``recover`` deleted the marks after the point with one ``NOT IN (?, ?, ...)`` of
+    every mark it keeps: past SQLite's variable limit (999 before SQLite 3.32, which some
+    systems still ship; emulated here, lower) it failed with "too many SQL variables" and the journal
+    could not be recovered at that step at all. (A trainer that marks the same step on every
+    flush keeps all those marks: retention deletes only marks older than its cutoff.)"""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        for i in range(4):
+            buffer.put_group_nowait(f"g{i}", [b"p"])
+        await buffer.sample(0, 1)
+        for _ in range(120):
+            await buffer.flush(checkpoint_step=0)
+        await buffer.sample(1, 1)
+        await buffer.flush(checkpoint_step=1)
+        await buffer.aclose()
+        import stalebuf._journal_setup as setup
+
+        connect = setup.connect
+
+        def old_sqlite(path: str, **options: Any) -> sqlite3.Connection:
+            connection = connect(path, **options)
+            connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 99)
+            return connection
+
+        monkeypatch.setattr(setup, "connect", old_sqlite)
+        result = recover(path, global_steps=0)
+        assert sorted(group_contents(result.buffer)) == ["g1", "g2", "g3"]
+        await result.buffer.aclose()

@@ -317,10 +317,10 @@ def void_after(connection: sqlite3.Connection, codec: StateCodec, recovery: Reco
         point = recovery.point
         if point is not None:
             execute("DELETE FROM samples WHERE seq > ?", (point,))
-            marks = [seq for seq, _ in recovery.history[1]]
-            execute(
-                f"DELETE FROM marks WHERE seq > ? AND seq NOT IN ({','.join('?' * len(marks))})",
-                (point, *marks),
+            kept = {seq for seq, _ in recovery.history[1]}  # (no NOT IN: SQLite limits variables)
+            later = execute("SELECT seq FROM marks WHERE seq > ?", (point,)).fetchall()
+            connection.executemany(
+                "DELETE FROM marks WHERE seq = ?", (row for row in later if row[0] not in kept)
             )
         for gid in recovery.undone:
             execute("UPDATE groups SET removed = NULL, reason = NULL WHERE gid = ?", (gid,))
