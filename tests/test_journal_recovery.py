@@ -13,8 +13,11 @@ brute-force model; ``tests/test_journal_crash.py`` kills processes.)
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from stalebuf import (
     SamplerConfig,
     Status,
 )
-from stalebuf.errors import CheckpointError
+from stalebuf.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.anyio
 
@@ -362,7 +365,7 @@ def alter(kind: str, path: Path) -> None:
         ("text", "is not a stalebuf journal"),
         ("sqlite", "not a stalebuf journal"),
         ("checkpoint", "restore it with ReplayBuffer.restore"),
-        ("torn", "malformed"),
+        ("torn", "malformed|torn"),
         ("format 2", "format 2"),
     ],
 )
@@ -620,3 +623,399 @@ async def test_kept_lists_the_groups_filtered_after_the_point_too(tmp_path: Path
     assert "f1" not in result.buffer
     assert "f3" not in result.buffer
     await result.buffer.aclose()
+
+
+# -- review: crashes during a recovery, odd arguments, torn and crafted files -----------------
+
+
+@pytest.mark.parametrize("in_flight", ["reissue", "resume", "evict"])
+async def test_a_crash_between_voiding_the_history_and_the_first_commit_leaves_the_journal_recoverable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_flight: str
+) -> None:
+    """Review: ``recover`` committed the voided history (undone groups resident, dropped ones
+    removed) in one transaction and the recovered state in the next: killed in between, the file
+    held the old state with the new rows, and every later recovery refused it ("counters do not
+    conserve groups"). Now the voiding commits the state it implies with it: recovering again
+    gives what the interrupted recovery would have given."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        for i in range(4):
+            buffer.put_group_nowait(f"g{i}", [b"p", b"q"])
+        buffer.add_prompt_nowait("half")
+        buffer.mark_running_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        await buffer.sample(1, 2)  # g1, g2: undone
+        buffer.put_group_nowait("g1", [b"new"])  # the older g1 is dropped
+        await buffer.aclose()
+        reference = tmp_path / "reference.db"
+        copy_journal(path, reference)
+        expected = recover(reference, global_steps=0, in_flight=in_flight)
+        want = (snapshot(expected.buffer)[1:], expected.buffer.stats().total)
+        await expected.buffer.aclose()
+
+        class Killed(Exception):
+            pass
+
+        def killed(*args: object, **kwargs: object) -> None:
+            raise Killed  # the process dies after the voiding commits, before the journal starts
+
+        monkeypatch.setattr("stalebuf._journal_setup.Journal", killed)
+        with pytest.raises(Killed):
+            recover(path, global_steps=0, in_flight=in_flight)
+        monkeypatch.undo()
+        for global_steps in (None, 0):
+            copy = tmp_path / f"copy{global_steps}.db"
+            copy_journal(path, copy)
+            again = recover(copy, global_steps=global_steps, in_flight=in_flight)
+            assert (snapshot(again.buffer)[1:], again.buffer.stats().total) == want
+            assert_conserved(again.buffer)
+            await again.buffer.aclose()
+
+
+@pytest.mark.parametrize(
+    ("global_steps", "partition"),
+    [(2**63, "train"), (10**5000, "train"), (0, "\udcff"), (None, "\udcff")],
+    ids=["2**63", "10**5000", "surrogate at 0", "surrogate at None"],
+)
+async def test_a_step_out_of_range_or_a_partition_no_file_can_hold_is_a_config_error(
+    tmp_path: Path, global_steps: int | None, partition: str
+) -> None:
+    """Review: ``global_steps=10**5000`` raised ValueError (str() of the int, in the query) and a
+    partition with a lone surrogate UnicodeEncodeError (SQLite); 2**63 was looked up as a step no
+    sample can have. Each is a ConfigError, as ``flush(checkpoint_step=)`` bounds steps, and the
+    journal stays as it was."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        before = digest(path)
+        with pytest.raises(ConfigError):
+            recover(path, global_steps=global_steps, partition=partition)
+        assert digest(path) == before
+
+
+@pytest.mark.parametrize("cut", [1, 100, 4095])
+async def test_a_journal_cut_inside_a_page_is_refused_and_left_byte_for_byte(
+    tmp_path: Path, cut: int
+) -> None:
+    """Review: a journal whose last page was cut short (no write-ahead log beside it) passed
+    SQLite's check, which reads the missing bytes as zeros: ``recover`` at the last commit took
+    it and wrote into it, ``restore`` read it. SQLite writes whole pages: such a file is torn."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        data = path.read_bytes()
+        path.write_bytes(data[:-cut])
+        before = digest(path)
+        for global_steps in (None, 0):
+            with pytest.raises(CheckpointError, match="torn"):
+                recover(path, global_steps=global_steps)
+            assert digest(path) == before
+        with pytest.raises(CheckpointError, match="torn"):
+            ReplayBuffer.restore(path, status_log_interval=None)
+        with pytest.raises(CheckpointError, match="torn"):
+            ReplayBuffer(SamplerConfig(), journal=path)
+        assert digest(path) == before
+
+
+@pytest.mark.parametrize(
+    ("sql", "global_steps"),
+    [
+        ("UPDATE samples SET step = 'abc'", None),
+        ("UPDATE marks SET step = 'abc'", 0),
+        ("UPDATE groups SET admitted = 'q'", 0),
+    ],
+)
+async def test_a_journal_with_values_of_the_wrong_type_is_a_checkpoint_error(
+    tmp_path: Path, sql: str, global_steps: int | None
+) -> None:
+    """Review: a crafted journal (a text step, a text event number) raised ValueError or
+    TypeError from ``recover``, where ``restore`` of the same file raised CheckpointError."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        connection = sqlite3.connect(path)
+        connection.execute(sql)
+        connection.commit()
+        connection.close()
+        with pytest.raises(CheckpointError):
+            recover(path, global_steps=global_steps)
+
+
+@pytest.mark.parametrize("whose", ["its own", "a closed one", "a killed one"])
+async def test_save_never_overwrites_a_journal(tmp_path: Path, whose: str) -> None:
+    """Review: ``save(path)`` at a journal's path renamed a checkpoint over it (the journal's own
+    file, while it journaled on into the unlinked one, or another buffer's): the journal was gone,
+    and the checkpoint unreadable too, its name now beside the journal's write-ahead log
+    ("database disk image is malformed"). ``save`` refuses such a file, as a new journal does,
+    and leaves it as it was."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        if whose == "a killed one":  # the last commits only in its write-ahead log
+            copy = tmp_path / "killed.db"
+            buffer = ReplayBuffer(
+                SamplerConfig(max_off_policy_threshold=8), journal=copy, status_log_interval=None
+            )
+            buffer.put_group_nowait("g0", [b"p"])
+            await buffer.flush(checkpoint_step=0)
+            path = tmp_path / "journal-killed.db"
+            copy_journal(copy, path)
+            await buffer.aclose()
+        dump = logical(path, tmp_path / "scratch")
+        saver = ReplayBuffer(SamplerConfig(), status_log_interval=None)
+        if whose == "its own":
+            await saver.aclose()
+            result = recover(path)
+            saver = result.buffer
+            dump = logical(path, tmp_path / "scratch")
+        saver.put_group_nowait("new", [b"n"])
+        with pytest.raises(CheckpointError, match="journal"):
+            await saver.save(path)
+        await saver.aclose()
+        if whose != "its own":
+            assert logical(path, tmp_path / "scratch") == dump
+        again = recover(path)
+        assert ("new" in again.buffer) is (whose == "its own")
+        assert_conserved(again.buffer)
+        await again.buffer.aclose()
+
+
+_HOLDER = """
+import sys, anyio
+from stalebuf import ReplayBuffer, SamplerConfig
+
+async def main() -> None:
+    buffer = ReplayBuffer(SamplerConfig(max_off_policy_threshold=8), journal=sys.argv[1])
+    buffer.put_group_nowait("a", [b"a"])
+    await buffer.sample(0, 1)
+    await buffer.flush(checkpoint_step=0)
+    print("ready", flush=True)
+    await anyio.to_thread.run_sync(sys.stdin.readline)
+    buffer.put_group_nowait("b", [b"b"])
+    await buffer.aclose()
+
+anyio.run(main)
+"""
+
+
+def refuse_while_another_process_journals(path: Path) -> None:
+    """Run :data:`_HOLDER` on ``path``; while it journals, ``recover`` must be refused."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdin is not None
+            assert holder.stdout.readline() == "ready\n"
+            for global_steps in (None, 0):
+                with pytest.raises(CheckpointError, match="in use"):
+                    recover(path, global_steps=global_steps)
+            holder.stdin.write("go\n")
+            holder.stdin.close()
+            assert holder.wait(timeout=LIMIT) == 0
+        finally:
+            holder.kill()
+
+
+async def test_a_journal_another_process_journals_into_is_refused_and_its_writer_goes_on(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: ``recover`` of a journal that another process's buffer still journaled into (a
+    trainer restarted while the old process still ran, an actor not yet dead) was accepted: two
+    writers voided and wrote one file, and one of them stopped ("UNIQUE constraint failed:
+    groups.gid"), its groups lost. A process's journal writers now hold the file's advisory lock
+    until the last is closed: ``recover`` in another process is refused, the live buffer journals
+    on, and once it is closed the file recovers. (Within one process a recovery of a journal an
+    unclosed buffer holds stays possible: that is how tests simulate a crash.)"""
+    path = tmp_path / "journal.db"
+    refuse_while_another_process_journals(path)
+    with anyio.fail_after(LIMIT):
+        result = recover(path, global_steps=0)
+        assert sorted(group_contents(result.buffer)) == ["b"]
+        await result.buffer.aclose()
+
+
+async def test_a_group_on_evict_adds_while_recover_evicts_in_flight_groups_is_journaled(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Review: under ``in_flight="evict"`` ``on_evict`` runs during ``recover``, before the journal
+    starts; a prompt it added was never journaled (only the recovered groups were), so after the
+    first commit the journal counted an admission it held no row for and no recovery could read
+    it ("counters do not conserve groups"). Groups the restore added are journaled as admitted."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        buffer.put_group_nowait("done", [b"d"])
+        buffer.add_prompt_nowait("half")
+        buffer.put_nowait("half", b"h")
+        await buffer.sample(0, 1)
+        await buffer.flush(checkpoint_step=0)
+        await buffer.aclose()
+        built: list[ReplayBuffer] = []
+
+        class Refilling(ReplayBuffer):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                built.append(self)
+
+        def refill(event: EvictionEvent) -> None:
+            for group in event.groups:
+                built[0].add_prompt_nowait(f"{group.uid}-refill")
+
+        result = Refilling.recover(
+            path, global_steps=0, in_flight="evict", on_evict=refill, status_log_interval=None
+        )
+        expected = group_contents(result.buffer)
+        assert sorted(expected) == ["half-refill"]
+        await result.buffer.flush()
+        copy = tmp_path / "copy.db"
+        copy_journal(path, copy)
+        again = recover(copy)
+        assert group_contents(again.buffer) == expected
+        assert_conserved(again.buffer)
+        await again.buffer.aclose()
+        await result.buffer.aclose()
+
+
+_FORKING = """
+import os, sys, time, anyio
+from stalebuf import ReplayBuffer, SamplerConfig
+
+async def main() -> None:
+    buffer = ReplayBuffer(SamplerConfig(), journal=sys.argv[1], status_log_interval=None)
+    buffer.put_group_nowait("a", [b"a"])
+    await buffer.flush()
+    child = os.fork()  # a data loader's worker, say: it inherits the lock's file
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        await buffer.aclose()
+        recovered = ReplayBuffer.recover(sys.argv[1], status_log_interval=None)
+        print(sorted(group.uid for group in recovered.buffer.checkpoint().groups), flush=True)
+        await recovered.buffer.aclose()
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+
+anyio.run(main)
+"""
+
+
+def test_a_forked_child_does_not_hold_the_journal_lock(tmp_path: Path) -> None:
+    """Review (of the lock above): a child forked while a buffer journals inherits the lock's
+    open file, and with it the lock: once the parent closed its buffer, its own ``recover`` was
+    refused ("in use") for as long as the child lived. A forked child drops the lock."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKING, str(tmp_path / "journal.db")],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT * 3,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "['a']\n"), done.stderr
+
+
+async def test_a_buffer_whose_journal_stopped_can_still_be_saved(tmp_path: Path) -> None:
+    """Review: ``save`` compacts the journal first, and raised the journal's error when its writer
+    had stopped (a payload the journal's codec cannot encode, a full disk): the one durable copy
+    left, a checkpoint pickle could hold, was refused too. The save goes on without compacting."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(SamplerConfig(), journal=path, payload_codec=CODEC, status_log_interval=None)
+        buffer.put_group_nowait("good", [b"g"])
+        await buffer.flush()
+        buffer.put_group_nowait("bad", ["text"])  # bytes("text") raises in the writer
+        with pytest.raises(CheckpointError):
+            await buffer.flush()
+        await buffer.save(tmp_path / "saved.ckpt")  # pickled: it holds "text"
+        await buffer.aclose()
+        restored = ReplayBuffer.restore(tmp_path / "saved.ckpt", status_log_interval=None).buffer
+        assert group_contents(restored) == {
+            "good": (Status.FINISHED, 0, [b"g"]),
+            "bad": (Status.FINISHED, 0, ["text"]),
+        }
+        await restored.aclose()
+
+
+def test_a_journal_path_with_a_nul_is_a_config_error(tmp_path: Path) -> None:
+    """Review: a path holding "\\x00" raised ValueError ("embedded null byte") from ``recover``
+    and from a new buffer's journal, where every other bad path is a typed error."""
+    path = f"{tmp_path}/journal\x00.db"
+    with pytest.raises(ConfigError, match="journal"):
+        recover(path)
+    with pytest.raises(ConfigError, match="journal"):
+        ReplayBuffer(SamplerConfig(), journal=path)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_disk_error_while_voiding_the_history_is_a_checkpoint_error_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: an SQLite error in the transaction that voids the history after the point (a full
+    disk, an I/O error) came out of ``recover`` as ``sqlite3.OperationalError``, not the
+    documented CheckpointError. The transaction is rolled back: the journal is as it was."""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        await make_journal(path)
+        dump = logical(path, tmp_path / "scratch")
+
+        def full(*args: object) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr("stalebuf._journal_recovery.write_key", full)
+        with pytest.raises(CheckpointError, match="disk is full"):
+            recover(path, global_steps=0)
+        monkeypatch.undo()
+        assert logical(path, tmp_path / "scratch") == dump
+        result = recover(path, global_steps=0)
+        assert_conserved(result.buffer)
+        await result.buffer.aclose()
+
+
+async def test_recovering_a_journal_with_more_marks_than_sqlite_takes_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: ``recover`` deleted the marks after the point with one ``NOT IN (?, ?, ...)`` of
+    every mark it keeps: past SQLite's variable limit (999 before SQLite 3.32, which some
+    systems still ship; emulated here, lower) it failed with "too many SQL variables" and the journal
+    could not be recovered at that step at all. (A trainer that marks the same step on every
+    flush keeps all those marks: retention deletes only marks older than its cutoff.)"""
+    with anyio.fail_after(LIMIT):
+        path = tmp_path / "journal.db"
+        buffer = ReplayBuffer(
+            SamplerConfig(max_off_policy_threshold=8), journal=path, status_log_interval=None
+        )
+        for i in range(4):
+            buffer.put_group_nowait(f"g{i}", [b"p"])
+        await buffer.sample(0, 1)
+        for _ in range(120):
+            await buffer.flush(checkpoint_step=0)
+        await buffer.sample(1, 1)
+        await buffer.flush(checkpoint_step=1)
+        await buffer.aclose()
+        import stalebuf._journal_setup as setup
+
+        connect = setup.connect
+
+        def old_sqlite(path: str, **options: Any) -> sqlite3.Connection:
+            connection = connect(path, **options)
+            connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 99)
+            return connection
+
+        monkeypatch.setattr(setup, "connect", old_sqlite)
+        result = recover(path, global_steps=0)
+        assert sorted(group_contents(result.buffer)) == ["g1", "g2", "g3"]
+        await result.buffer.aclose()

@@ -43,6 +43,7 @@ from ._checkpoint_path import (
     resolve_target,
 )
 from ._journal_format import (
+    APPLICATION_ID,
     SQLITE_MAGIC,
     StateCodec,
     connect,
@@ -63,6 +64,8 @@ __all__ = ["WriteTicket", "read_checkpoint", "write_checkpoint"]
 # Groups per transaction: small enough that one chunk holds the GIL for milliseconds.
 _CHUNK = 256
 _LENGTH = 8  # bytes of each blob's length in the digest
+_HEADER = 100  # bytes of an SQLite file's header
+_WAL_MODE = 2  # its read and write versions (bytes 18 and 19) in WAL mode
 
 
 class WriteTicket(Protocol):
@@ -99,7 +102,8 @@ def write_checkpoint(
     Raises:
         CheckpointError: a value the format cannot hold (named): one pickle cannot hold, or with
             a codec one JSON cannot hold; or ``encode`` failed or returned something other than
-            bytes; or ``path`` names something other than a regular file (a FIFO, a device).
+            bytes; or ``path`` names something other than a regular file (a FIFO, a device), or
+            a journal (left as it was).
         ConfigError: ``codec`` is not None or a pair ``(encode, decode)`` of callables.
         PermissionError: the file at ``path`` is read-only (no write permission for this
             process, or none for anyone): it is kept, not replaced.
@@ -107,6 +111,7 @@ def write_checkpoint(
     """
     check_payload_codec(codec)
     target = resolve_target(path)
+    _refuse_journal(target)
     mode = plain_file_mode(target)
     remove_stale_temporaries(target)
     handle, temporary = create_temporary(target)
@@ -131,6 +136,25 @@ def write_checkpoint(
         forget_temporary(temporary)
     if landed:
         fsync_directory(os.path.dirname(target))
+
+
+def _refuse_journal(target: str) -> None:
+    """Refuse to replace a journal: a stalebuf file in WAL mode, or any database with a
+    write-ahead log beside it (a journal killed or still journaling; a file renamed over it would
+    be read with that log, and be unreadable).
+
+    Raises:
+        CheckpointError: the file at ``target`` is one.
+    """
+    head = b""
+    with contextlib.suppress(FileNotFoundError), open(target, "rb") as file:
+        head = file.read(_HEADER)
+    journal = head.startswith(SQLITE_MAGIC) and len(head) == _HEADER and head[18] == _WAL_MODE
+    if (journal and int.from_bytes(head[68:72], "big") == APPLICATION_ID) or os.path.exists(target + "-wal"):
+        raise CheckpointError(
+            f"{target!r} holds a stalebuf journal (or a database with a write-ahead log beside it): "
+            "save never replaces one; recover from it, remove it, or save elsewhere"
+        )
 
 
 def _write_file(

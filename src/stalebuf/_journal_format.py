@@ -22,6 +22,8 @@ import os
 import pickle
 import sqlite3
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
@@ -41,7 +43,13 @@ from .checkpoint import BufferCheckpoint
 from .errors import CheckpointError
 from .records import Group
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover (not POSIX)
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
+    "APPLICATION_ID",
     "JOURNAL_FORMAT",
     "SQLITE_MAGIC",
     "StateCodec",
@@ -59,6 +67,7 @@ APPLICATION_ID = 0x53425546
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _FRAME = struct.Struct(">Q")
 _HEADER = 100  # bytes of an SQLite file's header
+_WAL_HEADER = 32  # bytes of a write-ahead log's header
 
 _SCHEMA = (
     "CREATE TABLE stalebuf (key TEXT PRIMARY KEY, value)",
@@ -128,14 +137,20 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
     checked; a writer gets WAL mode with ``synchronous=FULL``.
 
     Raises:
-        CheckpointError: SQLite finds the file corrupt or torn, or cannot open it.
+        CheckpointError: the file is torn (not whole pages), SQLite finds it corrupt or torn,
+            or cannot open it.
     """
+    _check_whole_pages(path)
+    lock = None if read_only else _owned(path)
     try:
         if read_only:
             uri = "file:" + _quoted(os.path.abspath(path)) + "?mode=ro"
             connection = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
         else:  # a minute for another process's lock: a reader never blocks a WAL writer anyway
-            connection = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+            connection = sqlite3.connect(
+                path, isolation_level=None, timeout=60.0, check_same_thread=False, factory=_Owner
+            )
+            connection.release, lock = lock, None
         try:
             (verdict,) = connection.execute("PRAGMA integrity_check").fetchone()
             if verdict != "ok":
@@ -150,7 +165,120 @@ def connect(path: str, *, read_only: bool = False) -> sqlite3.Connection:
             raise
     except sqlite3.Error as exc:
         raise CheckpointError(f"{path!r} cannot be opened as a stalebuf file: {describe_error(exc)}") from exc
+    finally:
+        if lock is not None:  # (the connection was not made)
+            lock()
     return connection
+
+
+class _Owner(sqlite3.Connection):
+    """A writer's connection: it holds its file's advisory lock until it is closed (``release``)."""
+
+    release: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        """Close the connection, then release the lock."""
+        try:
+            super().close()
+        finally:
+            release, self.release = self.release, None
+            if release is not None:
+                release()
+
+
+#: The files this process's writers hold locked: (device, inode) -> [open file, writers].
+_HELD: dict[tuple[int, int], list[Any]] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _forget_held() -> None:
+    """In a forked child: close the inherited lock files (the parent's writers keep the lock;
+    the child has none of them) and start with a new guard (the parent's may have been held)."""
+    global _HELD_GUARD
+    for held in _HELD.values():
+        held[0].close()
+    _HELD.clear()
+    _HELD_GUARD = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_held)
+
+
+def _owned(path: str) -> Callable[[], None] | None:
+    """Lock the file at ``path`` (created if absent) for this process's writers and return what
+    releases this writer's hold; None where the lock cannot be taken (no ``flock``, a file system
+    without it, a file that cannot be opened: SQLite then says why).
+
+    The lock is ``flock`` (not SQLite's own locks, which a WAL writer holds only while it
+    writes), taken once per process: a process may recover a journal its unclosed buffer still
+    holds (a crash simulated in one process), another process may not.
+
+    Raises:
+        CheckpointError: another process's buffer journals into it.
+    """
+    if fcntl is None:  # pragma: no cover (not POSIX)
+        return None
+    try:
+        file = open(path, "ab")  # noqa: SIM115 (held until the last writer of the process closes)
+    except OSError:
+        return None
+    info = os.fstat(file.fileno())
+    key = (info.st_dev, info.st_ino)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None:
+            file.close()
+            held[1] += 1
+        else:
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.close()
+                raise CheckpointError(
+                    f"{path!r} is in use: another process's buffer journals into it (close it, "
+                    "or let that process end)"
+                ) from None
+            except OSError:  # a file system without flock: journal without the lock, as before
+                pass
+            held = _HELD[key] = [file, 1]
+
+    def release() -> None:
+        with _HELD_GUARD:
+            held[1] -= 1
+            if held[1] == 0 and _HELD.get(key) is held:  # (a forked child forgot it)
+                del _HELD[key]
+                held[0].close()
+
+    return release
+
+
+def _check_whole_pages(path: str) -> None:
+    """Refuse a database file that is not a whole number of its pages: SQLite writes whole pages,
+    and reads the bytes missing from a page cut short as zeros (its checks then pass). Not while
+    a write-ahead log is beside it: SQLite rebuilds pages from the log.
+
+    Raises:
+        CheckpointError: the file is torn.
+    """
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(_HEADER)
+    except FileNotFoundError:  # (a new file)
+        return
+    log = 0
+    with contextlib.suppress(OSError):
+        log = os.stat(path + "-wal").st_size
+    if not size or log >= _WAL_HEADER:
+        return
+    page = int.from_bytes(head[16:18], "big") if len(head) == _HEADER else 0
+    page = 65536 if page == 1 else page
+    if not page or size % page:
+        raise CheckpointError(
+            f"{path!r} is torn: truncated or with trailing data ({size} bytes is not a whole number "
+            f"of {page}-byte pages)"
+        )
 
 
 def _quoted(path: str) -> str:

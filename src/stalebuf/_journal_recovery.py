@@ -11,16 +11,17 @@ The clocks, the last sampled steps and the mixture's balances are the ones the s
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from ._checkpoint_checks import checked
-from ._journal_format import StateCodec, read_key
+from ._journal_format import StateCodec, read_key, write_key
 from ._journal_log import CONSUMER_REASONS
 from ._stored import count_trajectories
 from ._token_ledger import group_tokens
+from ._validation import describe_error
 from .checkpoint import COUNTERS, BufferCheckpoint, MixtureCheckpoint, PartitionCheckpoint, TaskCheckpoint
 from .errors import CheckpointError
 from .records import Group
@@ -90,6 +91,10 @@ def read_recovery(
         raise CheckpointError(f"{path!r}: {exc}") from exc
     except sqlite3.Error as exc:
         raise CheckpointError(f"{path!r} cannot be read as a stalebuf journal: {exc}") from exc
+    except Exception as exc:  # a value of another type where one belongs (a crafted file)
+        raise CheckpointError(
+            f"{path!r} cannot be read as a stalebuf journal: {describe_error(exc)}"
+        ) from exc
 
 
 def _read(
@@ -297,28 +302,35 @@ def _mixture(
     return MixtureCheckpoint(tuple(tasks), old.shares, old.batch_size)
 
 
-def void_after(
-    connection: sqlite3.Connection, recovery: Recovery, restarted: Iterable[int], seq: int
-) -> None:
-    """Make the journal hold the recovered history in one transaction: samples after the point
+def void_after(connection: sqlite3.Connection, codec: StateCodec, recovery: Recovery, seq: int) -> None:
+    """Make the journal hold the recovered state in one transaction: samples after the point
     void, and marks after it (but those of steps up to the recovered one), the undone groups
-    resident again, the dropped ones and ``restarted`` (gids the restore evicted) removed at
-    event ``seq`` for "restart"."""
+    resident again, the dropped ones removed at event ``seq`` for "restart", and the state and
+    event number they imply. A crash right after it leaves a journal whose last commit is the
+    recovered state (before ``in_flight`` changed it): a recovery from it gives the same buffer.
+
+    Raises:
+        CheckpointError: the state cannot be encoded (it was just decoded: not expected).
+        sqlite3.Error: SQLite could not write (the journal is then as it was).
+    """
+    state = codec.state(attrs.evolve(recovery.checkpoint, groups=()))
     execute = connection.execute
     execute("BEGIN IMMEDIATE")
     try:
         point = recovery.point
         if point is not None:
             execute("DELETE FROM samples WHERE seq > ?", (point,))
-            marks = [seq for seq, _ in recovery.history[1]]
-            execute(
-                f"DELETE FROM marks WHERE seq > ? AND seq NOT IN ({','.join('?' * len(marks))})",
-                (point, *marks),
+            kept = {seq for seq, _ in recovery.history[1]}  # (no NOT IN: SQLite limits variables)
+            later = execute("SELECT seq FROM marks WHERE seq > ?", (point,)).fetchall()
+            connection.executemany(
+                "DELETE FROM marks WHERE seq = ?", (row for row in later if row[0] not in kept)
             )
         for gid in recovery.undone:
             execute("DELETE FROM removals WHERE gid = ?", (gid,))
-        for gid in (*recovery.dropped_gids, *restarted):
+        for gid in recovery.dropped_gids:
             execute("INSERT OR REPLACE INTO removals VALUES (?, ?, 'restart')", (gid, seq))
+        write_key(connection, "state", state)
+        write_key(connection, "seq", seq)
         execute("COMMIT")
     except BaseException:
         execute("ROLLBACK")

@@ -15,7 +15,7 @@ from ._journal_format import StateCodec, connect, create_schema, file_kind
 from ._journal_recovery import Recovery, read_recovery, void_after
 from ._journal_writer import JournalWriter
 from ._open_group import OpenGroup
-from ._validation import check_payload_codec, describe
+from ._validation import MAX_INT, check_payload_codec, describe, describe_error, is_utf8
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["check_journal_options", "open_recovery", "start_journal", "start_recovered"]
@@ -27,9 +27,9 @@ def check_journal_options(
     """Return the checked journal arguments (None without a journal).
 
     Raises:
-        ConfigError: ``journal`` is not None, a str or a path; ``journal_interval`` is not a
-            finite number >= 0; ``journal_retention_steps`` is not an int >= 0;
-            ``journal_max_pending_bytes`` is not an int >= 1.
+        ConfigError: ``journal`` is not None, a str or a path (non-empty, without NUL);
+            ``journal_interval`` is not a finite number >= 0; ``journal_retention_steps`` is not
+            an int >= 0; ``journal_max_pending_bytes`` is not an int >= 1.
     """
     if (
         not isinstance(interval, (int, float))
@@ -49,8 +49,8 @@ def check_journal_options(
     if not isinstance(journal, (str, os.PathLike)):
         raise ConfigError(f"journal must be None or a path, got {describe(journal)}")
     path = os.fspath(journal)
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"journal must be a non-empty str path, got {describe(journal)}")
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ConfigError(f"journal must be a non-empty str path without NUL, got {describe(journal)}")
     return JournalOptions(path, float(interval), retention_steps, max_pending_bytes)
 
 
@@ -134,10 +134,12 @@ def open_recovery(
     check_payload_codec(payload_codec)
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"journal must be a path, got {describe(path)}")
-    if global_steps is not None and (type(global_steps) is not int or global_steps < 0):
-        raise ConfigError(f"global_steps must be None or an int >= 0, got {describe(global_steps)}")
-    if type(partition) is not str:
-        raise ConfigError(f"partition must be a str, got {describe(partition)}")
+    if global_steps is not None and (type(global_steps) is not int or not 0 <= global_steps <= MAX_INT):
+        raise ConfigError(
+            f"global_steps must be None or an int >= 0 (and < 2**63), got {describe(global_steps)}"
+        )
+    if type(partition) is not str or not is_utf8(partition):
+        raise ConfigError(f"partition must be a str UTF-8 can encode, got {describe(partition)}")
     name = os.fspath(path)
     kind = file_kind(name)
     if kind != "journal":
@@ -165,27 +167,36 @@ def start_recovered(
     recovery: Recovery,
 ) -> Journal:
     """Void the journal's history after the recovery point and journal the recovered buffer on
-    into it: the groups the restore evicted are removed ("restart"), its in-flight ones (which
-    ``in_flight`` may have changed) written again.
+    into it: its first commit removes the groups the restore evicted ("restart"), writes its
+    in-flight ones again (which ``in_flight`` may have changed) and those ``on_evict`` added
+    meanwhile, with the state after all three.
 
     Raises:
         CheckpointError: the journal could not be written.
     """
     store = parts.store
-    restarted = [gid for uid, gid in recovery.gids.items() if uid not in store.groups]
+    codec = StateCodec(payload_codec)
     seq = recovery.seq + 1
     try:
-        void_after(connection, recovery, restarted, seq)
+        try:
+            void_after(connection, codec, recovery, seq)
+        except sqlite3.Error as exc:  # (rolled back: the journal is as it was)
+            raise CheckpointError(f"{options.path!r} could not be written: {describe_error(exc)}") from exc
+        journal = Journal(
+            options, parts, _writer(connection, options, codec, recovery.history), recovery.next_gid, seq
+        )
     except BaseException:
         connection.close()
         raise
-    codec = StateCodec(payload_codec)
-    writer = _writer(connection, options, codec, recovery.history)
-    journal = Journal(options, parts, writer, recovery.next_gid, seq)
-    journal.log.seed({uid: gid for uid, gid in recovery.gids.items() if uid in store.groups})
+    journal.log.seed(recovery.gids)
+    restarted = [uid for uid in recovery.gids if uid not in store.groups]
+    if restarted:  # in the first commit, with the counters they moved
+        journal.log.left(restarted, "restart", restarted)
     store.journal_to(journal.log)
     for uid, group in store.groups.items():
-        if type(group) is OpenGroup:
+        if uid not in recovery.gids:  # added by ``on_evict`` as the restore evicted
+            journal.log.admitted(uid, group.partition)
+        elif type(group) is OpenGroup:
             journal.log.changed(uid)
     _first_commit(journal)
     return journal

@@ -388,8 +388,8 @@ class ReplayBuffer:
         """
         checks.check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
-        if self.__journal is not None:  # a save compacts the journal too
-            self.__journal.compact()
+        if self.__journal is not None and self.__journal.writer.error is None:  # (stopped: logged why)
+            self.__journal.compact()  # a save compacts the journal too
         await self.__saves.write(path, checkpoint, payload_codec)
 
     @property
