@@ -1190,10 +1190,12 @@ async def test_a_save_cancelled_mid_write_lands_nothing_and_leaves_no_temporary(
         buf.put_group_nowait("new", ["new"])
         scope = anyio.CancelScope()
         outcome: list[str] = []
+        deadlines: list[anyio.CancelScope] = []
 
         async def save() -> None:
             try:
-                with scope, anyio.fail_after(0.05 if how == "fail_after" else LIMIT):
+                with scope, anyio.fail_after(LIMIT) as deadline:
+                    deadlines.append(deadline)
                     await buf.save(path, payload_codec=gate.codec)
             except TimeoutError:
                 outcome.append("timed out")
@@ -1205,8 +1207,8 @@ async def test_a_save_cancelled_mid_write_lands_nothing_and_leaves_no_temporary(
             await gate.wait_entered()
             if how == "cancel":
                 scope.cancel()
-            else:
-                await anyio.sleep(0.1)  # past the save's deadline
+            else:  # the deadline passes mid-write (set then: a fixed one raced the save's start)
+                deadlines[0].deadline = anyio.current_time()
             await anyio.wait_all_tasks_blocked()  # the save saw it, and waits for its writer
             assert outcome == []
             assert len(temporaries(tmp_path)) == 1
