@@ -376,20 +376,22 @@ class ReplayBuffer:
 
         Payloads are pickled unless ``payload_codec=(encode, decode)`` is given, in which case
         the file holds no pickle at all (see the trust model on the docs' Durability page).
-        Under a journal, it also compacts the journal (commits, then truncates its log).
+        Under a journal, it also compacts the journal (commits, then truncates its log). It never
+        replaces a journal (its own, or any stalebuf journal or database with a write-ahead log).
 
         Raises:
             CheckpointError: a value the format cannot hold (the message names it): a payload
                 or config value pickle cannot hold, or with a codec a value JSON cannot hold;
-                or ``encode`` failed; or :meth:`checkpoint` refused the policy.
+                or ``encode`` failed; or :meth:`checkpoint` refused the policy; or ``path`` holds a
+                journal, or is not a regular file (a FIFO, a device): left as it was.
             ConfigError: ``payload_codec`` is not None or a pair ``(encode, decode)`` of
                 callables (as for :meth:`restore`); nothing is written.
             OSError: the file could not be written (PermissionError: ``path`` is read-only).
         """
         checks.check_payload_codec(payload_codec)
         checkpoint = self.checkpoint()
-        if self.__journal is not None and self.__journal.writer.error is None:  # (stopped: logged why)
-            self.__journal.compact()  # a save compacts the journal too
+        if self.__journal is not None:  # a save compacts the journal too (not one that stopped)
+            self.__journal.compact()
         await self.__saves.write(path, checkpoint, payload_codec)
 
     @property
