@@ -135,11 +135,13 @@ class RemoteReplayBuffer(BufferCalls):
             (cloudpickle: a function, a lambda, a small class such as the built-ins of
             :mod:`stalebuf.filters`) and be importable there, and sees the group as the actor
             holds it (payloads as PayloadRefs unless ``payloads="inline"``; use tags to judge).
-        journal, journal_interval, journal_retention_steps, journal_max_pending_bytes: as for
-            ReplayBuffer (checked here); ``journal`` is a path on the actor's node (made absolute
+        journal: as for ReplayBuffer (checked here), a path on the actor's node (made absolute
             here). It holds payloads by value, fetched by the actor (see "Durability on Ray" in the
             docs: prefer ``payloads="actor"``). A file the actor refuses (a journal already:
             :meth:`recover` from it) makes every call raise CheckpointError.
+        journal_interval: as for ReplayBuffer (checked here).
+        journal_retention_steps: as for ReplayBuffer (checked here).
+        journal_max_pending_bytes: as for ReplayBuffer (checked here).
         payload_codec: ``(encode, decode)`` for the journal's payload bytes (default: pickle); it
             runs in the actor, so it must pickle.
 
