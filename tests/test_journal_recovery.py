@@ -1012,7 +1012,17 @@ async def test_recovering_a_journal_with_more_marks_than_sqlite_takes_variables(
 
         def old_sqlite(path: str, **options: Any) -> sqlite3.Connection:
             connection = connect(path, **options)
-            connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 99)
+            if sys.version_info >= (3, 11):
+                connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 99)
+                return connection
+            execute = connection.execute  # Python 3.10 cannot set the limit: refuse as SQLite would
+
+            def limited(sql: str, parameters: Any = ()) -> sqlite3.Cursor:
+                if len(parameters) > 99:
+                    raise sqlite3.OperationalError("too many SQL variables")
+                return execute(sql, parameters)
+
+            connection.execute = limited  # type: ignore[method-assign]
             return connection
 
         monkeypatch.setattr(setup, "connect", old_sqlite)
